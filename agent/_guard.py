@@ -1,0 +1,28 @@
+"""The one guard between the training loop and the agent: log, never raise."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+log = logging.getLogger("ampwatch")
+_reported: set[str] = set()
+
+
+def guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `fn`; an exception is logged once per function and swallowed (None is returned)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        key = getattr(fn, "__qualname__", repr(fn))
+        if key not in _reported:
+            _reported.add(key)
+            log.exception("ampwatch: internal error in %s (training continues)", key)
+        return None
+
+
+def warn_once(key: str, message: str, *args: Any) -> None:
+    """Log a warning about the user's input once per key."""
+    if key not in _reported:
+        _reported.add(key)
+        log.warning(message, *args)

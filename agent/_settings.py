@@ -1,0 +1,40 @@
+"""Agent configuration: explicit arguments first, then AMPWATCH_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_URL = "http://127.0.0.1:8600"
+MODES = ("online", "offline", "disabled")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Everything the agent needs to know, resolved once at `init()`."""
+
+    url: str = DEFAULT_URL
+    token: str | None = None
+    project: str = "default"
+    mode: str = "online"
+    flush_interval_s: float = 0.2
+    finish_timeout_s: float = 10.0
+    request_timeout_s: float = 5.0
+    max_pending_records: int = 1_000_000
+    max_batch_points: int = 50_000
+
+    @classmethod
+    def resolve(cls, *, project: str | None, url: str | None, token: str | None) -> "AgentSettings":
+        """Merge explicit arguments with the environment; an unknown mode is an error."""
+        env = os.environ
+        mode = env.get("AMPWATCH_MODE", "online").strip().lower() or "online"
+        if mode not in MODES:
+            raise ValueError(f"AMPWATCH_MODE must be one of {', '.join(MODES)}, not {mode!r}")
+        return cls(
+            url=(url or env.get("AMPWATCH_URL") or DEFAULT_URL).rstrip("/"),
+            token=token or env.get("AMPWATCH_TOKEN") or None,
+            project=project or env.get("AMPWATCH_PROJECT") or "default",
+            mode=mode,
+            flush_interval_s=float(env.get("AMPWATCH_FLUSH_INTERVAL_S", cls.flush_interval_s)),
+            finish_timeout_s=float(env.get("AMPWATCH_FINISH_TIMEOUT_S", cls.finish_timeout_s)),
+        )

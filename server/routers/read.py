@@ -1,0 +1,94 @@
+"""The read API of PRODUCT.md: runs, series, events, alerts."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Response
+
+from ampwatch.server import models, store
+from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.schemas import AlertOut, EventOut, RunOut
+from ampwatch.server.settings import Settings
+from ampwatch.server.values import to_json
+
+router = APIRouter(prefix="/api/v1", tags=["read"])
+
+_SERIES_EXAMPLE = {"loss": {"steps": [0, 1, 2], "values": [2.31, "NaN", "Infinity"]}}
+
+
+def run_out(run: models.Run, project: str, settings: Settings, series: list[str] | None = None) -> RunOut:
+    """A run as the API shows it."""
+    return RunOut(
+        id=run.id, project=project, name=run.name, status=run.status, health=run.health,
+        created_at=store.utc(run.created_at), last_seen_at=store.utc(run.last_seen_at),
+        finished_at=store.utc(run.finished_at) if run.finished_at else None, last_step=run.last_step,
+        config=run.config, environment=run.environment, url=f"{settings.base_url}/runs/{run.id}", series=series or [],
+    )  # fmt: skip
+
+
+def _get_run(session: SessionDep, run_id: str) -> tuple[models.Run, str]:
+    found = store.get_run(session, run_id=run_id)
+    if found is None:
+        raise HTTPException(404, f"no run with id {run_id!r}")
+    return found
+
+
+@router.get("/runs", response_model=list[RunOut])
+def list_runs(session: SessionDep, settings: SettingsDep, project: str | None = None) -> list[RunOut]:
+    """Runs, newest first; `project` filters."""
+    return [run_out(run, name, settings) for run, name in store.list_runs(session, project=project)]
+
+
+@router.get("/runs/{run_id}", response_model=RunOut)
+def get_run(run_id: str, session: SessionDep, settings: SettingsDep) -> RunOut:
+    """One run, with the names of its series."""
+    run, project = _get_run(session, run_id)
+    return run_out(run, project, settings, store.series_names(session, run_id=run_id))
+
+
+@router.get(
+    "/runs/{run_id}/series",
+    responses={200: {"content": {"application/json": {"example": _SERIES_EXAMPLE}}}},
+)
+def get_series(
+    run_id: str,
+    session: SessionDep,
+    name: Annotated[list[str] | None, Query(description="Series to return; all when absent.")] = None,
+    max_points: Annotated[int | None, Query(ge=4, le=1_000_000)] = None,
+    rank: Annotated[int, Query(ge=0)] = 0,
+) -> Response:
+    """`{name: {"steps": [...], "values": [...]}}`; non-finite values are "NaN", "Infinity", "-Infinity".
+    With `max_points`, downsampled keeping spikes (per-bucket min and max) and every non-finite point."""
+    _get_run(session, run_id)
+    names = name or store.series_names(session, run_id=run_id)
+    data = store.read_series(session, run_id=run_id, names=names, rank=rank, max_points=max_points)
+    body = {n: {"steps": steps, "values": to_json(values)} for n, (steps, values) in data.items()}
+    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+
+
+@router.get("/runs/{run_id}/events", response_model=list[EventOut])
+def get_events(run_id: str, session: SessionDep) -> list[EventOut]:
+    """The run's events (step, rank, type, severity, message, details, time) in step order."""
+    _get_run(session, run_id)
+    return [
+        EventOut(id=e.id, step=e.step, rank=e.rank, type=e.type, severity=e.severity, message=e.message,
+                 details=e.details, time=store.utc(e.time))  # fmt: skip
+        for e in store.list_events(session, run_id=run_id)
+    ]
+
+
+@router.get("/alerts", response_model=list[AlertOut])
+def list_alerts(
+    session: SessionDep,
+    run_id: str | None = None,
+    state: Annotated[str | None, Query(pattern="^(pending|firing|resolved)$")] = None,
+) -> list[AlertOut]:
+    """Alerts, newest first."""
+    return [
+        AlertOut(id=a.id, run_id=a.run_id, rule=a.rule, severity=a.severity, state=a.state,
+                 started_at=store.utc(a.started_at), resolved_at=store.utc(a.resolved_at) if a.resolved_at else None,
+                 summary=a.summary)  # fmt: skip
+        for a in store.list_alerts(session, run_id=run_id, state=state)
+    ]

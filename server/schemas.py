@@ -1,0 +1,122 @@
+"""Request and response bodies of the HTTP API."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
+
+EVENT_TYPES = (
+    "skipped_step", "scale_collapse", "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_spike",
+    "loss_spike", "scaler_misuse", "amp_config", "run_crashed", "run_stalled",
+)  # fmt: skip
+EventType = Literal[
+    "skipped_step", "scale_collapse", "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_spike",
+    "loss_spike", "scaler_misuse", "amp_config", "run_crashed", "run_stalled",
+]  # fmt: skip
+Severity = Literal["info", "warning", "critical"]
+RunStatus = Literal["running", "finished", "crashed", "stalled"]
+Health = Literal["ok", "warning", "critical"]
+
+
+def _strict_json(value: dict[str, Any]) -> dict[str, Any]:
+    """JSON columns cannot hold NaN on Postgres: non-finite numbers must arrive as strings."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError as error:
+        raise ValueError("non-finite numbers must be sent as the strings 'NaN', 'Infinity', '-Infinity'") from error
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(_strict_json)]
+Name = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class RunIn(BaseModel):
+    """Registers a run (idempotent: the agent picks the id and may send this again)."""
+
+    model_config = ConfigDict(extra="forbid")
+    project: Name
+    name: Name
+    config: JsonObject = {}
+    environment: JsonObject = {}
+
+
+class SeriesIn(BaseModel):
+    """Points of one series: parallel lists. Values may be numbers or 'NaN', 'Infinity', '-Infinity'."""
+
+    steps: list[NonNegativeInt]
+    values: list[float]
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "SeriesIn":
+        if len(self.steps) != len(self.values):
+            raise ValueError(f"steps has {len(self.steps)} items but values has {len(self.values)}")
+        return self
+
+
+class EventIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: NonNegativeInt
+    rank: NonNegativeInt | None = None
+    type: EventType
+    severity: Severity
+    message: Annotated[str, Field(max_length=20_000)]
+    details: JsonObject = {}
+    time: float | None = Field(None, description="Unix time in seconds; the server's clock when absent.")
+
+
+class BatchIn(BaseModel):
+    """One agent batch. (run, rank, seq) identifies it: a batch sent twice is stored once."""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: NonNegativeInt = 0
+    seq: Annotated[int, Field(ge=1)]
+    points: dict[Name, SeriesIn] = {}
+    events: Annotated[list[EventIn], Field(max_length=10_000)] = []
+    status: Literal["running", "finished", "crashed"] | None = None
+
+
+class BatchOut(BaseModel):
+    stored: bool = Field(description="False when this batch had been stored before (a re-send).")
+    points: int
+
+
+class RunOut(BaseModel):
+    id: str
+    project: str
+    name: str
+    status: RunStatus
+    health: Health
+    created_at: datetime
+    last_seen_at: datetime
+    finished_at: datetime | None
+    last_step: int | None
+    config: dict[str, Any]
+    environment: dict[str, Any]
+    url: str
+    series: list[str] = []
+
+
+class EventOut(BaseModel):
+    id: int
+    step: int
+    rank: int
+    type: str
+    severity: Severity
+    message: str
+    details: dict[str, Any]
+    time: datetime
+
+
+class AlertOut(BaseModel):
+    id: int
+    run_id: str
+    rule: str
+    severity: Severity
+    state: Literal["pending", "firing", "resolved"]
+    started_at: datetime
+    resolved_at: datetime | None
+    summary: str

@@ -1,0 +1,183 @@
+"""Data functions: everything the routers and pages read or write goes through here."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Table, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from ampwatch.server import models
+from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
+from ampwatch.server.values import downsample, to_db
+
+_SEVERITY_RANK = {"ok": 0, "info": 0, "warning": 1, "critical": 2}
+_HEALTH = {0: "ok", 1: "warning", 2: "critical"}
+
+
+class UnknownRun(LookupError):
+    """The run id was never registered."""
+
+
+def now() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+def utc(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes: they are UTC."""
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _insert(session: Session, table: Table) -> Any:
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    return dialect.insert(table)
+
+
+def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
+    """Create the run (and its project) or refresh its metadata; the same request twice is harmless."""
+    project_table = models.Project.__table__
+    session.execute(_insert(session, project_table).values(name=body.project, created_at=now()).on_conflict_do_nothing())
+    project_id = session.scalar(select(models.Project.id).where(models.Project.name == body.project))
+    run = session.get(models.Run, run_id)
+    if run is None:
+        stamp = now()
+        run = models.Run(
+            id=run_id, project_id=project_id, status="running", health="ok",
+            created_at=stamp, last_seen_at=stamp, finished_at=None, last_step=None,
+            name=body.name, config=body.config, environment=body.environment,
+        )  # fmt: skip
+        session.add(run)
+    else:
+        run.name, run.config, run.environment = body.name, body.config, body.environment
+    session.commit()
+    return run
+
+
+def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
+    """Store one batch in one transaction. A batch seen before changes nothing."""
+    run = session.get(models.Run, run_id)
+    if run is None:
+        raise UnknownRun(run_id)
+    stamp = now()
+    claim = _insert(session, models.Batch.__table__).values(run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=stamp)
+    if session.execute(claim.on_conflict_do_nothing()).rowcount == 0:
+        session.rollback()
+        return BatchOut(stored=False, points=0)
+    count = _store_points(session, run_id, batch)
+    _store_events(session, run_id, batch, stamp)
+    steps = [max(s.steps) for s in batch.points.values() if s.steps] + [e.step for e in batch.events]
+    if steps:
+        run.last_step = max(steps + ([run.last_step] if run.last_step is not None else []))
+    worst = max((_SEVERITY_RANK[e.severity] for e in batch.events), default=0)
+    run.health = _HEALTH[max(worst, _SEVERITY_RANK[run.health])]
+    run.last_seen_at = stamp
+    if batch.status is not None:
+        run.status = batch.status
+        run.finished_at = stamp if batch.status != "running" else None
+    session.commit()
+    return BatchOut(stored=True, points=count)
+
+
+def _store_points(session: Session, run_id: str, batch: BatchIn) -> int:
+    if not batch.points:
+        return 0
+    ids = _series_ids(session, run_id, list(batch.points))
+    rows = [
+        {"series_id": ids[name], "rank": batch.rank, "step": step, "value": to_db(value)}
+        for name, series in batch.points.items()
+        for step, value in zip(series.steps, series.values)
+    ]
+    if rows:
+        stmt = _insert(session, models.Point.__table__)
+        # The same (series, rank, step) sent again replaces the value: a user's log overrides the agent's.
+        stmt = stmt.on_conflict_do_update(index_elements=["series_id", "rank", "step"], set_={"value": stmt.excluded.value})
+        session.execute(stmt, rows)
+    return len(rows)
+
+
+def _series_ids(session: Session, run_id: str, names: list[str]) -> dict[str, int]:
+    query = select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, models.Series.name.in_(names))
+    ids: dict[str, int] = dict(session.execute(query).tuples().all())
+    missing = [{"run_id": run_id, "name": n} for n in names if n not in ids]
+    if missing:
+        session.execute(_insert(session, models.Series.__table__).on_conflict_do_nothing(), missing)
+        ids = dict(session.execute(query).tuples().all())
+    return ids
+
+
+def _store_events(session: Session, run_id: str, batch: BatchIn, stamp: datetime) -> None:
+    for e in batch.events:
+        time = datetime.fromtimestamp(e.time, timezone.utc) if e.time is not None else stamp
+        session.add(models.Event(
+            run_id=run_id, step=e.step, rank=batch.rank if e.rank is None else e.rank, type=e.type,
+            severity=e.severity, message=e.message, details=e.details, time=time,
+        ))  # fmt: skip
+
+
+def list_runs(session: Session, *, project: str | None = None) -> list[tuple[models.Run, str]]:
+    """Runs, newest first, with their project's name."""
+    query = select(models.Run, models.Project.name).join(models.Project).order_by(models.Run.created_at.desc())
+    if project is not None:
+        query = query.where(models.Project.name == project)
+    return [(run, name) for run, name in session.execute(query).tuples()]
+
+
+def get_run(session: Session, *, run_id: str) -> tuple[models.Run, str] | None:
+    """One run and its project's name, or None."""
+    query = select(models.Run, models.Project.name).join(models.Project).where(models.Run.id == run_id)
+    row = session.execute(query).tuples().first()
+    return (row[0], row[1]) if row else None
+
+
+def series_names(session: Session, *, run_id: str) -> list[str]:
+    """Names of every series the run has, sorted."""
+    return list(session.scalars(select(models.Series.name).where(models.Series.run_id == run_id).order_by(models.Series.name)))
+
+
+def read_series(
+    session: Session, *, run_id: str, names: list[str], rank: int = 0, max_points: int | None = None
+) -> dict[str, tuple[list[int], list[float | None]]]:
+    """Each named series as (steps, values) in step order; NaN is None. Unknown names are empty."""
+    ids = dict(session.execute(
+        select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, models.Series.name.in_(names))
+    ).tuples().all())  # fmt: skip
+    out: dict[str, tuple[list[int], list[float | None]]] = {}
+    for name in names:
+        steps: list[int] = []
+        values: list[float | None] = []
+        if name in ids:
+            query = (
+                select(models.Point.step, models.Point.value)
+                .where(models.Point.series_id == ids[name], models.Point.rank == rank)
+                .order_by(models.Point.step)
+            )
+            for step, value in session.execute(query).tuples():
+                steps.append(step)
+                values.append(value)
+        out[name] = downsample(steps, values, max_points) if max_points else (steps, values)
+    return out
+
+
+def list_events(session: Session, *, run_id: str, limit: int = 1000) -> list[models.Event]:
+    """The run's events in step order."""
+    query = select(models.Event).where(models.Event.run_id == run_id).order_by(models.Event.step, models.Event.id)
+    return list(session.scalars(query.limit(limit)))
+
+
+def count_events(session: Session, *, run_id: str) -> dict[str, int]:
+    """How many events of each type the run has."""
+    query = select(models.Event.type, func.count()).where(models.Event.run_id == run_id).group_by(models.Event.type)
+    return dict(session.execute(query).tuples().all())
+
+
+def list_alerts(session: Session, *, run_id: str | None = None, state: str | None = None) -> list[models.Alert]:
+    """Alerts, newest first, optionally of one run and one state."""
+    query = select(models.Alert).order_by(models.Alert.started_at.desc())
+    if run_id is not None:
+        query = query.where(models.Alert.run_id == run_id)
+    if state is not None:
+        query = query.where(models.Alert.state == state)
+    return list(session.scalars(query))
