@@ -1,0 +1,52 @@
+"""The `ampwatch` command. Server commands need the `server` extra and are imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ampwatch", description="Watch the numerics of PyTorch training.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    server = commands.add_parser("server", help="run the server and dashboard")
+    server.add_argument("--host", help="address to bind (default 127.0.0.1, or AMPWATCH_HOST)")
+    server.add_argument("--port", type=int, help="port (default 8600, or AMPWATCH_PORT)")
+    server.add_argument("--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)")
+
+    demo = commands.add_parser("demo", help="start a server and a small CPU training that goes unstable on purpose")
+    demo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    demo.add_argument("--port", type=int, default=8600, help="port (default 8600)")
+    demo.add_argument("--db", metavar="URL", default="sqlite:///ampwatch-demo.db", help="database URL (default sqlite:///ampwatch-demo.db)")
+    demo.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
+    demo.add_argument("--step-delay", type=float, default=0.02, help="seconds to pause per step, to watch it live (default 0.02)")
+    demo.add_argument("--exit", action="store_true", help="stop the server when training ends instead of serving on")
+
+    db = commands.add_parser("db", help="database maintenance")
+    db_commands = db.add_subparsers(dest="db_command", required=True, metavar="DB_COMMAND")
+    upgrade = db_commands.add_parser("upgrade", help="apply migrations to the latest schema")
+    upgrade.add_argument("--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)")
+
+    commands.add_parser("version", help="print the version")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `ampwatch` console script."""
+    args = _parser().parse_args(argv)
+    if args.command == "version":
+        from ampwatch import __version__
+
+        print(__version__)
+        return 0
+    try:
+        from ampwatch.server import cli
+    except ImportError as error:
+        print(f"ampwatch {args.command} needs the server: pip install \"ampwatch[server]\" ({error})", file=sys.stderr)
+        return 2
+    return cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

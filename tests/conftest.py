@@ -1,0 +1,151 @@
+"""Shared fixtures: fresh real databases (SQLite file, Postgres database) and real uvicorn servers."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from ampwatch.server import Settings, create_app
+
+PG_ADMIN_URL = os.environ.get("AMPWATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pg_available() -> str | None:
+    import psycopg
+
+    try:
+        with psycopg.connect(_libpq(PG_ADMIN_URL), connect_timeout=3):
+            return None
+    except psycopg.Error as error:
+        return str(error).strip()
+
+
+def _libpq(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://")
+
+
+@pytest.fixture(scope="session")
+def pg_admin() -> str:
+    """The admin URL of a reachable Postgres; skips (or fails when CI requires it) otherwise."""
+    problem = _pg_available()
+    if problem:
+        message = f"PostgreSQL is not reachable at {PG_ADMIN_URL} ({problem}); set AMPWATCH_TEST_PG_URL"
+        if os.environ.get("AMPWATCH_REQUIRE_POSTGRES"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return PG_ADMIN_URL
+
+
+@pytest.fixture
+def pg_url(pg_admin: str) -> Iterator[str]:
+    """A fresh, empty Postgres database for one test, dropped afterwards."""
+    import psycopg
+
+    name = f"ampwatch_test_{secrets.token_hex(6)}"
+    with psycopg.connect(_libpq(pg_admin), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base, _, _ = pg_admin.rpartition("/")
+    yield f"{base}/{name}"
+    with psycopg.connect(_libpq(pg_admin), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:  # type: ignore[no-untyped-def]
+    """A fresh SQLite file for one test."""
+    return f"sqlite:///{tmp_path / 'ampwatch.db'}"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """Each test that takes this runs once on SQLite and once on Postgres."""
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: FastAPI
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.app.state.engine.dispose()
+
+
+def start_server(settings: Settings) -> LiveServer:
+    """A real uvicorn serving `create_app(settings)` on a loopback port, in a thread."""
+    port = free_port()
+    settings = settings.model_copy(update={"host": "127.0.0.1", "port": port})
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", app, server, thread)
+
+
+@pytest.fixture
+def live_server(db_url: str) -> Iterator[LiveServer]:
+    """A real server on SQLite, then on Postgres."""
+    server = start_server(Settings(database_url=db_url))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def sqlite_server(sqlite_url: str) -> Iterator[LiveServer]:
+    """A real server on SQLite only, for tests whose subject is not the database."""
+    server = start_server(Settings(database_url=sqlite_url))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agent settings from the developer's shell must not leak into tests."""
+    for name in list(os.environ):
+        if name.startswith("AMPWATCH_") and name not in ("AMPWATCH_TEST_PG_URL", "AMPWATCH_REQUIRE_POSTGRES"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0.05")
+
+
+@pytest.fixture
+def wait_for() -> Callable[..., object]:
+    """Poll `predicate` until it returns something truthy (or fail after `timeout_s`)."""
+
+    def wait(predicate: Callable[[], object], timeout_s: float = 15.0, what: str = "condition") -> object:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            result = predicate()
+            if result:
+                return result
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    return wait
