@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 
 from ampwatch import __version__
 from ampwatch.server import db
+from ampwatch.server.errors import validation_error
 from ampwatch.server.limits import BodyLimit
 from ampwatch.server.routers import ingest, read
 from ampwatch.server.settings import Settings
@@ -26,6 +28,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(read.router)
     app.include_router(web.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_exception_handler(RequestValidationError, validation_error)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:

@@ -63,7 +63,7 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
         raise UnknownRun(run_id)
     stamp = now()
     claim = _insert(session, models.Batch.__table__).values(run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=stamp)
-    if session.execute(claim.on_conflict_do_nothing()).rowcount == 0:
+    if session.execute(claim.on_conflict_do_nothing().returning(models.Batch.seq)).first() is None:
         session.rollback()
         return BatchOut(stored=False, points=0)
     count = _store_points(session, run_id, batch)
@@ -100,11 +100,11 @@ def _store_points(session: Session, run_id: str, batch: BatchIn) -> int:
 
 def _series_ids(session: Session, run_id: str, names: list[str]) -> dict[str, int]:
     query = select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, models.Series.name.in_(names))
-    ids: dict[str, int] = dict(session.execute(query).tuples().all())
+    ids: dict[str, int] = dict(session.execute(query).all())
     missing = [{"run_id": run_id, "name": n} for n in names if n not in ids]
     if missing:
         session.execute(_insert(session, models.Series.__table__).on_conflict_do_nothing(), missing)
-        ids = dict(session.execute(query).tuples().all())
+        ids = dict(session.execute(query).all())
     return ids
 
 
@@ -122,13 +122,13 @@ def list_runs(session: Session, *, project: str | None = None) -> list[tuple[mod
     query = select(models.Run, models.Project.name).join(models.Project).order_by(models.Run.created_at.desc())
     if project is not None:
         query = query.where(models.Project.name == project)
-    return [(run, name) for run, name in session.execute(query).tuples()]
+    return [(run, name) for run, name in session.execute(query)]
 
 
 def get_run(session: Session, *, run_id: str) -> tuple[models.Run, str] | None:
     """One run and its project's name, or None."""
     query = select(models.Run, models.Project.name).join(models.Project).where(models.Run.id == run_id)
-    row = session.execute(query).tuples().first()
+    row = session.execute(query).first()
     return (row[0], row[1]) if row else None
 
 
@@ -143,7 +143,7 @@ def read_series(
     """Each named series as (steps, values) in step order; NaN is None. Unknown names are empty."""
     ids = dict(session.execute(
         select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, models.Series.name.in_(names))
-    ).tuples().all())  # fmt: skip
+    ).all())  # fmt: skip
     out: dict[str, tuple[list[int], list[float | None]]] = {}
     for name in names:
         steps: list[int] = []
@@ -154,7 +154,7 @@ def read_series(
                 .where(models.Point.series_id == ids[name], models.Point.rank == rank)
                 .order_by(models.Point.step)
             )
-            for step, value in session.execute(query).tuples():
+            for step, value in session.execute(query):
                 steps.append(step)
                 values.append(value)
         out[name] = downsample(steps, values, max_points) if max_points else (steps, values)
@@ -170,7 +170,7 @@ def list_events(session: Session, *, run_id: str, limit: int = 1000) -> list[mod
 def count_events(session: Session, *, run_id: str) -> dict[str, int]:
     """How many events of each type the run has."""
     query = select(models.Event.type, func.count()).where(models.Event.run_id == run_id).group_by(models.Event.type)
-    return dict(session.execute(query).tuples().all())
+    return dict(session.execute(query).all())
 
 
 def list_alerts(session: Session, *, run_id: str | None = None, state: str | None = None) -> list[models.Alert]:

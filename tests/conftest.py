@@ -133,6 +133,7 @@ def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
         if name.startswith("AMPWATCH_") and name not in ("AMPWATCH_TEST_PG_URL", "AMPWATCH_REQUIRE_POSTGRES"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0.05")
+    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "2")
 
 
 @pytest.fixture

@@ -1,0 +1,217 @@
+"""The agent is a guest: it never raises into the loop, never blocks it, never changes its numerics,
+and adds no host-device read to a training step."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampwatch
+from ampwatch import _watch
+
+
+def _train(run: Any, steps: int = 30, *, fused: bool = False, nan_step: int | None = 7) -> list[torch.Tensor]:
+    """A standard fp16 AMP loop (unscale_, clip, step, update); returns the final parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=5)
+    if run is not None:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    for step in range(steps):
+        x = torch.randn(8, 16) * (1e3 if step % 9 == 4 else 1.0)  # some steps overflow fp16
+        if step == nan_step:
+            x[1, 2] = float("nan")
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        if run is not None:
+            run.log({"loss_again": loss, "lr": 1e-2})
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_parameters_are_bitwise_identical_with_and_without_the_agent(sqlite_server, fused: bool) -> None:  # type: ignore[no-untyped-def]
+    baseline = _train(None, fused=fused)
+    with ampwatch.init("guest", "bitwise", url=sqlite_server.url) as run:
+        watched = _train(run, fused=fused)
+    assert _bitwise_equal(baseline, watched)
+    assert not torch.equal(baseline[0], _train(None, steps=29, fused=fused)[0])  # the comparison can fail
+
+
+def test_training_finishes_and_stays_correct_when_the_server_is_unreachable(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "1")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    baseline = _train(None)
+    run = ampwatch.init("guest", "down", url=f"http://127.0.0.1:{port}")
+    watched = _train(run)
+    started = time.monotonic()
+    run.finish()
+    assert time.monotonic() - started < 5
+    assert _bitwise_equal(baseline, watched)
+
+
+def test_a_server_that_never_answers_does_not_hold_up_the_loop(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "0.5")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepts connections (kernel backlog) and never answers a byte
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def hold() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    threading.Thread(target=hold, daemon=True).start()
+    try:
+        run = ampwatch.init("guest", "hang", url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+        started = time.monotonic()
+        _train(run, steps=60)
+        run.finish()
+        elapsed = time.monotonic() - started
+        # Every request would wait its full 5 s timeout: a loop that waited on the network could not finish in time.
+        assert elapsed < 4.5, elapsed
+        assert held, "the agent did try to reach the server"
+    finally:
+        stop.set()
+        listener.close()
+        for conn in held:
+            conn.close()
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts Python-level host reads of tensors on this thread."""
+
+    NAMES = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "_local_scalar_dense"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _DenseReads(TorchDispatchMode):
+    """Counts the dispatcher-level reads every host read ends in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_agent_adds_zero_host_reads_per_step(sqlite_server, fused: bool) -> None:  # type: ignore[no-untyped-def]
+    def count(run: Any) -> tuple[Counter[str], Counter[str]]:
+        with _HostReads() as python_reads, _DenseReads() as dense_reads:
+            _train(run, steps=20, fused=fused)
+        return python_reads.counts, dense_reads.counts
+
+    without = count(None)
+    with ampwatch.init("guest", "syncs", url=sqlite_server.url) as run:
+        with_agent = count(run)
+    assert with_agent == without
+    # The counter works: the standard non-fused loop reads found_inf once per step inside scaler.step().
+    assert sum(without[1].values()) >= (0 if fused else 20)
+
+
+def test_an_internal_agent_error_never_reaches_the_training_loop(sqlite_server, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("agent bug")
+
+    # Fault injection: the agent's own hooks fail at every step.
+    monkeypatch.setattr(_watch.Recorder, "before_update", broken)
+    monkeypatch.setattr(_watch.Recorder, "on_scale", broken)
+    baseline = _train(None)
+    with ampwatch.init("guest", "faulty", url=sqlite_server.url) as run:
+        watched = _train(run)
+    assert _bitwise_equal(baseline, watched)
+    assert "agent bug" in caplog.text
+
+
+def test_bad_arguments_never_raise() -> None:
+    run = ampwatch.init("guest", url="not a url at all")
+    run.watch(model=object(), optimizer=object(), scaler=object())
+    run.log({"ok": 1.0, "none": None, 3: 1.0, "vector": torch.ones(3), "text": "x"})  # type: ignore[dict-item]
+    run.log("not a dict")  # type: ignore[arg-type]
+    run.log({"x": 1.0}, step="seven")  # type: ignore[arg-type]
+    run.finish()
+    run.finish()
+
+
+def test_an_unknown_mode_gives_a_run_that_records_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_MODE", "sideways")
+    run = ampwatch.init("guest")
+    assert isinstance(run, ampwatch.Run) and run.url is None
+    _train(run, steps=3)
+    run.finish()
+
+
+def test_disabled_mode_sends_nothing(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_MODE", "disabled")
+    with ampwatch.init("guest", "off", url=sqlite_server.url) as run:
+        _train(run, steps=5)
+    assert run.url is None
+    with sqlite_server.client() as http:
+        assert http.get("/api/v1/runs").json() == []
+
+
+def test_an_exception_in_the_loop_marks_the_run_crashed_and_propagates_unchanged(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    error = ValueError("data loader exploded")
+    with pytest.raises(ValueError) as raised:
+        with ampwatch.init("guest", "crash", url=sqlite_server.url) as run:
+            _train(run, steps=3, nan_step=None)
+            raise error
+    assert raised.value is error
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run.id}").json()["status"] == "crashed"
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+    assert [(e["type"], e["severity"], e["step"]) for e in events] == [("run_crashed", "critical", 3)]
+    assert "data loader exploded" in events[0]["message"] and "Traceback" in events[0]["details"]["traceback"]
+
+
+def test_a_watched_scaler_still_pickles_deep_copies_and_saves_state() -> None:
+    run = ampwatch.init("guest", url="http://127.0.0.1:9")
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    run.watch(scaler=scaler)
+    assert isinstance(scaler, torch.amp.GradScaler)
+    for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert type(clone) is torch.amp.GradScaler
+        assert clone.state_dict() == scaler.state_dict()
+    assert scaler.state_dict()["scale"] == 256.0
+    run.finish()
+    assert type(scaler) is torch.amp.GradScaler  # finish() unhooks it

@@ -1,0 +1,142 @@
+"""Agent → real uvicorn → SQLite / Postgres → read API, with real CPU training loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ampwatch
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+
+def _series(server, run_id: str, *names: str) -> dict:  # type: ignore[no-untyped-def]
+    with server.client() as http:
+        reply = http.get(f"/api/v1/runs/{run_id}/series", params=[("name", n) for n in names])
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_amp_training_reads_back_every_step_with_nan_as_string(live_server) -> None:  # type: ignore[no-untyped-def]
+    steps, nan_step = 40, 25
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    losses, norms, scales = [], [], []
+    with ampwatch.init("e2e", "amp-loop", url=live_server.url, config={"lr": 1e-3}) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(steps):
+            x = torch.randn(8, 16)
+            if step == nan_step:
+                x[0, 0] = float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scales.append(scaler.get_scale())  # the test may sync; the agent must not
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            norms.append(norm.item())
+
+    with live_server.client() as http:
+        runs = http.get("/api/v1/runs", params={"project": "e2e"}).json()
+    assert [(r["id"], r["name"], r["status"], r["last_step"]) for r in runs] == [(run.id, "amp-loop", "finished", steps - 1)]
+    assert runs[0]["health"] in ("ok", "warning", "critical") and runs[0]["created_at"]
+    data = _series(live_server, run.id, "loss", "scale", "skipped", "grad_norm")
+    for name in ("loss", "scale", "skipped", "grad_norm"):
+        assert data[name]["steps"] == list(range(steps)), name
+    assert data["loss"]["values"][nan_step] == "NaN"
+    assert data["grad_norm"]["values"][nan_step] == "NaN"
+    assert data["skipped"]["values"][nan_step] == 1
+    finite = [i for i in range(steps) if i != nan_step]
+    assert [data["loss"]["values"][i] for i in finite] == pytest.approx([losses[i] for i in finite], rel=1e-6)
+    # The agent's norm is the unscaled one, taken before clipping: what clip_grad_norm_ returned.
+    assert [data["grad_norm"]["values"][i] for i in finite] == pytest.approx([norms[i] for i in finite], rel=1e-5)
+    assert data["scale"]["values"] == scales
+    skipped = [i for i, v in enumerate(data["skipped"]["values"]) if v == 1]
+    assert skipped == [i for i in range(steps - 1) if scales[i + 1] < scales[i]] + ([steps - 1] if scaler.get_scale() < scales[-1] else [])
+
+
+def test_accumulated_micro_batches_add_up_and_fused_adamw_norm_is_unscaled(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    expected_loss, expected_norm = [], []
+    with ampwatch.init("e2e", "accumulate", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(6):
+            total = 0.0
+            for _ in range(3):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(torch.randn(4, 16)).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                total += loss.item()
+            grads = [p.grad for p in model.parameters()]
+            expected_norm.append((torch.nn.utils.get_total_norm(grads) / scaler.get_scale()).item())
+            expected_loss.append(total)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    data = _series(sqlite_server, run.id, "loss", "grad_norm", "skipped")
+    assert data["loss"]["steps"] == list(range(6))
+    assert data["loss"]["values"] == pytest.approx(expected_loss, rel=1e-6)
+    assert data["grad_norm"]["values"] == pytest.approx(expected_norm, rel=1e-5)
+    assert data["skipped"]["values"] == [0] * 6
+
+
+def test_without_a_scaler_steps_are_counted_by_the_optimizer(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    disabled = torch.amp.GradScaler("cpu", enabled=False)  # what nanoGPT builds under bf16
+    with ampwatch.init("e2e", "bf16", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=disabled)
+        for step in range(5):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 16)).float().pow(2).mean()
+            disabled.scale(loss).backward()
+            disabled.step(optimizer)
+            disabled.update()
+            optimizer.zero_grad()
+            run.log({"loss_seen": loss}, step=step)
+    data = _series(sqlite_server, run.id, "loss", "grad_norm", "loss_seen", "scale")
+    assert data["loss"]["steps"] == data["grad_norm"]["steps"] == data["loss_seen"]["steps"] == list(range(5))
+    assert data["loss"]["values"] == pytest.approx(data["loss_seen"]["values"])
+    assert data["scale"] == {"steps": [], "values": []}  # no scale to report: it does not exist
+
+
+def test_a_value_the_user_logs_under_a_standard_name_replaces_the_agents(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("e2e", "override", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 16)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            run.log({"grad_norm": 1000.0 + step})
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    data = _series(sqlite_server, run.id, "grad_norm", "loss")
+    assert data["grad_norm"] == {"steps": [0, 1, 2, 3], "values": [1000.0, 1001.0, 1002.0, 1003.0]}
+    assert len(data["loss"]["values"]) == 4
+
+
+def test_nonfinite_and_exact_floats_round_trip_through_the_database(live_server) -> None:  # type: ignore[no-untyped-def]
+    values = [0.1 + 0.2, "NaN", "Infinity", "-Infinity", -2.5e-310, 5e-324, 1.7976931348623157e308]
+    with live_server.client() as http:
+        assert http.put("/api/v1/runs/exact1", json={"project": "p", "name": "n"}).status_code == 200
+        reply = http.post("/api/v1/runs/exact1/batches", json={"seq": 1, "points": {"v": {"steps": list(range(7)), "values": values}}})
+        assert reply.status_code == 200, reply.text
+        data = http.get("/api/v1/runs/exact1/series", params={"name": "v"}).json()
+    assert data["v"]["steps"] == list(range(7))
+    assert data["v"]["values"][1:4] == ["NaN", "Infinity", "-Infinity"]
+    got = [data["v"]["values"][i] for i in (0, 4, 5, 6)]
+    assert got == [0.1 + 0.2, -2.5e-310, 5e-324, 1.7976931348623157e308]  # bit-exact float64, subnormals too

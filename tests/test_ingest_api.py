@@ -1,0 +1,126 @@
+"""The ingest endpoints reject bad input with a clear 4xx and store nothing partial; re-sends store once."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampwatch.server.values import downsample
+
+GOOD = {"seq": 1, "points": {"loss": {"steps": [0, 1, 2], "values": [1.0, "NaN", 0.5]}}}
+
+
+@pytest.fixture
+def http(live_server):  # type: ignore[no-untyped-def]
+    with live_server.client() as client:
+        assert client.put("/api/v1/runs/r1", json={"project": "p", "name": "run one", "config": {"lr": 0.1}}).status_code == 200
+        yield client
+
+
+def _stored(http) -> tuple[dict, list]:  # type: ignore[no-untyped-def]
+    return http.get("/api/v1/runs/r1/series").json(), http.get("/api/v1/runs/r1/events").json()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        (b'{"seq": 1, "points": {', 422, "JSON decode error"),
+        ({"seq": "first"}, 422, "seq"),
+        ({"seq": 1, "points": {"loss": {"steps": [0, 1], "values": [1.0, "lots"]}}}, 422, "values"),
+        ({"seq": 1, "points": {"loss": {"steps": [0, 1], "values": [1.0]}}}, 422, "steps has 2 items but values has 1"),
+        ({"seq": 1, "points": {"loss": {"steps": [-1], "values": [1.0]}}}, 422, "steps"),
+        ({"seq": 0}, 422, "seq"),
+        ({"seq": 1, "surprise": True}, 422, "surprise"),
+        ({"seq": 1, "status": "exploded"}, 422, "status"),
+    ],
+)
+def test_bad_batches_get_a_clear_422_and_store_nothing(http, body, status: int, says: str) -> None:  # type: ignore[no-untyped-def]
+    if isinstance(body, bytes):
+        reply = http.post("/api/v1/runs/r1/batches", content=body, headers={"content-type": "application/json"})
+    else:
+        reply = http.post("/api/v1/runs/r1/batches", json=body)
+    assert reply.status_code == status, reply.text
+    assert says in reply.text
+    assert _stored(http) == ({}, [])
+
+
+def test_a_batch_with_good_points_and_one_bad_event_stores_nothing_partial(http) -> None:  # type: ignore[no-untyped-def]
+    bad_event = {"step": 1, "type": "not_an_event_type", "severity": "critical", "message": "x"}
+    reply = http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [bad_event]})
+    assert reply.status_code == 422 and "type" in reply.text
+    nan_details = b'{"seq": 1, "events": [{"step": 1, "type": "nonfinite_loss", "severity": "critical", "message": "m", "details": {"loss": NaN}}]}'
+    reply = http.post("/api/v1/runs/r1/batches", content=nan_details, headers={"content-type": "application/json"})
+    assert reply.status_code == 422 and "non-finite numbers must be sent as the strings" in reply.text
+    assert _stored(http) == ({}, [])
+
+
+def test_a_batch_for_an_unknown_run_gets_404_saying_how_to_register(http) -> None:  # type: ignore[no-untyped-def]
+    reply = http.post("/api/v1/runs/nobody/batches", json=GOOD)
+    assert reply.status_code == 404
+    assert "PUT /api/v1/runs/nobody" in reply.json()["detail"]
+    assert http.put("/api/v1/runs/bad id!", json={"project": "p", "name": "n"}).status_code == 422
+
+
+def test_an_oversized_body_gets_413_before_parsing(live_server) -> None:  # type: ignore[no-untyped-def]
+    live_server.app.state.settings.max_body_bytes  # the limit is wired from settings
+    big = {"seq": 1, "points": {"x": {"steps": list(range(3_000_000)), "values": [0.5] * 3_000_000}}}
+    with live_server.client() as http:
+        http.put("/api/v1/runs/r1", json={"project": "p", "name": "n"})
+        reply = http.post("/api/v1/runs/r1/batches", json=big)
+        assert reply.status_code == 413
+        assert "larger than the limit" in reply.json()["detail"]
+        assert http.get("/api/v1/runs/r1/series").json() == {}
+
+
+def test_a_resent_batch_is_stored_once(http) -> None:  # type: ignore[no-untyped-def]
+    event = {"step": 1, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss"}
+    first = http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [event]})
+    again = http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [event]})
+    assert first.json() == {"stored": True, "points": 3}
+    assert again.json() == {"stored": False, "points": 0}
+    series, events = _stored(http)
+    assert series == {"loss": {"steps": [0, 1, 2], "values": [1.0, "NaN", 0.5]}}
+    assert [e["message"] for e in events] == ["NaN loss"]
+    run = http.get("/api/v1/runs/r1").json()
+    assert (run["health"], run["last_step"], run["series"]) == ("critical", 2, ["loss"])
+
+
+def test_registering_a_run_twice_keeps_its_data(http) -> None:  # type: ignore[no-untyped-def]
+    http.post("/api/v1/runs/r1/batches", json=GOOD)
+    assert http.put("/api/v1/runs/r1", json={"project": "p", "name": "renamed"}).status_code == 200
+    assert http.get("/api/v1/runs/r1").json()["name"] == "renamed"
+    assert _stored(http)[0]["loss"]["steps"] == [0, 1, 2]
+
+
+def test_read_api_filters_and_404s(http) -> None:  # type: ignore[no-untyped-def]
+    http.put("/api/v1/runs/r2", json={"project": "other", "name": "two"})
+    assert [r["id"] for r in http.get("/api/v1/runs", params={"project": "p"}).json()] == ["r1"]
+    assert {r["id"] for r in http.get("/api/v1/runs").json()} == {"r1", "r2"}
+    for path in ("/api/v1/runs/zzz", "/api/v1/runs/zzz/series", "/api/v1/runs/zzz/events"):
+        assert http.get(path).status_code == 404
+    assert http.get("/api/v1/alerts").json() == []
+    assert http.get("/api/v1/alerts", params={"state": "exploded"}).status_code == 422
+    assert http.get("/healthz").json() == {"status": "ok"}
+    assert http.get("/openapi.json").json()["info"]["title"] == "ampwatch"
+    assert http.get("/docs").status_code == 200
+
+
+def test_max_points_keeps_a_lone_nan_and_a_lone_spike(http) -> None:  # type: ignore[no-untyped-def]
+    n = 10_000
+    values: list = [1.0 + (i % 7) * 1e-3 for i in range(n)]
+    values[3_333], values[7_777], values[9_001] = "NaN", 1e6, "-Infinity"
+    http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": {"loss": {"steps": list(range(n)), "values": values}}})
+    for max_points in (4, 50, 1000):
+        got = http.get("/api/v1/runs/r1/series", params={"name": "loss", "max_points": max_points}).json()["loss"]
+        kept = dict(zip(got["steps"], got["values"]))
+        assert kept[3_333] == "NaN" and kept[7_777] == 1e6 and kept[9_001] == "-Infinity"
+        assert len([v for v in got["values"] if not isinstance(v, str)]) <= max_points
+        assert got["steps"] == sorted(got["steps"]) and got["steps"][0] == 0 and got["steps"][-1] == n - 1
+
+
+def test_downsample_returns_short_series_unchanged_and_keeps_extremes() -> None:
+    assert downsample([1, 2], [0.5, None], 10) == ([1, 2], [0.5, None])
+    steps = list(range(100))
+    values = [float(i % 10) for i in steps]
+    values[42] = -50.0
+    _, kept = downsample(steps, values, 10)
+    assert -50.0 in kept and 9.0 in kept and len(kept) <= 10
