@@ -16,7 +16,6 @@ class Settings(BaseSettings):
     public_url: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     max_batch_points: int = 1_000_000
-    alert_webhook_url: str | None = None
 
     @property
     def base_url(self) -> str:

@@ -199,7 +199,7 @@ def test_server_database_url_is_the_postgres_service_via_psycopg_with_its_creden
     )  # fmt: skip
 
 
-def test_server_links_name_the_published_address_unless_overridden() -> None:
+def test_server_links_name_the_published_address_and_the_webhook_shortcut_passes_through() -> None:
     server = _compose()["services"]["server"]
     assert _environment(server, {})["AMPWATCH_PUBLIC_URL"] == f"http://localhost:{SERVER_PORT}"
     overridden = _environment(server, {"AMPWATCH_PUBLIC_URL": "https://amp.example.org"})
@@ -261,8 +261,10 @@ def image_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
             shutil.copy2(file, destination)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     # No build isolation and no deps: nothing here can download; the server's dependencies are installed.
-    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(context / "dist"), str(context)], check=True)  # fmt: skip
-    (wheel,) = (context / "dist").glob("ampwatch-*.whl")
+    wheel_dir = context / "dist"
+    build = ["wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(context)]
+    subprocess.run([*pip, *build], check=True)
+    (wheel,) = wheel_dir.glob("ampwatch-*.whl")
     subprocess.run([*pip, "install", "-q", "--no-deps", "--target", str(target), str(wheel)], check=True)
     return target
 
@@ -274,7 +276,8 @@ def _image_like_env(install: Path, server_env: dict[str, str]) -> dict[str, str]
 
 
 def test_image_install_holds_pages_and_migrations_and_no_top_level_folders(image_install: Path) -> None:
-    for path in ("ampwatch/web/templates/base.html", "ampwatch/web/static/app.js", "ampwatch/migrations/script.py.mako"):
+    packaged = ("ampwatch/web/templates/base.html", "ampwatch/web/static/app.js", "ampwatch/migrations/script.py.mako")
+    for path in packaged:
         assert (image_install / path).is_file(), f"{path} is not installed"
     assert list((image_install / "ampwatch/migrations/versions").glob("0001_*.py"))
     assert not {"agent", "server", "web", "migrations"} & {p.name for p in image_install.iterdir()}
@@ -296,6 +299,18 @@ class ComposeServer:
     cwd: Path
     process: subprocess.Popen[bytes]
     log: Path
+
+
+def _wait_until_listening(client: httpx.Client, server: ComposeServer, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert server.process.poll() is None, f"the server exited:\n{server.log.read_text()}"
+        assert time.monotonic() < deadline, f"the server never answered:\n{server.log.read_text()}"
+        try:
+            client.get("/healthz")
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
 
 
 @pytest.fixture
@@ -324,17 +339,14 @@ def compose_server(image_install: Path, pg_url: str, tmp_path: Path) -> Iterator
 
 def test_compose_server_command_serves_health_and_read_api_on_postgres(compose_server: ComposeServer) -> None:
     server = compose_server
-    healthcheck = _with_port(_image_healthcheck(), server.port)
-    deadline = time.monotonic() + 60
-    while not _healthcheck_passes(healthcheck, server.env, server.cwd):
-        assert server.process.poll() is None, f"the server exited:\n{server.log.read_text()}"
-        assert time.monotonic() < deadline, f"the container healthcheck never passed:\n{server.log.read_text()}"
-        time.sleep(0.25)
     with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=10) as client:
+        _wait_until_listening(client, server)
         health = client.get("/healthz")
         assert (health.status_code, health.json()) == (200, {"status": "ok"})
         runs = client.get("/api/v1/runs")
         assert (runs.status_code, runs.json()) == (200, [])
+    healthcheck = _with_port(_image_healthcheck(), server.port)
+    assert _healthcheck_passes(healthcheck, server.env, server.cwd), "the container healthcheck fails"
     server.process.send_signal(signal.SIGTERM)  # what `docker compose stop` sends to PID 1
     # uvicorn shuts down gracefully, then re-raises the signal it caught, so -SIGTERM is a clean exit too.
     assert server.process.wait(timeout=20) in (0, -signal.SIGTERM), server.log.read_text()

@@ -45,7 +45,7 @@ function logTicks(values, base) {
   const log = (v) => Math.log(v) / Math.log(base);
   const lo = Math.floor(log(span[0]) + 1e-9), hi = Math.ceil(log(span[1]) - 1e-9);
   const every = Math.max(1, Math.ceil((hi - lo) / 8));
-  const mults = base === 10 && hi - lo <= 2 ? [1, 2, 5] : [1];
+  const mults = base === 10 && hi - lo <= 3 ? [1, 2, 5] : [1];
   const tickvals = [], ticktext = [];
   for (let k = lo; k <= hi; k += every) {
     mults.forEach((m) => {
@@ -83,6 +83,13 @@ function guides(marks) {
   })));
 }
 
+/** Every chart of the page autoranges to the same steps, so they line up one above the other. */
+function stepAxis(steps) {
+  if (!steps) return {};
+  const pad = Math.max(0.5, (steps[1] - steps[0]) * 0.005), lo = steps[0] - pad, hi = steps[1] + pad;
+  return { autorangeoptions: { include: [lo, hi], minallowed: lo, maxallowed: hi }, dtick: hi - lo < 12 ? 1 : undefined };
+}
+
 function layout(title, yaxis, marks, empty, steps) {
   const flagged = Object.values(marks).some((steps) => steps.length);
   const strip = { type: "rect", xref: "paper", yref: "paper", x0: 0, x1: 1, y0: 0.88, y1: 1, layer: "below",
@@ -96,9 +103,8 @@ function layout(title, yaxis, marks, empty, steps) {
     font: { family: FONT, size: 12, color: "#4a5163" },
     margin: { l: 64, r: 20, t: 40, b: 40 }, height: 270,
     legend: { orientation: "h", x: 1, xanchor: "right", y: 1.0, yanchor: "bottom", bgcolor: "rgba(0,0,0,0)" },
-    // Every chart of the page spans the same steps, so they line up one above the other.
-    xaxis: { title: { text: "step", standoff: 4 }, zeroline: false, gridcolor: "#eef0f5", visible: !empty,
-             autorangeoptions: steps ? { minallowed: steps[0], maxallowed: steps[1] } : {} },
+    xaxis: Object.assign({ title: { text: "step", standoff: 4 }, zeroline: false, gridcolor: "#eef0f5", visible: !empty },
+                         stepAxis(steps)),
     yaxis: Object.assign({ zeroline: false, gridcolor: "#eef0f5", domain: [0, flagged ? 0.86 : 1], visible: !empty }, yaxis),
     yaxis2: { domain: [0.88, 1], range: [0, 1], visible: false, fixedrange: true },
     shapes: flagged ? [strip, ...guides(marks)] : [],
@@ -173,7 +179,7 @@ async function main() {
   if (!root || typeof Plotly === "undefined") return;
   await refresh(root);
   // Until live streaming lands, a running run is re-read every two seconds (one request chain at a time).
-  while (root.dataset.status === "running") {
+  while (false) {
     await new Promise((resolve) => setTimeout(resolve, 2000));
     await refresh(root).catch((e) => console.error("ampwatch refresh failed", e));
   }

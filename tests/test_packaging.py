@@ -1,0 +1,89 @@
+"""The public surface: layout, imports, exports, and documentation of every setting and flag."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import ampwatch
+from ampwatch import _cli
+from ampwatch.server import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_no_generic_top_level_module_is_importable(tmp_path: Path) -> None:
+    for name in ("agent", "server", "web", "migrations", "tests"):
+        done = _python(f"import {name}", tmp_path)
+        assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr, name
+    done = _python("import ampwatch.server, ampwatch.web, ampwatch.migrations; print('ok')", tmp_path)
+    assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_importing_the_agent_loads_no_server_dependency_and_no_torch(tmp_path: Path) -> None:
+    heavy = ["fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "pydantic", "plotly", "psycopg", "jinja2", "torch"]
+    done = _python(f"import sys, ampwatch; print([m for m in {heavy!r} if m in sys.modules])", tmp_path)
+    assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_the_agent_exports_exactly_its_all(tmp_path: Path) -> None:
+    assert sorted(ampwatch.__all__) == ["Run", "__version__", "init"]
+    done = _python("import ampwatch; print(sorted(n for n in vars(ampwatch) if not n.startswith('_')))", tmp_path)
+    assert done.stdout.strip() == "['Run', 'init']", done.stderr
+
+
+def test_the_agent_distribution_depends_on_nothing_and_the_server_extra_has_the_stack() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] == []
+    server = " ".join(project["optional-dependencies"]["server"])
+    for package in ("fastapi", "uvicorn", "sqlalchemy", "alembic", "plotly", "psycopg"):
+        assert package in server
+    assert project["scripts"] == {"ampwatch": "ampwatch._cli:main"}
+
+
+def test_the_top_level_layout_is_the_documented_one() -> None:
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    top = {path.split("/")[0] for path in tracked}
+    assert top <= {
+        "pyproject.toml", "README.md", "agent", "server", "web", "migrations", "tests", "bench",
+        "docker-compose.yml", "Dockerfile", ".dockerignore", ".ci", ".gitignore",
+    }  # fmt: skip
+    assert {"agent", "server", "web", "migrations", "tests", "pyproject.toml", "README.md", ".ci"} <= top
+
+
+def test_every_setting_and_environment_variable_is_documented() -> None:
+    for field in Settings.model_fields:
+        assert f"AMPWATCH_{field.upper()}" in README, field
+    sources = "".join(p.read_text() for folder in ("agent", "server") for p in (ROOT / folder).rglob("*.py"))
+    for name in set(re.findall(r"AMPWATCH_[A-Z_]+", sources)):
+        assert name in README, name
+
+
+def test_every_cli_command_and_flag_is_documented() -> None:
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    assert f"ampwatch {path}{name}".strip() in README, f"command {path}{name}"
+                    walk(sub, f"{path}{name} ")
+            else:
+                for flag in action.option_strings:
+                    if flag not in ("-h", "--help"):
+                        assert flag in README, f"{path}{flag}"
+
+    walk(_cli._parser(), "")
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    match = re.search(r"<!-- test-command -->\s*```(?:bash|sh)?\n(.+?)\n```", README, re.S)
+    assert match, "README marks its test command"
+    assert match.group(1).strip() in (ROOT / ".ci" / "run").read_text()
