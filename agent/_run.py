@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from types import TracebackType
 from typing import Any
 
@@ -21,6 +23,7 @@ from ampwatch._watch import Recorder
 from ampwatch._worker import EVENT, STATUS, VALUES, Worker
 
 log = logging.getLogger("ampwatch")
+_UNFINISHED: "weakref.WeakSet[Run]" = weakref.WeakSet()
 
 
 class Run:
@@ -55,6 +58,7 @@ class Run:
             "environment": _environment(self.world_size),
         }
         self._worker = Worker(settings, self.id, doc, self.rank)
+        _UNFINISHED.add(self)
 
     def __repr__(self) -> str:
         return f"<ampwatch.Run {self.project}/{self.name} id={self.id}>"
@@ -113,6 +117,7 @@ class Run:
         if self._finished:
             return
         self._finished = True
+        _UNFINISHED.discard(self)
         self._recorder.unwatch()
         if exc is not None:
             self._record((EVENT, self._recorder.step, _crash_event(self._recorder.step, self.rank, exc)))
@@ -135,6 +140,14 @@ def init(
     except Exception:
         log.exception("ampwatch: init() failed; this run will not be recorded")
         return Run(AgentSettings(mode="disabled", project=project or "default"), name)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """A script that never called finish(): finished if it ended cleanly, crashed if an exception killed it."""
+    exc = getattr(sys, "last_value", None)  # set by the interpreter for an uncaught exception
+    for run in list(_UNFINISHED):
+        guarded(run._finish, "crashed" if _is_failure(exc) else "finished", exc if _is_failure(exc) else None)
 
 
 def _is_failure(exc: BaseException | None) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -215,3 +217,23 @@ def test_a_watched_scaler_still_pickles_deep_copies_and_saves_state() -> None:
     assert scaler.state_dict()["scale"] == 256.0
     run.finish()
     assert type(scaler) is torch.amp.GradScaler  # finish() unhooks it
+
+
+@pytest.mark.parametrize(("ending", "status"), [("pass", "finished"), ("raise RuntimeError('late failure')", "crashed")])
+def test_a_script_that_never_calls_finish_is_closed_truthfully_at_exit(sqlite_server, tmp_path, ending: str, status: str) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import ampwatch\n"
+        f"run = ampwatch.init('guest', 'no-finish', url={sqlite_server.url!r})\n"
+        "for step in range(50):\n"
+        "    run.log({'x': float(step)}, step=step)\n"
+        f"{ending}\n"
+    )
+    subprocess.run([sys.executable, str(script)], capture_output=True, timeout=60)
+    with sqlite_server.client() as http:
+        [run] = http.get("/api/v1/runs").json()
+        events = http.get(f"/api/v1/runs/{run['id']}/events").json()
+        series = http.get(f"/api/v1/runs/{run['id']}/series", params={"name": "x"}).json()
+    assert run["status"] == status
+    assert len(series["x"]["steps"]) == 50  # nothing left behind in the buffer
+    assert [e["type"] for e in events] == ([] if status == "finished" else ["run_crashed"])
