@@ -199,13 +199,11 @@ def test_server_database_url_is_the_postgres_service_via_psycopg_with_its_creden
     )  # fmt: skip
 
 
-def test_server_links_name_the_published_address_and_the_webhook_shortcut_passes_through() -> None:
+def test_server_links_name_the_published_address() -> None:
     server = _compose()["services"]["server"]
     assert _environment(server, {})["AMPWATCH_PUBLIC_URL"] == f"http://localhost:{SERVER_PORT}"
     overridden = _environment(server, {"AMPWATCH_PUBLIC_URL": "https://amp.example.org"})
     assert overridden["AMPWATCH_PUBLIC_URL"] == "https://amp.example.org"
-    hooked = _environment(server, {"AMPWATCH_ALERT_WEBHOOK_URL": "https://hooks.example.org/x"})
-    assert hooked["AMPWATCH_ALERT_WEBHOOK_URL"] == "https://hooks.example.org/x"
 
 
 # --- the Dockerfile, and its agreement with compose ----------------------------------------------------
