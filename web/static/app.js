@@ -38,14 +38,14 @@ function extent(values) {
   return lo <= hi ? [lo, hi] : null;
 }
 
-/** Ticks for a log axis that read as numbers: powers of two for the loss scale, 1-2-5 per decade otherwise. */
+/** Ticks for a log axis that read as numbers: powers of two for the loss scale, 1-2-5 or 1-3 per decade otherwise. */
 function logTicks(values, base) {
   const span = extent(values);
   if (!span || span[0] <= 0) return {};
   const log = (v) => Math.log(v) / Math.log(base);
   const lo = Math.floor(log(span[0]) + 1e-9), hi = Math.ceil(log(span[1]) - 1e-9);
   const every = Math.max(1, Math.ceil((hi - lo) / 8));
-  const mults = base === 10 && hi - lo <= 3 ? [1, 2, 5] : [1];
+  const mults = base === 2 || hi - lo > 4 ? [1] : hi - lo > 2 ? [1, 3] : [1, 2, 5];
   const tickvals = [], ticktext = [];
   for (let k = lo; k <= hi; k += every) {
     mults.forEach((m) => {
@@ -79,7 +79,7 @@ function markerTraces(marks) {
 function guides(marks) {
   return Object.entries(marks).flatMap(([kind, steps]) => steps.slice(0, MAX_GUIDES).map((step) => ({
     type: "line", xref: "x", yref: "paper", x0: step, x1: step, y0: 0, y1: 0.86, layer: "below",
-    line: { color: NONFINITE[kind].color, width: 1, dash: "dot" }, opacity: 0.45,
+    line: { color: NONFINITE[kind].color, width: 1, dash: "dot" }, opacity: 0.6,
   })));
 }
 
@@ -179,7 +179,7 @@ async function main() {
   if (!root || typeof Plotly === "undefined") return;
   await refresh(root);
   // Until live streaming lands, a running run is re-read every two seconds (one request chain at a time).
-  while (false) {
+  while (root.dataset.status === "running") {
     await new Promise((resolve) => setTimeout(resolve, 2000));
     await refresh(root).catch((e) => console.error("ampwatch refresh failed", e));
   }
