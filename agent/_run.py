@@ -17,6 +17,7 @@ import weakref
 from types import TracebackType
 from typing import Any
 
+from ampwatch._diagnose import Diagnosis
 from ampwatch._guard import guarded, warn_once
 from ampwatch._settings import AgentSettings
 from ampwatch._watch import Recorder
@@ -42,8 +43,13 @@ class Run:
         self._settings = settings
         self._finished = False
         self._worker: Worker | None = None
-        self._recorder = Recorder(self._record)
         self.rank, self.world_size = _rank_and_world_size()
+        self._recorder = Recorder(
+            self._record,
+            rank=self.rank,
+            layer_interval=settings.layer_norm_interval,
+            param_interval=settings.param_check_interval,
+        )
         if settings.mode == "disabled":
             self.url = None
             return
@@ -58,6 +64,7 @@ class Run:
             "environment": _environment(self.world_size),
         }
         self._worker = Worker(settings, self.id, doc, self.rank)
+        self._worker.diagnosis = Diagnosis(self._recorder, self.rank)
         _UNFINISHED.add(self)
 
     def __repr__(self) -> str:
@@ -66,7 +73,7 @@ class Run:
     # -- public API -----------------------------------------------------------------------
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "Run":
         """Record loss, scale, skipped steps and gradient norms from now on, with no other code."""
-        guarded(self._recorder.watch, optimizer, scaler)
+        guarded(self._recorder.watch, model, optimizer, scaler)
         return self
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:

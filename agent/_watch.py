@@ -1,18 +1,25 @@
-"""Hooks into GradScaler and the optimizer that record the standard series of each step.
+"""Hooks into GradScaler and the optimizer that record each step's standard series.
 
-Everything on the training thread is a handful of asynchronous tensor ops and one deque append;
-values reach the host on the sender thread, so no host-device sync is ever added here.
+On the training thread this is a handful of asynchronous tensor ops and one deque append per step;
+values reach the host on the sender thread, so no host-device sync is ever added here. GradScaler's
+own exceptions pass through unchanged, with a diagnosis recorded on the side.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from typing import Any, Callable
 
 from ampwatch._guard import guarded
-from ampwatch._worker import VALUES
+from ampwatch._misuse import SILENT_UNSCALED, Signature, classify
+from ampwatch._origin import OriginProbe
+from ampwatch._worker import EVENT, ORIGIN, VALUES
 
-STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm"})
+log = logging.getLogger("ampwatch")
+STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
+ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event
 _WATCHED: "weakref.WeakKeyDictionary[Any, Recorder]" = weakref.WeakKeyDictionary()
 _CLASSES: dict[type, type] = {}
 
@@ -20,9 +27,14 @@ _CLASSES: dict[type, type] = {}
 class Recorder:
     """Per-run step state: the step counter and what the current iteration has seen so far."""
 
-    def __init__(self, record: Callable[[tuple], None]) -> None:
+    def __init__(self, record: Callable[[tuple], None], *, rank: int = 0, layer_interval: int = 25, param_interval: int = 50) -> None:
         self._record = record
+        self.rank = rank
         self.step = 0
+        self.layer_interval = layer_interval
+        self.param_interval = param_interval
+        self.arm_request = False  # set by the sender thread's diagnosis
+        self.disarm_request = False
         self._loss: Any = None
         self._norms: list[Any] = []
         self._normed: set[int] = set()
@@ -31,6 +43,19 @@ class Recorder:
         self._user_names: set[str] = set()
         self._hooks: list[Any] = []
         self._scaler: Any = None
+        self._optimizers: list[Any] = []
+        self._model: Any = None
+        self._module_of: dict[int, str] = {}
+        self._layer_index: dict[tuple[int, ...], tuple[tuple[str, ...], Any]] = {}
+        self._probe: OriginProbe | None = None
+        self._arming = 0
+        self._scale_calls = 0
+        self._ever_scaled = False
+        self._silent_reported = False
+        self._last_optimizer: Any = None
+        self._stage_before = "READY"
+        self._first_forward_hook: Any = None
+        self._last_error = 0
 
     # -- what the user logged --------------------------------------------------------------
     def user_logged(self, step: int, names: tuple[str, ...]) -> None:
@@ -43,29 +68,72 @@ class Recorder:
         return self._user_step != self.step or name not in self._user_names
 
     # -- attaching ------------------------------------------------------------------------
-    def watch(self, optimizer: Any, scaler: Any) -> None:
+    def watch(self, model: Any, optimizer: Any, scaler: Any) -> None:
         """Hook the scaler when it is enabled, else count steps through the optimizer."""
+        import torch
+
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
+        self._optimizers = optimizers
+        if model is not None:
+            self._model = model
+            self._module_of = {id(p): name.rpartition(".")[0] or "(root)" for name, p in model.named_parameters()}
+            self._probe = OriginProbe(model)
+            self._first_forward_hook = model.register_forward_pre_hook(self._first_forward)
         if scaler is not None:
             _WATCHED[scaler] = self
             scaler.__class__ = _watched_class(type(scaler))
             self._scaler = scaler
-        if optimizer is not None and (scaler is None or not scaler.is_enabled()):
-            self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
-            self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+        if optimizers and (scaler is None or not scaler.is_enabled()):
+            self._hooks.append(optimizers[0].register_step_pre_hook(self._before_optimizer_step))
+            self._hooks.append(optimizers[0].register_step_post_hook(self._after_optimizer_step))
+        if torch.is_anomaly_enabled():
+            self._config("Anomaly detection (torch.autograd.detect_anomaly / set_detect_anomaly) is on: training runs "
+                         "2-2.6x slower and a normal GradScaler skip becomes a crash. Turn it off outside debugging.",
+                         {"check": "anomaly_mode"})  # fmt: skip
 
     def unwatch(self) -> None:
         """Remove every hook; the scaler is its own class again."""
-        for handle in self._hooks:
-            handle.remove()
+        for handle in [*self._hooks, self._first_forward_hook]:
+            if handle is not None:
+                handle.remove()
         self._hooks.clear()
+        if self._probe is not None:
+            self._probe.disarm()
         scaler = self._scaler
         if scaler is not None and _WATCHED.get(scaler) is self:
             del _WATCHED[scaler]
             scaler.__class__ = _plain_class(type(scaler))
 
+    def _first_forward(self, module: Any, args: Any) -> None:
+        """Configuration checks that need the forward's autocast state; runs once."""
+        if self._first_forward_hook is not None:
+            self._first_forward_hook.remove()
+            self._first_forward_hook = None
+        guarded(self._check_forward_config, module)
+
+    def _check_forward_config(self, module: Any) -> None:
+        import torch
+
+        device = next((p.device.type for p in module.parameters()), "cpu")
+        scaler_on = self._scaler is not None and self._scaler.is_enabled()
+        on = {d for d in ("cuda", "cpu", "xpu", "mps") if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d)}
+        if scaler_on and device in on and torch.get_autocast_dtype(device) == torch.bfloat16:
+            self._config("GradScaler is enabled with bf16 autocast: bf16 has fp32's range and needs no loss scaling; the "
+                         "scaler only adds work and skips. Build it with enabled=False under bf16 (as nanoGPT does).",
+                         {"check": "scaler_with_bf16", "device": device})  # fmt: skip
+        elif on and device not in on:
+            self._config(f"autocast is on for {', '.join(sorted(on))} but the model runs on {device}: its forward runs in "
+                         f"full precision. Use torch.autocast('{device}', ...).", {"check": "autocast_device", "device": device})  # fmt: skip
+        elif scaler_on and device not in on:
+            self._config(f"GradScaler is enabled but the forward runs without autocast on {device}: there is nothing "
+                         "to scale. Wrap the forward in torch.autocast, or disable the scaler.",
+                         {"check": "scaler_without_autocast", "device": device})  # fmt: skip
+
     # -- scaler path ----------------------------------------------------------------------
     def on_scale(self, outputs: Any) -> None:
         """The loss is the tensor handed to `scaler.scale()`, summed over micro-batches."""
+        self._scale_calls += 1
+        self._ever_scaled = True
         if getattr(outputs, "numel", None) is None or outputs.numel() != 1:
             return
         loss = outputs.detach().reshape(())
@@ -76,9 +144,40 @@ class Recorder:
         self._take_norm(optimizer, None)
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
-        """Fused optimizers unscale inside their kernel: take the norm of scaled grads / scale."""
-        if scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False):
+        """Remember the stage for diagnosis; fused optimizers unscale in their kernel: norm of grads / scale."""
+        state = scaler._per_optimizer_states.get(id(optimizer))
+        self._stage_before = state["stage"].name if state else "READY"
+        self._last_optimizer = optimizer
+        if not scaler.is_enabled():
+            return
+        if self._scale_calls == 0 and self._ever_scaled and not self._silent_reported and _grads(optimizer):
+            self._silent_reported = True
+            self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
             self._take_norm(optimizer, scaler._scale)
+
+    def on_error(self, optimizer: Any, error: BaseException) -> None:
+        """GradScaler raised: record the likely cause and its fix (the error itself propagates)."""
+        optimizer = optimizer if optimizer is not None else self._last_optimizer
+        if optimizer is None or id(error) == self._last_error:
+            return
+        self._last_error = id(error)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        model = self._model
+        signature = Signature(
+            message=str(error),
+            stage=self._stage_before,
+            params_with_grad=sum(p.grad is not None for p in params),
+            foreign_params=sum(id(p) not in self._module_of for p in params) if model is not None else None,
+            model_has_grads=any(p.grad is not None for p in model.parameters()) if model is not None else None,
+            scaled_this_iteration=self._scale_calls > 0,
+        )
+        found = classify(signature)
+        if found is not None:
+            cause, explanation = found
+            details = {"cause": cause, "error": str(error), "stage": signature.stage,
+                       "params_with_grad": signature.params_with_grad, "foreign_params": signature.foreign_params}  # fmt: skip
+            self._misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
 
     def before_update(self, scaler: Any) -> None:
         """Snapshot scale and found_inf before `update()` overwrites them."""
@@ -86,9 +185,7 @@ class Recorder:
         if not scaler.is_enabled() or scaler._scale is None:
             return
         scale = scaler._scale
-        found = [
-            t for state in scaler._per_optimizer_states.values() for t in state["found_inf_per_device"].values()
-        ]
+        found = [t for state in scaler._per_optimizer_states.values() for t in state["found_inf_per_device"].values()]
         if not found:
             return  # update() is about to raise: nothing to record
         found_inf = found[0] if len(found) == 1 else sum(t.to(scale.device, non_blocking=True) for t in found)
@@ -101,7 +198,7 @@ class Recorder:
         if self._row is not None:
             self._record((VALUES, self.step, *self._row))
             self._row = None
-            self._next()
+            self._end_iteration()
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -116,7 +213,7 @@ class Recorder:
         self._add_common(names, parts)
         if parts:
             self._record((VALUES, self.step, tuple(names), _stack(parts)))
-        self._next()
+        self._end_iteration()
 
     # -- shared ---------------------------------------------------------------------------
     def _add_common(self, names: list[str], parts: list[Any]) -> None:
@@ -126,30 +223,101 @@ class Recorder:
         if self._norms and self._mine("grad_norm"):
             names.append("grad_norm")
             parts.append(_combine_norms(self._norms))
+        if self._optimizers and (self.step % self.param_interval == 0 or self._probe_armed()):
+            names.append("param_norm")
+            parts.append(_total_norm([p for o in self._optimizers for g in o.param_groups for p in g["params"]]))
 
     def _take_norm(self, optimizer: Any, scale: Any) -> None:
         if id(optimizer) in self._normed:
             return
         self._normed.add(id(optimizer))
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
+        params = _grads(optimizer)
+        if not params:
             return
         import torch
 
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        self._norms.append(norm if scale is None else norm / scale)
+        norms = torch.stack(torch._foreach_norm([p.grad for p in params]))
+        total = torch.linalg.vector_norm(norms)
+        self._norms.append(total if scale is None else total / scale)
+        if self._model is not None and self.step % self.layer_interval == 0:
+            names, index = self._layers(params, norms.device)
+            per_layer = torch.zeros(len(names), device=norms.device).index_add_(0, index, norms.float().square()).sqrt()
+            self._record((VALUES, self.step, names, per_layer if scale is None else per_layer / scale))
 
-    def _next(self) -> None:
+    def _layers(self, params: list[Any], device: Any) -> tuple[tuple[str, ...], Any]:
+        """Series names per module and each gradient's module index, cached per parameter set."""
+        key = tuple(map(id, params))
+        if key not in self._layer_index:
+            import torch
+
+            modules = [self._module_of.get(id(p), "(unnamed)") for p in params]
+            order = list(dict.fromkeys(modules))
+            index = torch.tensor([order.index(m) for m in modules], device=device)
+            self._layer_index[key] = (tuple(f"grad_norm/{m}" for m in order), index)
+        return self._layer_index[key]
+
+    def _end_iteration(self) -> None:
+        opt = self._optimizers[0] if self._optimizers else None
+        lr = opt.param_groups[0].get("lr") if opt is not None else None
+        if isinstance(lr, float) and self._mine("lr"):
+            self._record((VALUES, self.step, ("lr",), (lr,)))
+        self._probe_step()
         self.step += 1
         self._loss = None
         self._norms = []
         self._normed.clear()
+        self._scale_calls = 0
+
+    def _probe_armed(self) -> bool:
+        return self._probe is not None and self._probe.armed
+
+    def _probe_step(self) -> None:
+        probe = self._probe
+        if probe is None:
+            return
+        if probe.armed:
+            import torch
+
+            fwd_names, fwd, bwd_names, bwd = probe.take()
+            if fwd or bwd:
+                flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
+                self._record((ORIGIN, self.step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
+            probe.steps_left -= 1
+            if probe.steps_left <= 0 or self.disarm_request:
+                probe.disarm()
+                self.disarm_request = False
+        if self.arm_request and not probe.armed:
+            self.arm_request = False
+            self._arming += 1
+            probe.arm(ARM_STEPS)
+
+    def _config(self, message: str, details: dict[str, Any]) -> None:
+        self._record((EVENT, self.step, self._event("amp_config", "warning", message, details)))
+
+    def _misuse(self, what: str, cause: str, explanation: str, severity: str, details: dict[str, Any]) -> None:
+        message = f"{what} at step {self.step}. {explanation}"
+        log.error("ampwatch: %s", message)
+        self._record((EVENT, self.step, self._event("scaler_misuse", severity, message, {"cause": cause, **details})))
+
+    def _event(self, kind: str, severity: str, message: str, details: dict[str, Any]) -> dict[str, Any]:
+        return {"step": self.step, "rank": self.rank, "type": kind, "severity": severity, "message": message,
+                "details": details, "time": time.time()}  # fmt: skip
+
+
+def _grads(optimizer: Any) -> list[Any]:
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def _stack(parts: list[Any]) -> Any:
     import torch
 
     return torch.stack([p.float() for p in parts])
+
+
+def _total_norm(tensors: list[Any]) -> Any:
+    import torch
+
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t.detach() for t in tensors])).float())
 
 
 def _combine_norms(norms: list[Any]) -> Any:
@@ -181,8 +349,13 @@ def _scale(self: Any, outputs: Any) -> Any:
 
 
 def _unscale_(self: Any, optimizer: Any) -> None:
-    super(type(self), self).unscale_(optimizer)
     rec = _WATCHED.get(self)
+    try:
+        super(type(self), self).unscale_(optimizer)
+    except (AssertionError, RuntimeError) as error:
+        if rec is not None:
+            guarded(rec.on_error, optimizer, error)
+        raise
     if rec is not None:
         guarded(rec.on_unscaled, optimizer)
 
@@ -191,14 +364,24 @@ def _step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
     rec = _WATCHED.get(self)
     if rec is not None:
         guarded(rec.before_step, self, optimizer)
-    return super(type(self), self).step(optimizer, *args, **kwargs)
+    try:
+        return super(type(self), self).step(optimizer, *args, **kwargs)
+    except (AssertionError, RuntimeError) as error:
+        if rec is not None:
+            guarded(rec.on_error, optimizer, error)
+        raise
 
 
 def _update(self: Any, new_scale: Any = None) -> None:
     rec = _WATCHED.get(self)
     if rec is not None:
         guarded(rec.before_update, self)
-    super(type(self), self).update(new_scale)
+    try:
+        super(type(self), self).update(new_scale)
+    except (AssertionError, RuntimeError) as error:
+        if rec is not None:
+            guarded(rec.on_error, None, error)
+        raise
     if rec is not None:
         guarded(rec.after_update)
 

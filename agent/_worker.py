@@ -13,7 +13,7 @@ import os
 import random
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Protocol
 
 from ampwatch._settings import AgentSettings
 from ampwatch._transport import Transport, encode_value
@@ -21,9 +21,18 @@ from ampwatch._transport import Transport, encode_value
 log = logging.getLogger("ampwatch")
 
 # Record kinds appended by the training thread.
-VALUES, EVENT, STATUS, FLUSH = "v", "e", "s", "f"
+VALUES, EVENT, STATUS, FLUSH, ORIGIN = "v", "e", "s", "f", "o"
 
-Observer = Callable[[int, dict[str, float]], list[dict[str, Any]]]
+
+Flags = list[tuple[str, float]]  # (module, 1.0 if its output or output gradient was non-finite), in call order
+
+
+class Diagnoser(Protocol):
+    """Turns host values into events (see `ampwatch._diagnose.Diagnosis`)."""
+
+    def observe(self, step: int, values: dict[str, float]) -> list[dict[str, Any]]: ...
+
+    def origin(self, step: int, arming: int, forward: Flags, backward: Flags) -> list[dict[str, Any]]: ...
 
 
 def _derived(name: str, value: float) -> float:
@@ -41,7 +50,7 @@ class Worker:
         self._rank = rank
         self._transport = Transport(settings.url, settings.token, settings.request_timeout_s)
         self.records: collections.deque[tuple] = collections.deque()
-        self.observer: Observer | None = None
+        self.diagnosis: Diagnoser | None = None
         self.dropped = 0
         self._wake = threading.Event()
         self._stop = False
@@ -123,7 +132,13 @@ class Worker:
     def _seal(self, entries: list[tuple]) -> None:
         if not entries:
             return
-        host = _to_host([e[3] for e in entries if e[0] == VALUES and not isinstance(e[3], tuple)])
+        tensors: list[Any] = []
+        for e in entries:
+            if e[0] == VALUES and not isinstance(e[3], tuple):
+                tensors.append(e[3])
+            elif e[0] == ORIGIN:
+                tensors.extend(t for t in (e[4], e[6]) if t is not None)
+        host = _to_host(tensors)
         points: dict[str, tuple[list[int], list[Any]]] = {}
         events: list[dict[str, Any]] = []
         status = None
@@ -139,8 +154,14 @@ class Worker:
                     steps.append(step)
                     vals.append(encode_value(v))
                 count += len(named)
-                if self.observer is not None:
-                    events.extend(self.observer(step, named))
+                if self.diagnosis is not None:
+                    events.extend(self.diagnosis.observe(step, named))
+            elif kind == ORIGIN:
+                _, step, arming, fwd_names, fwd, bwd_names, bwd = entry
+                forward = [(n, next(host)) for n in fwd_names] if fwd is not None else []
+                backward = [(n, next(host)) for n in bwd_names] if bwd is not None else []
+                if self.diagnosis is not None:
+                    events.extend(self.diagnosis.origin(step, arming, forward, backward))
             elif kind == EVENT:
                 events.append(entry[2])
             elif kind == STATUS:

@@ -1,0 +1,299 @@
+"""Diagnosis on the host, on the sender thread: per-step values in, events a person can act on out.
+
+Nothing here touches a tensor, so none of it costs the training thread anything.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ampwatch._origin import INPUT
+
+log = logging.getLogger("ampwatch")
+Event = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a pattern becomes an event. Defaults follow AMP_NOTES.md's failure signatures."""
+
+    scale_floor: float = 1.0  # PyTorch's docs: a scale below 1 means something is wrong
+    collapse_streak: int = 10  # consecutive skips that are a collapse whatever the scale
+    warn_streak: int = 3  # consecutive skips after calibration worth a warning
+    spike_factor: float = 10.0  # grad norm this many times its rolling median
+    loss_spike_factor: float = 5.0
+    window: int = 200  # rolling median window (steps)
+    warmup: int = 20  # finite values needed before spikes are judged
+
+
+def pow2(value: float) -> str:
+    """A loss scale as people read it: 2^16, or the number when it is not a power of two."""
+    if value > 0 and math.isfinite(value) and math.log2(value).is_integer():
+        return f"2^{int(math.log2(value))}"
+    return f"{value:g}"
+
+
+class _Median:
+    """Rolling median over the last `size` finite values, kept sorted (O(log n) search, O(n) insert)."""
+
+    def __init__(self, size: int) -> None:
+        self._order: deque[float] = deque()
+        self._sorted: list[float] = []
+        self._size = size
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, value: float) -> None:
+        if len(self._order) == self._size:
+            old = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._order.append(value)
+        bisect.insort(self._sorted, value)
+
+    def value(self) -> float:
+        return self._sorted[len(self._sorted) // 2]
+
+
+class Analyzer:
+    """Classifies each step from its standard series and emits events once per episode."""
+
+    def __init__(self, rank: int = 0, thresholds: Thresholds | None = None) -> None:
+        self.rank = rank
+        self.t = thresholds or Thresholds()
+        self.calibrating = True
+        self._calibration_skips = 0
+        self._calibration_start: float | None = None
+        self._streak = 0
+        self._streak_start_scale = 0.0
+        self._collapsed = False
+        self._nonfinite_loss = False
+        self._nan_grad_streak = 0
+        self._param_bad = False
+        self._grad_median = _Median(self.t.window)
+        self._loss_median = _Median(self.t.window)
+        self._grad_spiking = False
+        self._loss_spiking = False
+        self._last_lr: float | None = None
+        self._last_skipped = False
+        self._scheduler_reported = False
+        self._norm_history: deque[float] = deque(maxlen=30)
+
+    def observe(self, step: int, values: dict[str, float]) -> list[Event]:
+        """Events for one step's values (any subset of loss, scale, skipped, grad_norm, lr, param_norm)."""
+        events: list[Event] = []
+        loss, scale, norm = values.get("loss"), values.get("scale"), values.get("grad_norm")
+        skipped = values.get("skipped")
+        if "param_norm" in values:
+            self._check_params(step, values["param_norm"], scale, events)
+        if loss is not None:
+            self._check_loss(step, loss, scale, skipped, norm, events)
+        if skipped is not None and scale is not None:
+            self._check_skip(step, bool(skipped), scale, loss, norm, events)
+        if norm is not None:
+            self._check_grad(step, norm, loss, bool(skipped), scale is not None, events)
+        if "lr" in values:
+            self._check_scheduler(step, values["lr"], events)
+        if skipped is not None:
+            self._last_skipped = bool(skipped)
+        return events
+
+    # -- skipped steps and the loss scale --------------------------------------------------
+    def _check_skip(self, step: int, skipped: bool, scale: float, loss: float | None, norm: float | None, out: list[Event]) -> None:
+        if not skipped:
+            if self.calibrating:
+                self.calibrating = False
+                if self._calibration_skips:
+                    out.append(self.event(step, "skipped_step", "info",
+                        f"Start-up calibration: {self._calibration_skips} skipped step(s) while the loss scale fell "
+                        f"from {pow2(self._calibration_start or scale)} to {pow2(scale)}. This is normal.",
+                        {"calibration": True, "skips": self._calibration_skips, "scale": scale}))  # fmt: skip
+            elif self._streak >= self.t.warn_streak:
+                out.append(self.event(step, "skipped_step", "info",
+                    f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}.",
+                    {"recovered": True, "streak": self._streak, "scale": scale}))  # fmt: skip
+            self._streak, self._collapsed = 0, False
+            return
+        if self._streak == 0:
+            self._streak_start_scale = scale
+        self._streak += 1
+        if self.calibrating:
+            self._calibration_skips += 1
+            self._calibration_start = self._calibration_start or scale
+        collapsed = self._streak >= self.t.collapse_streak or (self._streak >= 2 and scale / 2 < self.t.scale_floor)
+        if collapsed and not self._collapsed:
+            self._collapsed = True
+            out.append(self.event(step, "scale_collapse", "critical",
+                f"Loss scale collapse: {self._streak} consecutive skipped steps, scale {pow2(self._streak_start_scale)} → "
+                f"{pow2(scale / 2)}. Every step is being thrown away: the gradients overflow or are NaN at any scale. "
+                "Check the data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows).",
+                {"streak": self._streak, "scale_before": self._streak_start_scale, "scale_after": scale / 2}))  # fmt: skip
+        elif self.calibrating or self._collapsed:
+            return
+        elif self._streak == 1:
+            kind = "NaN" if norm is not None and math.isnan(norm) else "inf"
+            out.append(self.event(step, "skipped_step", "info",
+                f"Step {step} skipped: {kind} in the scaled gradients; loss scale {pow2(scale)} → {pow2(scale / 2)}. "
+                "Occasional skips are normal dynamic loss scaling.", {"scale_before": scale, "scale_after": scale / 2}))  # fmt: skip
+        elif self._streak == self.t.warn_streak:
+            out.append(self.event(step, "skipped_step", "warning",
+                f"{self._streak} consecutive skipped steps (loss scale now {pow2(scale / 2)}): more than fp16 overflow "
+                "usually causes. Watch for a scale collapse.", {"streak": self._streak, "scale_after": scale / 2}))  # fmt: skip
+
+    # -- non-finite values -----------------------------------------------------------------
+    def _check_loss(self, step: int, loss: float, scale: float | None, skipped: float | None, norm: float | None, out: list[Event]) -> None:
+        if math.isfinite(loss):
+            self._nonfinite_loss = False
+            self._spike(step, "loss", loss, self._loss_median, self.t.loss_spike_factor, out)
+            return
+        if self._nonfinite_loss:
+            return
+        self._nonfinite_loss = True
+        what = "NaN" if math.isnan(loss) else ("+Inf" if loss > 0 else "-Inf")
+        if skipped:
+            fate = f"GradScaler skipped the step (loss scale {pow2(scale or 0)} → {pow2((scale or 0) / 2)}); the parameters are intact."
+        elif scale is None:
+            fate = "There is no GradScaler to skip the step: the optimizer may now write NaN into the parameters."
+        else:
+            fate = "The step was not skipped."
+        out.append(self.event(step, "nonfinite_loss", "critical",
+            f"{what} loss at step {step}: the forward pass produced a non-finite value (a bad batch, or a layer that "
+            f"overflows). {fate}", {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped),
+                                     "grad_norm_trend": self._trend()}))  # fmt: skip
+
+    def _check_grad(self, step: int, norm: float, loss: float | None, skipped: bool, scaled: bool, out: list[Event]) -> None:
+        if math.isfinite(norm):
+            self._nan_grad_streak = 0
+            if not skipped:
+                self._norm_history.append(norm)
+                self._spike(step, "grad_norm", norm, self._grad_median, self.t.spike_factor, out)
+            return
+        if not math.isnan(norm) or (loss is not None and not math.isfinite(loss)):
+            return  # inf is an ordinary fp16 overflow; a NaN loss was reported already
+        self._nan_grad_streak += 1
+        if self._nan_grad_streak == 1 or (scaled and self._nan_grad_streak == self.t.warn_streak):
+            repeated = self._nan_grad_streak >= self.t.warn_streak
+            severity = "critical" if repeated or not scaled else "warning"
+            cause = ("The loss is finite, so the backward pass made the NaN: look for sqrt, log, pow or a norm of "
+                     "zero, or a division by a value that can be 0.")  # fmt: skip
+            fate = (" GradScaler skipped the step." if scaled else " No GradScaler skipped it: the parameters may be NaN next.")
+            count = f"{self._nan_grad_streak} steps in a row" if repeated else f"step {step}"
+            out.append(self.event(step, "nonfinite_grad", severity, f"NaN gradients at {count} with a finite loss. {cause}{fate}",
+                                   {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None}))  # fmt: skip
+
+    def _check_params(self, step: int, param_norm: float, scale: float | None, out: list[Event]) -> None:
+        if math.isfinite(param_norm):
+            self._param_bad = False
+            return
+        if self._param_bad:
+            return
+        self._param_bad = True
+        out.append(self.event(step, "nonfinite_param", "critical",
+            f"The parameters are non-finite at step {step}: the run cannot recover. Not a benign fp16 overflow: "
+            "restore the last good checkpoint, and lower the learning rate or find the layer that overflows.",
+            {"param_norm": _spell(param_norm), "grad_norm_trend": self._trend()}))  # fmt: skip
+
+    # -- spikes and schedules --------------------------------------------------------------
+    def _spike(self, step: int, name: str, value: float, median: _Median, factor: float, out: list[Event]) -> None:
+        spiking = name == "grad_norm" and self._grad_spiking or name == "loss" and self._loss_spiking
+        if len(median) >= self.t.warmup and median.value() > 0:
+            ratio = value / median.value()
+            if ratio >= factor and not spiking:
+                kind = "grad_spike" if name == "grad_norm" else "loss_spike"
+                what = "Gradient norm" if name == "grad_norm" else "Loss"
+                hint = (" No step was skipped: this is an explosion, not an fp16 overflow. Clip gradients or lower the "
+                        "learning rate." if name == "grad_norm" else " Check the batch and the learning rate.")  # fmt: skip
+                out.append(self.event(step, kind, "warning",
+                    f"{what} {value:.4g} at step {step} is {ratio:.0f}× its median over the last {len(median)} steps "
+                    f"({median.value():.4g}).{hint}", {name: value, "median": median.value(), "ratio": ratio}))  # fmt: skip
+                spiking = True
+            elif ratio < factor / 2:
+                spiking = False
+        if name == "grad_norm":
+            self._grad_spiking = spiking
+        else:
+            self._loss_spiking = spiking
+        median.add(value)
+
+    def _check_scheduler(self, step: int, lr: float, out: list[Event]) -> None:
+        if self._last_lr is not None and self._last_skipped and lr != self._last_lr and not self._scheduler_reported:
+            self._scheduler_reported = True
+            out.append(self.event(step, "amp_config", "warning",
+                f"The learning rate changed ({self._last_lr:.3g} → {lr:.3g}) across a step GradScaler skipped: the "
+                "scheduler advances on skipped steps, so the schedule runs ahead of the optimizer. Step the "
+                "scheduler only when the optimizer stepped.", {"lr_before": self._last_lr, "lr_after": lr}))  # fmt: skip
+        self._last_lr = lr
+
+    def _trend(self) -> dict[str, float] | None:
+        if not self._norm_history:
+            return None
+        recent = list(self._norm_history)
+        return {"last": recent[-1], "min": min(recent), "max": max(recent), "steps": len(recent)}
+
+    def event(self, step: int, kind: str, severity: str, message: str, details: dict[str, Any]) -> Event:
+        return {"step": step, "rank": self.rank, "type": kind, "severity": severity, "message": message,
+                "details": details, "time": time.time()}  # fmt: skip
+
+
+def _spell(value: float) -> float | str:
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+class Diagnosis:
+    """The analyzer plus the NaN-origin loop: a non-finite event arms the recorder's probe; the probe's
+    first hit names the module, and the probe is disarmed."""
+
+    _ARMING_TYPES = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
+
+    def __init__(self, recorder: Any, rank: int = 0, thresholds: Thresholds | None = None) -> None:
+        self.analyzer = Analyzer(rank, thresholds)
+        self._recorder = recorder
+        self._found: set[int] = set()
+
+    def observe(self, step: int, values: dict[str, float]) -> list[Event]:
+        """Events for one step; critical ones are also logged, so a user without a server sees them."""
+        events = self.analyzer.observe(step, values)
+        for event in events:
+            if event["type"] in self._ARMING_TYPES:
+                self._recorder.arm_request = True
+            if event["severity"] == "critical":
+                log.error("ampwatch: %s", event["message"])
+        return events
+
+    def origin(self, step: int, arming: int, forward: list[tuple[str, float]], backward: list[tuple[str, float]]) -> list[Event]:
+        """An event naming the first module whose output, else output gradient, went non-finite."""
+        if arming in self._found:
+            return []
+        first_fwd = next(((i, n) for i, (n, bad) in enumerate(forward) if bad), None)
+        first_bwd = next(((i, n) for i, (n, bad) in enumerate(backward) if bad), None)
+        if first_fwd is None and first_bwd is None:
+            return []
+        self._found.add(arming)
+        self._recorder.disarm_request = True
+        if first_fwd is not None:
+            index, module = first_fwd
+            if module == INPUT:
+                message = (f"Origin of the non-finite values at step {step}: the input batch itself contains NaN/Inf, "
+                           "before any layer ran. A data problem, not the model: check the data pipeline.")  # fmt: skip
+            else:
+                message = (f"Origin of the non-finite values at step {step}: first non-finite output: `{module}` "
+                           f"(forward, module {index + 1} of {len(forward)} in call order).")  # fmt: skip
+            details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
+            kind = "nonfinite_loss"
+        else:
+            index, module = first_bwd  # type: ignore[misc]
+            message = (f"Origin of the non-finite gradients at step {step}: first non-finite gradient: the output "
+                       f"gradient of `{module}` (backward, {index + 1} of {len(backward)} in backward order); "
+                       "the forward was finite.")  # fmt: skip
+            details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward]}
+            kind = "nonfinite_grad"
+        log.error("ampwatch: %s", message)
+        return [self.analyzer.event(step, kind, "critical", message, details)]

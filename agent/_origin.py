@@ -1,0 +1,78 @@
+"""Where a NaN came from: after a non-finite event, hook every leaf module for a few steps.
+
+The next occurrence names the first module whose output (forward) or output gradient (backward) went
+non-finite. Each hook adds one `isfinite().all()` per module on the device, read on the sender thread;
+nothing is replayed (replaying consumes RNG and moves BatchNorm statistics).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+INPUT = "(input batch)"
+
+
+def _first_float_tensor(value: Any) -> Any:
+    if getattr(value, "is_floating_point", None) is not None:
+        return value if value.is_floating_point() else None
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(_first_float_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return next((t for t in map(_first_float_tensor, value.values()) if t is not None), None)
+    return None
+
+
+class OriginProbe:
+    """Forward and output-gradient hooks on a model's leaf modules, present only while armed."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._handles: list[Any] = []
+        self.forward: list[tuple[str, Any]] = []
+        self.backward: list[tuple[str, Any]] = []
+        self.steps_left = 0
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def arm(self, steps: int) -> None:
+        """Hook every leaf module (and the model's input) for the next `steps` iterations."""
+        if self.armed:
+            self.steps_left = steps
+            return
+        self.steps_left = steps
+        self._handles.append(self._model.register_forward_pre_hook(self._on_input))
+        for name, module in self._model.named_modules():
+            if name and not any(True for _ in module.children()):
+                self._handles.append(module.register_forward_hook(self._hook_for(name)))
+
+    def disarm(self) -> None:
+        """Remove every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.forward.clear()
+        self.backward.clear()
+
+    def take(self) -> tuple[list[str], list[Any], list[str], list[Any]]:
+        """This iteration's flags (True = non-finite), in forward order and in backward order."""
+        fwd, bwd = self.forward, self.backward
+        self.forward, self.backward = [], []
+        return [n for n, _ in fwd], [f for _, f in fwd], [n for n, _ in bwd], [f for _, f in bwd]
+
+    def _on_input(self, module: Any, args: Any) -> None:
+        tensor = _first_float_tensor(args)
+        if tensor is not None:
+            self.forward.append((INPUT, ~tensor.detach().isfinite().all()))
+
+    def _hook_for(self, name: str) -> Any:
+        def on_output(module: Any, args: Any, output: Any) -> None:
+            tensor = _first_float_tensor(output)
+            if tensor is None:
+                return
+            self.forward.append((name, ~tensor.detach().isfinite().all()))
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad: self.backward.append((name, ~grad.isfinite().all())))
+
+        return on_output
