@@ -81,7 +81,7 @@ class Analyzer:
         self._grad_spiking = False
         self._loss_spiking = False
         self._last_lr: float | None = None
-        self._last_skipped = False
+        self._skipped_at: dict[int, bool] = {}
         self._scheduler_reported = False
         self._norm_history: deque[float] = deque(maxlen=30)
 
@@ -98,10 +98,11 @@ class Analyzer:
             self._check_skip(step, bool(skipped), scale, loss, norm, events)
         if norm is not None:
             self._check_grad(step, norm, loss, bool(skipped), scale is not None, events)
+        if skipped is not None:
+            self._skipped_at[step] = bool(skipped)
+            self._skipped_at.pop(step - 2, None)
         if "lr" in values:
             self._check_scheduler(step, values["lr"], events)
-        if skipped is not None:
-            self._last_skipped = bool(skipped)
         return events
 
     # -- skipped steps and the loss scale --------------------------------------------------
@@ -176,16 +177,20 @@ class Analyzer:
             return
         if not math.isnan(norm) or (loss is not None and not math.isfinite(loss)):
             return  # inf is an ordinary fp16 overflow; a NaN loss was reported already
+        if scaled and self.calibrating:
+            return  # an overflow at a too-high start-up scale can itself make NaN (inf - inf)
         self._nan_grad_streak += 1
-        if self._nan_grad_streak == 1 or (scaled and self._nan_grad_streak == self.t.warn_streak):
-            repeated = self._nan_grad_streak >= self.t.warn_streak
-            severity = "critical" if repeated or not scaled else "warning"
-            cause = ("The loss is finite, so the backward pass made the NaN: look for sqrt, log, pow or a norm of "
-                     "zero, or a division by a value that can be 0.")  # fmt: skip
-            fate = (" GradScaler skipped the step." if scaled else " No GradScaler skipped it: the parameters may be NaN next.")
-            count = f"{self._nan_grad_streak} steps in a row" if repeated else f"step {step}"
-            out.append(self.event(step, "nonfinite_grad", severity, f"NaN gradients at {count} with a finite loss. {cause}{fate}",
-                                   {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None}))  # fmt: skip
+        # With a scaler, one NaN skip can still be an overflow; NaN that survives the halved scale is not.
+        first, critical_at = (2, self.t.warn_streak) if scaled else (1, 1)
+        if self._nan_grad_streak not in (first, critical_at):
+            return
+        severity = "critical" if self._nan_grad_streak >= critical_at else "warning"
+        cause = ("The loss is finite, so the backward pass made the NaN: look for sqrt, log, pow or a norm of "
+                 "zero, or a division by a value that can be 0.")  # fmt: skip
+        fate = " GradScaler skipped the step." if scaled else " No GradScaler skipped it: the parameters may be NaN next."
+        count = f"{self._nan_grad_streak} steps in a row" if self._nan_grad_streak > 1 else f"step {step}"
+        out.append(self.event(step, "nonfinite_grad", severity, f"NaN gradients at {count} with a finite loss. {cause}{fate}",
+                              {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None}))  # fmt: skip
 
     def _check_params(self, step: int, param_norm: float, scale: float | None, out: list[Event]) -> None:
         if math.isfinite(param_norm):
@@ -222,10 +227,11 @@ class Analyzer:
         median.add(value)
 
     def _check_scheduler(self, step: int, lr: float, out: list[Event]) -> None:
-        if self._last_lr is not None and self._last_skipped and lr != self._last_lr and not self._scheduler_reported:
+        # The lr read at step k is the one iteration k used; a change from k-1 happened after iteration k-1.
+        if self._last_lr is not None and self._skipped_at.get(step - 1) and lr != self._last_lr and not self._scheduler_reported:
             self._scheduler_reported = True
             out.append(self.event(step, "amp_config", "warning",
-                f"The learning rate changed ({self._last_lr:.3g} → {lr:.3g}) across a step GradScaler skipped: the "
+                f"The learning rate changed ({self._last_lr:.3g} → {lr:.3g}) after step {step - 1}, which GradScaler skipped: the "
                 "scheduler advances on skipped steps, so the schedule runs ahead of the optimizer. Step the "
                 "scheduler only when the optimizer stepped.", {"lr_before": self._last_lr, "lr_after": lr}))  # fmt: skip
         self._last_lr = lr
@@ -289,10 +295,14 @@ class Diagnosis:
             details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
             kind = "nonfinite_loss"
         else:
-            index, module = first_bwd  # type: ignore[misc]
-            message = (f"Origin of the non-finite gradients at step {step}: first non-finite gradient: the output "
-                       f"gradient of `{module}` (backward, {index + 1} of {len(backward)} in backward order); "
-                       "the forward was finite.")  # fmt: skip
+            # Output gradients arrive in backward order: the first non-finite one was made by the backward of the
+            # module processed just before it (for the very first, by the loss itself).
+            index, received = first_bwd  # type: ignore[misc]
+            module = backward[index - 1][0] if index > 0 else "(loss)"
+            where = f"in the backward of `{module}`" if index > 0 else "in the loss's own backward"
+            message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}: its gradient "
+                       f"input was finite and the gradient it passed on (to `{received}`) was not, while the forward "
+                       "was finite. Look there for sqrt, log, pow or a norm at 0.")  # fmt: skip
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward]}
             kind = "nonfinite_grad"
         log.error("ampwatch: %s", message)

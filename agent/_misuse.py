@@ -15,7 +15,8 @@ class Signature:
     message: str  # str(error)
     stage: str  # the optimizer's GradScaler stage before step(): READY, UNSCALED or STEPPED
     params_with_grad: int  # of this optimizer's parameters
-    foreign_params: int | None  # optimizer parameters not in the watched model (None: no model)
+    replaced_params: int | None  # optimizer parameters not in the model, shaped like a model parameter
+    # the optimizer does not hold: the model's parameters were swapped for new ones (None: no model)
     model_has_grads: bool | None  # whether any model parameter has a gradient (None: no model)
     scaled_this_iteration: bool  # scaler.scale() was called since the last update()
 
@@ -36,9 +37,9 @@ def classify(sig: Signature) -> tuple[str, str] | None:
             "backward made afterwards were never checked. Fix: call unscale_ after scaler.scale(loss).backward() "
             "and before clipping."
         )
-    if sig.foreign_params:
+    if sig.replaced_params:
         return "parameters_replaced", (
-            f"{sig.foreign_params} of this optimizer's parameters are no longer in the model: they were replaced "
+            f"{sig.replaced_params} of this optimizer's parameters are no longer in the model: they were replaced "
             "after the optimizer was built (load_state_dict(assign=True), wrapping or moving the model after "
             "creating the optimizer). Fix: build the optimizer after the model has its final parameters."
         )

@@ -76,7 +76,7 @@ class Recorder:
         self._optimizers = optimizers
         if model is not None:
             self._model = model
-            self._module_of = {id(p): name.rpartition(".")[0] or "(root)" for name, p in model.named_parameters()}
+            self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in model.named_parameters()}
             self._probe = OriginProbe(model)
             self._first_forward_hook = model.register_forward_pre_hook(self._first_forward)
         if scaler is not None:
@@ -168,7 +168,7 @@ class Recorder:
             message=str(error),
             stage=self._stage_before,
             params_with_grad=sum(p.grad is not None for p in params),
-            foreign_params=sum(id(p) not in self._module_of for p in params) if model is not None else None,
+            replaced_params=_replaced(params, model) if model is not None else None,
             model_has_grads=any(p.grad is not None for p in model.parameters()) if model is not None else None,
             scaled_this_iteration=self._scale_calls > 0,
         )
@@ -176,7 +176,7 @@ class Recorder:
         if found is not None:
             cause, explanation = found
             details = {"cause": cause, "error": str(error), "stage": signature.stage,
-                       "params_with_grad": signature.params_with_grad, "foreign_params": signature.foreign_params}  # fmt: skip
+                       "params_with_grad": signature.params_with_grad, "replaced_params": signature.replaced_params}  # fmt: skip
             self._misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
 
     def before_update(self, scaler: Any) -> None:
@@ -250,6 +250,8 @@ class Recorder:
         if key not in self._layer_index:
             import torch
 
+            if any(id(p) not in self._module_of for p in params):  # parameters were replaced: look again
+                self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in self._model.named_parameters()}
             modules = [self._module_of.get(id(p), "(unnamed)") for p in params]
             order = list(dict.fromkeys(modules))
             index = torch.tensor([order.index(m) for m in modules], device=device)
@@ -302,6 +304,20 @@ class Recorder:
     def _event(self, kind: str, severity: str, message: str, details: dict[str, Any]) -> dict[str, Any]:
         return {"step": self.step, "rank": self.rank, "type": kind, "severity": severity, "message": message,
                 "details": details, "time": time.time()}  # fmt: skip
+
+
+def _replaced(params: list[Any], model: Any) -> int:
+    """Optimizer parameters missing from the model that have the shape of a model parameter the
+    optimizer lacks: the signature of parameters swapped after the optimizer was built."""
+    held = {id(p) for p in params}
+    orphans = [tuple(p.shape) for p in model.parameters() if id(p) not in held]
+    in_model = {id(p) for p in model.parameters()}
+    count = 0
+    for p in params:
+        if id(p) not in in_model and tuple(p.shape) in orphans:
+            orphans.remove(tuple(p.shape))
+            count += 1
+    return count
 
 
 def _grads(optimizer: Any) -> list[Any]:

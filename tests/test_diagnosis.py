@@ -1,0 +1,220 @@
+"""Each failure signature of AMP_NOTES.md, produced by a real CPU training loop, becomes the right event
+at the right step (and the benign ones do not warn)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import ampwatch
+
+Hook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class Explode(torch.nn.Module):
+    """Passes its input through; at the steps in `at` it turns one value into -inf (log of 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: set[int] = set()
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step in self.at:
+            x = x.clone()
+            x[0, 0] = torch.log(torch.zeros(()))
+        return x
+
+
+class SqrtOfZero(torch.nn.Module):
+    """Adds sqrt(relu(x) * 0): zero in the forward, NaN in the backward (d sqrt/dx at 0 is inf, times 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(torch.relu(x) * 0.0) if self.on else x
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), Explode(), SqrtOfZero(), torch.nn.Linear(16, 1))
+
+
+def _events(server, run_id: str) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    with server.client() as http:
+        return http.get(f"/api/v1/runs/{run_id}/events").json()
+
+
+def _loop(
+    server: Any,
+    steps: int,
+    *,
+    dtype: torch.dtype = torch.float16,
+    scaler: torch.amp.GradScaler | None = None,
+    before: Callable[[int, torch.nn.Sequential], None] | None = None,
+    batch: Hook | None = None,
+    target: Callable[[int], float] = lambda step: 0.0,
+    pause_after: set[int] = frozenset(),  # type: ignore[assignment]
+    lr: float = 1e-3,
+    scheduler: bool = False,
+) -> list[dict[str, Any]]:
+    """A standard AMP loop with the agent attached; returns the run's events as the server has them."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = scaler if scaler is not None else torch.amp.GradScaler("cpu")
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.99**i) if scheduler else None
+    with ampwatch.init("diag", url=server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(steps):
+            model[2].step = step
+            if before:
+                before(step, model)
+            x = torch.randn(16, 8)
+            x = batch(step, x) if batch else x
+            with torch.autocast("cpu", dtype=dtype):
+                loss = torch.nn.functional.mse_loss(model(x).float(), torch.full((16, 1), target(step)))
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if sched:
+                sched.step()
+            optimizer.zero_grad()
+            if step in pause_after:
+                time.sleep(0.4)  # let the sender thread see this step before the loop goes on
+    return _events(server, run.id)
+
+
+def _of(events: list[dict[str, Any]], *types: str) -> list[tuple[str, str, int]]:
+    return [(e["type"], e["severity"], e["step"]) for e in events if e["type"] in types]
+
+
+def test_startup_calibration_is_one_info_event_and_no_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    events = _loop(sqlite_server, 30, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**22))
+    assert [e["severity"] for e in events] and all(e["severity"] == "info" for e in events)
+    [calibration] = [e for e in events if e["details"].get("calibration")]
+    assert calibration["type"] == "skipped_step" and "normal" in calibration["message"]
+    assert calibration["details"]["skips"] >= 2
+
+
+def test_healthy_occasional_skips_are_info_only(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10)
+    events = _loop(sqlite_server, 120, scaler=scaler, batch=lambda s, x: x * 300)
+    skips = [e for e in events if e["type"] == "skipped_step" and not e["details"].get("calibration")]
+    assert skips, "the scale grew into overflow at least once"
+    assert {e["severity"] for e in events} == {"info"}
+
+
+def test_a_skip_streak_with_a_falling_scale_is_a_scale_collapse(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # From step 20 every gradient overflows at any scale: 1e38 in the loss.
+    events = _loop(sqlite_server, 45, batch=lambda s, x: x * (3e37 if s >= 20 else 1.0))
+    [collapse] = [e for e in events if e["type"] == "scale_collapse"]
+    assert collapse["severity"] == "critical" and 21 <= collapse["step"] <= 30
+    assert "consecutive skipped steps" in collapse["message"]
+    assert collapse["details"]["scale_after"] < collapse["details"]["scale_before"]
+
+
+def test_a_bad_batch_is_a_nonfinite_loss_and_its_next_occurrence_names_the_input(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    def corrupt(step: int, x: torch.Tensor) -> torch.Tensor:
+        if step in (5, 15):
+            x[2, 3] = float("nan")
+        return x
+
+    events = _loop(sqlite_server, 25, batch=corrupt, pause_after={5})
+    losses = [e for e in events if e["type"] == "nonfinite_loss"]
+    assert (losses[0]["severity"], losses[0]["step"]) == ("critical", 5)
+    assert "GradScaler skipped the step" in losses[0]["message"] and "parameters are intact" in losses[0]["message"]
+    [origin] = [e for e in losses if "origin" in e["details"]]
+    assert (origin["step"], origin["details"]["origin"], origin["details"]["phase"]) == (15, "(input batch)", "forward")
+    assert "data problem" in origin["message"]
+
+
+def test_the_origin_probe_names_the_first_layer_whose_output_went_nonfinite(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    def explode(step: int, model: torch.nn.Sequential) -> None:
+        model[2].at = {4, 12}
+
+    events = _loop(sqlite_server, 20, before=explode, pause_after={4})
+    assert _of(events, "nonfinite_loss")[0] == ("nonfinite_loss", "critical", 4)
+    [origin] = [e for e in events if "origin" in e["details"]]
+    assert (origin["step"], origin["details"]["origin"]) == (12, "2")
+    assert "first non-finite output: `2`" in origin["message"]
+
+
+def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    def sqrt_at_zero(step: int, model: torch.nn.Sequential) -> None:
+        model[3].on = step >= 10
+
+    events = _loop(sqlite_server, 30, before=sqrt_at_zero, pause_after={11})
+    grads = _of(events, "nonfinite_grad")
+    # One NaN skip can be an overflow; NaN that survives the halved scale is the backward's own.
+    assert grads[:2] == [("nonfinite_grad", "warning", 11), ("nonfinite_grad", "critical", 12)]
+    assert not _of(events, "nonfinite_loss")
+    origin = next(e for e in events if "origin" in e["details"])
+    assert origin["details"]["phase"] == "backward" and origin["details"]["origin"] == "3"
+    assert "in the backward of `3`" in origin["message"]
+
+
+def test_parameters_gone_nonfinite_without_a_scaler_are_reported(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "1")
+    disabled = torch.amp.GradScaler("cpu", enabled=False)  # bf16: nothing skips a bad step
+    events = _loop(sqlite_server, 12, dtype=torch.bfloat16, scaler=disabled, batch=lambda s, x: x * (float("inf") if s == 6 else 1))
+    params = _of(events, "nonfinite_param")
+    assert params == [("nonfinite_param", "critical", 6)]
+    assert "cannot recover" in next(e for e in events if e["type"] == "nonfinite_param")["message"]
+
+
+def test_a_gradient_explosion_without_a_skip_is_a_grad_spike_and_a_loss_spike(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    events = _loop(sqlite_server, 80, dtype=torch.bfloat16, scaler=disabled, target=lambda s: 300.0 if s == 60 else 0.0)
+    assert _of(events, "grad_spike") == [("grad_spike", "warning", 60)]
+    assert _of(events, "loss_spike") == [("loss_spike", "warning", 60)]
+    assert "not an fp16 overflow" in next(e for e in events if e["type"] == "grad_spike")["message"]
+
+
+def test_a_scheduler_stepping_on_skipped_steps_is_an_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    events = _loop(sqlite_server, 20, scheduler=True, batch=lambda s, x: x * (3e37 if s == 8 else 1))
+    [config] = [e for e in events if e["type"] == "amp_config"]
+    assert config["step"] == 9 and "scheduler" in config["message"]
+
+
+def test_gradscaler_with_bf16_autocast_is_an_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    events = _loop(sqlite_server, 3, dtype=torch.bfloat16)
+    assert [e["details"]["check"] for e in events if e["type"] == "amp_config"] == ["scaler_with_bf16"]
+
+
+def test_anomaly_detection_left_on_is_an_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        events = _loop(sqlite_server, 2)
+    assert "anomaly_mode" in [e["details"]["check"] for e in events if e["type"] == "amp_config"]
+
+
+def test_a_healthy_run_has_per_layer_gradient_norms_grouped_by_module(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "5")
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    expected: dict[int, dict[str, float]] = {}
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(12):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            expected[step] = {m: torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model[int(m)].parameters()])).item() for m in ("0", "4")}
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        names = http.get(f"/api/v1/runs/{run.id}").json()["series"]
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm/0", "grad_norm/4"]}).json()
+    assert sorted(n for n in names if n.startswith("grad_norm/")) == ["grad_norm/0", "grad_norm/4"]  # one per module
+    for module in ("0", "4"):
+        assert data[f"grad_norm/{module}"]["steps"] == [0, 5, 10]
+        assert data[f"grad_norm/{module}"]["values"] == pytest.approx([expected[s][module] for s in (0, 5, 10)], rel=1e-5)
+    assert _events(sqlite_server, run.id) == []  # healthy: nothing to say
