@@ -29,6 +29,11 @@ def classify(sig: Signature) -> tuple[str, str] | None:
             f"scaler.{call}(optimizer) was called twice for one optimizer before scaler.update(). "
             f"Fix: call {call} once per optimizer per iteration, then scaler.update()."
         )
+    if "but _scale is None" in sig.message:
+        return "no_scale_yet", (
+            "GradScaler was used before its first scaler.scale() call: unscale_, step or update ran before any "
+            "scaled backward. Fix: scaler.scale(loss).backward() first, then unscale_/step/update."
+        )
     if "No inf checks were recorded" not in sig.message:
         return None
     if sig.stage == "UNSCALED" and sig.params_with_grad > 0:

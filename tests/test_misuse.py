@@ -1,0 +1,171 @@
+"""Every cause of "No inf checks were recorded for this optimizer." (and its siblings) is recorded with
+its likely cause and fix, and GradScaler's exception reaches the training loop unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import ampwatch
+
+
+def _setup(server: Any, fused: bool = False) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    scaler = torch.amp.GradScaler("cpu")
+    run = ampwatch.init("misuse", url=server.url)
+    run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    return run, model, optimizer, scaler
+
+
+def _loss(model: torch.nn.Module) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.float16):
+        return model(torch.randn(4, 8)).float().pow(2).mean()
+
+
+def _good_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+    scaler.scale(_loss(model)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+
+
+def _misuse_events(server: Any, run: Any) -> list[dict[str, Any]]:
+    run.finish()
+    with server.client() as http:
+        return [e for e in http.get(f"/api/v1/runs/{run.id}/events").json() if e["type"] == "scaler_misuse"]
+
+
+def _raises_unchanged(action: Callable[[], object], message: str) -> BaseException:
+    with pytest.raises((AssertionError, RuntimeError)) as raised:
+        action()
+    assert message in str(raised.value)
+    return raised.value
+
+
+def test_zero_grad_between_backward_and_step(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    _good_step(model, optimizer, scaler)
+    scaler.scale(_loss(model)).backward()
+    optimizer.zero_grad(set_to_none=True)  # misplaced
+    error = _raises_unchanged(lambda: scaler.step(optimizer), "No inf checks were recorded for this optimizer.")
+    assert type(error) is AssertionError
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["severity"], event["step"], event["details"]["cause"]) == ("critical", 1, "gradients_missing")
+    assert "zero_grad() ran between backward and step" in event["message"] and "Fix:" in event["message"]
+
+
+def test_leftover_step_after_gradient_accumulation_as_in_the_seed_reports(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    accumulation = 4
+    for i in range(10):  # 10 micro-batches, a step every 4: two left over
+        scaler.scale(_loss(model) / accumulation).backward()
+        if (i + 1) % accumulation == 0:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    optimizer.zero_grad()  # the seeds' "cleanup", then a final leftover step
+    _raises_unchanged(lambda: scaler.step(optimizer), "No inf checks were recorded")
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["step"], event["details"]["cause"]) == (2, "gradients_missing")
+
+
+def test_a_step_with_no_backward_since_update_is_a_leftover_step(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    _good_step(model, optimizer, scaler)
+    _raises_unchanged(lambda: scaler.step(optimizer), "No inf checks were recorded")
+    [event] = _misuse_events(sqlite_server, run)
+    assert event["details"]["cause"] == "leftover_step" and "gradient-accumulation" in event["message"]
+
+
+def test_a_detached_loss(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    loss = _loss(model).detach().requires_grad_()
+    scaler.scale(loss).backward()
+    _raises_unchanged(lambda: scaler.step(optimizer), "No inf checks were recorded")
+    [event] = _misuse_events(sqlite_server, run)
+    assert event["details"]["cause"] == "gradients_missing" and "detached" in event["message"]
+
+
+def test_stepping_the_wrong_optimizer_or_frozen_parameters(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    other = torch.nn.Linear(3, 3)  # a GAN's other network: the loss never reaches it
+    wrong = torch.optim.SGD(other.parameters(), lr=0.1)
+    scaler.scale(_loss(model)).backward()
+    _raises_unchanged(lambda: scaler.step(wrong), "No inf checks were recorded")
+    [event] = _misuse_events(sqlite_server, run)
+    assert event["details"]["cause"] == "wrong_optimizer_or_frozen"
+    assert "frozen or unused" in event["message"]
+
+
+def test_unscale_before_backward(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    _good_step(model, optimizer, scaler)
+    loss = _loss(model)
+    scaler.unscale_(optimizer)  # too early: there are no gradients yet
+    scaler.scale(loss).backward()
+    _raises_unchanged(lambda: scaler.step(optimizer), "No inf checks were recorded")
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["details"]["cause"], event["details"]["stage"]) == ("unscale_before_backward", "UNSCALED")
+
+
+def test_unscale_before_any_scaled_backward(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    _raises_unchanged(lambda: scaler.unscale_(optimizer), "_scale is None")
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["step"], event["details"]["cause"]) == (0, "no_scale_yet")
+
+
+def test_parameters_replaced_after_the_optimizer_was_built(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    _good_step(model, optimizer, scaler)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    scaler.scale(_loss(model)).backward()
+    _raises_unchanged(lambda: scaler.step(optimizer), "No inf checks were recorded")
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["details"]["cause"], event["details"]["replaced_params"]) == ("parameters_replaced", 4)
+
+
+def test_with_a_fused_optimizer_the_mistake_surfaces_in_update(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server, fused=True)
+    _good_step(model, optimizer, scaler)
+    scaler.scale(_loss(model)).backward()
+    optimizer.zero_grad(set_to_none=True)
+    scaler.step(optimizer)
+    _raises_unchanged(scaler.update, "No inf checks were recorded prior to update.")
+    [event] = _misuse_events(sqlite_server, run)
+    assert event["details"]["cause"] == "gradients_missing"
+
+
+def test_step_twice_before_update(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    scaler.scale(_loss(model)).backward()
+    scaler.step(optimizer)
+    error = _raises_unchanged(lambda: scaler.step(optimizer), "step() has already been called since the last update()")
+    assert type(error) is RuntimeError
+    [event] = _misuse_events(sqlite_server, run)
+    assert event["details"]["cause"] == "step_twice"
+
+
+def test_a_silent_unscaled_backward_is_reported_once_without_raising(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    _good_step(model, optimizer, scaler)
+    for _ in range(3):
+        _loss(model).backward()  # forgot scaler.scale(): gradients end up divided by the scale
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["severity"], event["step"], event["details"]["cause"]) == ("warning", 1, "unscaled_backward")
+    assert "stops learning" in event["message"]
+
+
+def test_a_correct_loop_has_no_misuse(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    for _ in range(5):
+        _good_step(model, optimizer, scaler)
+    assert _misuse_events(sqlite_server, run) == []
