@@ -25,7 +25,7 @@ def classify(sig: Signature) -> tuple[str, str] | None:
     """(cause, explanation with the fix) for a GradScaler misuse, or None for any other error."""
     if "already been called since the last update" in sig.message:
         call = "unscale_" if "unscale_" in sig.message else "step"
-        return f"{call}_twice", (
+        return ("unscale_twice" if call == "unscale_" else "step_twice"), (
             f"scaler.{call}(optimizer) was called twice for one optimizer before scaler.update(). "
             f"Fix: call {call} once per optimizer per iteration, then scaler.update()."
         )
