@@ -30,6 +30,7 @@ class Thresholds:
     loss_spike_factor: float = 5.0
     window: int = 200  # rolling median window (steps)
     warmup: int = 20  # finite values needed before spikes are judged
+    calibration_steps: int = 50  # skips before this step (outside a collapse) are start-up calibration
 
 
 def pow2(value: float) -> str:
@@ -108,7 +109,7 @@ class Analyzer:
     # -- skipped steps and the loss scale --------------------------------------------------
     def _check_skip(self, step: int, skipped: bool, scale: float, loss: float | None, norm: float | None, out: list[Event]) -> None:
         if not skipped:
-            if self.calibrating:
+            if self.calibrating and step >= self.t.calibration_steps:
                 self.calibrating = False
                 if self._calibration_skips:
                     out.append(self.event(step, "skipped_step", "info",
@@ -137,6 +138,8 @@ class Analyzer:
                 {"streak": self._streak, "scale_before": self._streak_start_scale, "scale_after": scale / 2}))  # fmt: skip
         elif self.calibrating or self._collapsed:
             return
+        elif self._streak == 1 and loss is not None and not math.isfinite(loss):
+            return  # the nonfinite_loss event says it all
         elif self._streak == 1:
             kind = "NaN" if norm is not None and math.isnan(norm) else "inf"
             out.append(self.event(step, "skipped_step", "info",

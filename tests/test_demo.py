@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ampwatch.server import db, store
-from ampwatch.server.demo import NAN_STEP_FRACTION
+from ampwatch.server.demo import NAN_AGAIN_FRACTION, NAN_STEP_FRACTION, OVERFLOW_FRACTION, SPIKE_FRACTION
 
 
 def _free_port() -> int:
@@ -28,15 +28,22 @@ def test_demo_trains_an_unstable_run_and_prints_the_dashboard(tmp_path: Path) ->
     engine = db.make_engine(url)
     with db.session_factory(engine)() as session:
         [(run, project)] = store.list_runs(session)
-        assert (project, run.status, run.last_step) == ("demo", "finished", steps - 1)
+        assert (project, run.status, run.last_step, run.health) == ("demo", "finished", steps - 1, "critical")
         assert f"Run page: http://127.0.0.1:{port}/runs/{run.id}" in done.stdout
-        data = store.read_series(session, run_id=run.id, names=["loss", "skipped", "scale"])
+        data = store.read_series(session, run_id=run.id, names=["loss", "scale"])
+        events = [(e.step, e.type, e.details.get("origin")) for e in store.list_events(session, run_id=run.id)]
     engine.dispose()
+    nan, again, spike, overflow = (int(steps * f) for f in (NAN_STEP_FRACTION, NAN_AGAIN_FRACTION, SPIKE_FRACTION, OVERFLOW_FRACTION))
     nan_steps = [s for s, v in zip(*data["loss"]) if v is None or math.isnan(v)]
-    assert nan_steps == [int(steps * NAN_STEP_FRACTION)]
-    skipped = [s for s, v in zip(*data["skipped"]) if v == 1]
-    assert any(s > 10 and s not in nan_steps for s in skipped), "overflow skips after calibration"
-    assert min(data["scale"][1]) < max(data["scale"][1])
+    assert nan_steps[:2] == [nan, again] and nan_steps[2] >= overflow
+    assert min(data["scale"][1]) < 1.0 < max(data["scale"][1])
+    # The story the demo tells, as diagnosed: calibration, a bad batch, its origin, a spike, a collapse.
+    assert (50, "skipped_step", None) in events
+    assert (nan, "nonfinite_loss", None) in events and (again, "nonfinite_loss", "(input batch)") in events
+    assert (spike, "loss_spike", None) in events
+    assert any(t == "nonfinite_loss" and origin == "blocks.2.fc" for _, t, origin in events)
+    assert any(t == "scale_collapse" and s > overflow for s, t, _ in events)
+    assert "What ampwatch diagnosed" in done.stdout
 
 
 def test_demo_without_torch_says_how_to_install_it(tmp_path: Path) -> None:
