@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import logging
 import math
 import os
 import platform
+import re
 import secrets
 import socket
 import sys
@@ -36,14 +38,14 @@ class Run:
         name: str | None = None,
         config: dict[str, Any] | None = None,
     ) -> None:
-        self.id = secrets.token_hex(8)
+        self.rank, self.world_size = _rank_and_world_size()
+        self.id = _run_id(settings.project, name, self.world_size)
         self.project = settings.project
         self.name = name or f"run-{self.id[:6]}"
         self.url: str | None = f"{settings.url}/runs/{self.id}"
         self._settings = settings
         self._finished = False
         self._worker: Worker | None = None
-        self.rank, self.world_size = _rank_and_world_size()
         self._recorder = Recorder(
             self._record,
             rank=self.rank,
@@ -178,7 +180,26 @@ def _crash_event(step: int, rank: int, exc: BaseException) -> dict[str, Any]:
 
 
 def _rank_and_world_size() -> tuple[int, int]:
+    """From an initialized process group (local calls, no collective), else torchrun's environment."""
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _run_id(project: str, name: str | None, world_size: int) -> str:
+    """Random for one process. The ranks of one distributed launch derive the same id from what they
+    share (torchrun's run id and rendezvous address), so they report into one run without talking."""
+    explicit = os.environ.get("AMPWATCH_RUN_ID")
+    if explicit:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", explicit):
+            raise ValueError(f"AMPWATCH_RUN_ID must be 1-64 letters, digits, '-' or '_', not {explicit!r}")
+        return explicit
+    if world_size <= 1:
+        return secrets.token_hex(8)
+    shared = [project, name or "", os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("MASTER_ADDR", ""),
+              os.environ.get("MASTER_PORT", "")]  # fmt: skip
+    return hashlib.sha256("\0".join(shared).encode()).hexdigest()[:16]
 
 
 def _environment(world_size: int) -> dict[str, Any]:

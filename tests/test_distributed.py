@@ -1,0 +1,59 @@
+"""Two-process DDP on the CPU (gloo, launched by torchrun): each rank reports its own records into one
+run, tagged with its rank, and the agent issues no collective of its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = """
+import os, torch, torch.distributed as dist
+import ampwatch
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+torch.manual_seed(1 + dist.get_rank())  # each rank sees its own data
+with ampwatch.init("ddp", "two-ranks", url=os.environ["SERVER"]) as run:
+    run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    for step in range(STEPS):
+        x = torch.randn(4, 8)
+        if step == 5 and dist.get_rank() == 1:
+            x[0, 0] = float("inf")  # only rank 1 overflows; DDP's all-reduce makes both ranks skip
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+print("rank", dist.get_rank(), "run", run.id, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    steps = 12
+    script = tmp_path / "ddp_train.py"
+    script.write_text(SCRIPT.replace("STEPS", str(steps)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = {"SERVER": sqlite_server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ids = {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("rank")}
+    with sqlite_server.client() as http:
+        runs = http.get("/api/v1/runs", params={"project": "ddp"}).json()
+        assert [r["id"] for r in runs] == list(ids)  # both ranks chose the same run id, without talking
+        run = runs[0]
+        assert (run["status"], run["environment"]["world_size"], run["last_step"]) == ("finished", 2, steps - 1)
+        by_rank = {
+            rank: http.get(f"/api/v1/runs/{run['id']}/series", params={"name": ["loss", "scale", "skipped"], "rank": rank}).json()
+            for rank in (0, 1)
+        }
+    for rank in (0, 1):
+        assert by_rank[rank]["loss"]["steps"] == list(range(steps))
+    assert by_rank[0]["loss"]["values"] != by_rank[1]["loss"]["values"]  # each rank's own records
+    assert by_rank[0]["scale"]["values"] == by_rank[1]["scale"]["values"]  # found_inf agrees through all-reduce
+    assert by_rank[0]["skipped"]["values"][5] == by_rank[1]["skipped"]["values"][5] == 1
