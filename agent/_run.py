@@ -67,6 +67,7 @@ class Run:
         }
         self._worker = Worker(settings, self.id, doc, self.rank)
         self._worker.diagnosis = Diagnosis(self._recorder, self.rank)
+        self._worker.start()
         _UNFINISHED.add(self)
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ class AgentSettings:
     request_timeout_s: float = 5.0
     max_pending_records: int = 1_000_000
     max_batch_points: int = 50_000
+    heartbeat_interval_s: float = 10.0
     layer_norm_interval: int = 25
     param_check_interval: int = 50
 
@@ -39,6 +40,7 @@ class AgentSettings:
             mode=mode,
             flush_interval_s=float(env.get("AMPWATCH_FLUSH_INTERVAL_S", cls.flush_interval_s)),
             finish_timeout_s=float(env.get("AMPWATCH_FINISH_TIMEOUT_S", cls.finish_timeout_s)),
+            heartbeat_interval_s=float(env.get("AMPWATCH_HEARTBEAT_INTERVAL_S", cls.heartbeat_interval_s)),
             layer_norm_interval=max(1, int(env.get("AMPWATCH_LAYER_NORM_INTERVAL", cls.layer_norm_interval))),
             param_check_interval=max(1, int(env.get("AMPWATCH_PARAM_CHECK_INTERVAL", cls.param_check_interval))),
         )

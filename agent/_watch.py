@@ -73,7 +73,7 @@ class Recorder:
         import torch
 
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
-        self._optimizers = optimizers
+        self._optimizers = optimizers = [_unwrap(o) for o in optimizers]
         if model is not None:
             self._model = model
             self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in model.named_parameters()}
@@ -202,9 +202,12 @@ class Recorder:
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        guarded(self._take_norm, optimizer, None)
+        # A closure (Lightning, LBFGS) computes the gradients inside step(): take the norm after it.
+        if (args[0] if args else kwargs.get("closure")) is None:
+            guarded(self._take_norm, optimizer, None)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        guarded(self._take_norm, optimizer, None)  # no-op unless step() ran a closure
         guarded(self._record_optimizer_step)
 
     def _record_optimizer_step(self) -> None:
@@ -318,6 +321,13 @@ def _replaced(params: list[Any], model: Any) -> int:
             orphans.remove(tuple(p.shape))
             count += 1
     return count
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The optimizer a wrapper (Accelerate's `AcceleratedOptimizer`) delegates to: only its step hooks fire."""
+    while hasattr(getattr(optimizer, "optimizer", None), "param_groups"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _grads(optimizer: Any) -> list[Any]:

@@ -62,6 +62,7 @@ class Worker:
         self._registered = False
         self._retry_at = 0.0
         self._failures = 0
+        self._last_batch_at = 0.0
 
     # -- training thread side -------------------------------------------------------------
     def record(self, entry: tuple) -> None:
@@ -74,6 +75,11 @@ class Worker:
                 log.warning("ampwatch: the record buffer is full, dropping records (counted)")
             return
         self.records.append(entry)
+
+    def start(self) -> None:
+        """Start sending now: the run registers and heartbeats before its first step."""
+        if self._pid != os.getpid():
+            self._start()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything recorded so far was delivered; False on timeout."""
@@ -103,6 +109,7 @@ class Worker:
             self._wake.clear()
             try:
                 self._absorb(self._drain())
+                self._heartbeat()
                 self._deliver()
             except Exception:  # never let the thread die: a dead sender loses everything after
                 log.exception("ampwatch: sender error")
@@ -171,9 +178,15 @@ class Worker:
                 points, events, count = {}, [], 0
         self._enqueue(points, events, status)
 
-    def _enqueue(self, points: dict, events: list, status: str | None) -> None:
-        if not points and not events and status is None:
+    def _heartbeat(self) -> None:
+        """An empty batch when nothing else was sent for a while: the server tells hung from dead by it."""
+        if not self._outbox and time.monotonic() - self._last_batch_at >= self._settings.heartbeat_interval_s:
+            self._enqueue({}, [], None, heartbeat=True)
+
+    def _enqueue(self, points: dict, events: list, status: str | None, heartbeat: bool = False) -> None:
+        if not points and not events and status is None and not heartbeat:
             return
+        self._last_batch_at = time.monotonic()
         self._seq += 1
         doc = {
             "rank": self._rank,

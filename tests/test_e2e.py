@@ -140,3 +140,19 @@ def test_nonfinite_and_exact_floats_round_trip_through_the_database(live_server)
     assert data["v"]["values"][1:4] == ["NaN", "Infinity", "-Infinity"]
     got = [data["v"]["values"][i] for i in (0, 4, 5, 6)]
     assert got == [0.1 + 0.2, -2.5e-310, 5e-324, 1.7976931348623157e308]  # bit-exact float64, subnormals too
+
+
+def test_a_run_appears_before_its_first_step_and_heartbeats_while_idle(sqlite_server, monkeypatch, wait_for) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_HEARTBEAT_INTERVAL_S", "0.2")
+    run = ampwatch.init("e2e", "idle", url=sqlite_server.url)
+
+    def seen() -> str | None:
+        with sqlite_server.client() as http:
+            reply = http.get(f"/api/v1/runs/{run.id}")
+        return reply.json()["last_seen_at"] if reply.status_code == 200 else None
+
+    first = wait_for(seen, what="the run to register with no step recorded")
+    wait_for(lambda: seen() not in (None, first), what="a heartbeat while the loop records nothing")
+    run.finish()
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run.id}").json()["status"] == "finished"

@@ -1,0 +1,69 @@
+"""PyTorch Lightning integration: one callback that watches a `Trainer.fit`.
+
+    import ampwatch
+    from ampwatch.lightning import AmpwatchCallback
+
+    run = ampwatch.init(project="llm", name="exp-12")
+    trainer = lightning.Trainer(..., callbacks=[AmpwatchCallback(run)])
+
+Imported only by Lightning users: `import ampwatch` never loads this module (nor Lightning).
+Works with the `lightning` package and with the older `pytorch_lightning` one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ampwatch._guard import guarded
+from ampwatch._run import Run
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:
+    try:
+        from pytorch_lightning import Callback  # type: ignore[no-redef]
+    except ImportError as error:
+        raise ImportError("ampwatch.lightning needs Lightning: pip install lightning") from error
+
+__all__ = ["AmpwatchCallback"]
+
+
+class AmpwatchCallback(Callback):
+    """Watches the fit's module, optimizers and its precision plugin's GradScaler with `run`.
+
+    With `finish=True` (the default) the run is finished when the fit ends, and marked crashed when it
+    raises; pass `finish=False` to keep it open (several fits, or logging after the fit) and finish it yourself.
+    """
+
+    def __init__(self, run: Run, *, finish: bool = True) -> None:
+        super().__init__()
+        self.run = run
+        self.finish = finish
+        self._scaled = False  # True when the precision plugin routes the loss through an enabled GradScaler
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Optimizers and the precision plugin exist from here on (not yet in `setup`)."""
+        guarded(self._watch, trainer, pl_module)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        """Without a scaler the agent cannot see the loss: hand it the one Lightning backpropagates."""
+        if not self._scaled:
+            guarded(self.run._recorder.on_scale, loss)  # summed over accumulated micro-batches, as with a scaler
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """After the closure's backward, before Lightning clips: the gradient norm as the model made it."""
+        if not self._scaled:  # with a scaler the norm is taken at unscale_ (or in a fused step)
+            guarded(self.run._recorder.on_unscaled, optimizer)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.finish:
+            self.run.finish()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.finish:  # crashed, with the traceback; Ctrl-C counts as finished, as in `with ampwatch.init()`
+            self.run.__exit__(type(exception), exception, exception.__traceback__)
+
+    def _watch(self, trainer: Any, pl_module: Any) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._scaled = scaler is not None and scaler.is_enabled()
+        self.run.watch(model=pl_module, optimizer=list(trainer.optimizers) or None, scaler=scaler)
