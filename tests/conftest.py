@@ -130,7 +130,7 @@ def sqlite_server(sqlite_url: str) -> Iterator[LiveServer]:
 def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Agent settings from the developer's shell must not leak into tests."""
     for name in list(os.environ):
-        if name.startswith("AMPWATCH_") and name not in ("AMPWATCH_TEST_PG_URL", "AMPWATCH_REQUIRE_POSTGRES", "AMPWATCH_REQUIRE_BROWSER"):
+        if name.startswith("AMPWATCH_") and name not in ("AMPWATCH_TEST_PG_URL", "AMPWATCH_REQUIRE_POSTGRES", "AMPWATCH_REQUIRE_BROWSER", "AMPWATCH_REQUIRE_INTEGRATIONS"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0.05")
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "2")

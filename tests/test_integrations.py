@@ -1,0 +1,338 @@
+"""The three-line attachment in popular stacks, with real CPU training read back through the API:
+nanoGPT's loop, HF Accelerate and PyTorch Lightning."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampwatch
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # inside Lightning 2.6, not ours
+
+# Read now: an autouse fixture strips AMPWATCH_* variables before each test runs.
+REQUIRE_INTEGRATIONS = bool(os.environ.get("AMPWATCH_REQUIRE_INTEGRATIONS"))
+
+
+def _stack(module: str, install: str) -> ModuleType:
+    """Import a training stack; skip without it, or fail when CI requires every integration."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        message = f"{module} is not installed ({error}); `pip install {install}` to test this integration"
+        if REQUIRE_INTEGRATIONS:
+            pytest.fail(f"{message} (AMPWATCH_REQUIRE_INTEGRATIONS is set)")
+        pytest.skip(message)
+
+
+def _series(server, run_id: str, *names: str) -> dict:  # type: ignore[no-untyped-def]
+    with server.client() as http:
+        reply = http.get(f"/api/v1/runs/{run_id}/series", params=[("name", n) for n in names])
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _run_info(server, run_id: str) -> dict:  # type: ignore[no-untyped-def]
+    with server.client() as http:
+        reply = http.get(f"/api/v1/runs/{run_id}")
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _total_norm(parameters: Iterator[torch.nn.Parameter]) -> float:
+    return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None]).item()
+
+
+def _layer_norms_add_up(data: dict, step: int, total: float) -> None:
+    """The per-module series at `step` are a partition of the total gradient norm."""
+    layers = [name for name in data if name.startswith("grad_norm/")]
+    assert len(layers) >= 2, sorted(data)
+    squares = sum(data[n]["values"][data[n]["steps"].index(step)] ** 2 for n in layers)
+    assert math.sqrt(squares) == pytest.approx(total, rel=1e-4)
+
+
+# -- nanoGPT ---------------------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.c_attn, self.c_proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.c_attn(self.ln_1(x)).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.c_proj(y)
+        return x + self.mlp(self.ln_2(x))
+
+
+class _GPT(torch.nn.Module):
+    """nanoGPT's model in miniature: tied embeddings, pre-norm causal blocks, (logits, loss) out."""
+
+    def __init__(self, vocab: int = 32, block: int = 16, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(block, dim)
+        self.h = torch.nn.ModuleList(_Block(dim, 4) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float) -> torch.optim.AdamW:
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), fused=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_nanogpt_loop_records_every_optimizer_step_with_accumulated_loss(sqlite_server, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    """train.py's loop as written: fused AdamW, a scaler disabled under bf16, accumulation, unscale_ + clip."""
+    torch.manual_seed(0)
+    iters, gradient_accumulation_steps, grad_clip = 8, 3, 1.0
+    model = _GPT()
+    optimizer = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3)
+    scaler = torch.amp.GradScaler("cpu", enabled=(dtype == "float16"))
+    ctx = torch.autocast("cpu", dtype=getattr(torch, dtype))
+    data = torch.randint(0, 32, (4096,))
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(data) - 16, (4,))
+        return torch.stack([data[i : i + 16] for i in ix]), torch.stack([data[i + 1 : i + 17] for i in ix])
+
+    run = ampwatch.init(project="integrations", name=f"nanogpt-{dtype}", url=sqlite_server.url)
+    run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    expected_loss, expected_norm, scales = [], [], []
+    X, Y = get_batch()
+    for iter_num in range(iters):
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = 1e-3 * (iter_num + 1) / iters  # nanoGPT's warmup sets lr by hand
+        micro_losses = []
+        for _micro_step in range(gradient_accumulation_steps):
+            with ctx:
+                _logits, loss = model(X, Y)
+                loss = loss / gradient_accumulation_steps
+            micro_losses.append(loss.item())
+            X, Y = get_batch()
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        expected_norm.append(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item())
+        scales.append(scaler.get_scale() if scaler.is_enabled() else None)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        expected_loss.append(math.fsum(micro_losses))
+    run.finish()
+
+    layers = [n for n in _run_info(sqlite_server, run.id)["series"] if n.startswith("grad_norm/")]
+    data = _series(sqlite_server, run.id, "loss", "grad_norm", "lr", "scale", "skipped", *layers)
+    for name in ("loss", "grad_norm", "lr"):
+        assert data[name]["steps"] == list(range(iters)), name
+    assert data["loss"]["values"] == pytest.approx(expected_loss, rel=1e-5)  # the micro-batch losses, summed
+    assert data["grad_norm"]["values"] == pytest.approx(expected_norm, rel=1e-4)  # unscaled, before clipping
+    assert data["lr"]["values"] == pytest.approx([1e-3 * (i + 1) / iters for i in range(iters)])
+    _layer_norms_add_up(data, 0, expected_norm[0])
+    if dtype == "float16":
+        assert data["scale"] == {"steps": list(range(iters)), "values": scales}
+        scales_after = [*scales[1:], scaler.get_scale()]
+        assert data["skipped"]["values"] == [int(after < before) for before, after in zip(scales, scales_after)]
+    else:  # a disabled scaler has no scale: steps are counted through the fused optimizer's hooks
+        assert data["scale"] == data["skipped"] == {"steps": [], "values": []}
+    assert _run_info(sqlite_server, run.id)["status"] == "finished"
+
+
+# -- HF Accelerate ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def accelerate() -> Iterator[ModuleType]:
+    """Accelerate keeps process-wide singletons: reset them so each test builds its own Accelerator."""
+    module = _stack("accelerate", "accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield module
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "fp16"])
+def test_accelerate_loop_records_every_optimizer_step_through_the_wrapped_optimizer(
+    sqlite_server, accelerate: ModuleType, mixed_precision: str
+) -> None:  # type: ignore[no-untyped-def]
+    """`optimizer` after `prepare()` is an AcceleratedOptimizer whose own step hooks never fire; the agent
+    hooks the optimizer inside it. On CPU Accelerate builds no GradScaler: bf16 autocasts, fp16 trains in fp32."""
+    torch.manual_seed(0)
+    steps, accumulation = 6, 2
+    accelerator = accelerate.Accelerator(mixed_precision=mixed_precision, cpu=True, gradient_accumulation_steps=accumulation)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(torch.randn(steps * accumulation * 4, 16), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    run = ampwatch.init(project="integrations", name=f"accelerate-{mixed_precision}", url=sqlite_server.url)
+    run.watch(model=model, optimizer=optimizer, scaler=accelerator.scaler)
+    expected_loss, expected_norm, scales = [], [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(batch).float().pow(2).mean()
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                run.log({"loss": loss})  # no scaler under bf16 on CPU: the agent cannot see the loss by itself
+                scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+                expected_loss.append(loss.item())
+                expected_norm.append(_total_norm(model.parameters()) / (scale or 1.0))
+                scales.append(scale)
+            optimizer.step()
+            optimizer.zero_grad()
+    run.finish()
+
+    data = _series(sqlite_server, run.id, "loss", "grad_norm", "lr", "scale")
+    for name in ("loss", "grad_norm", "lr"):
+        assert data[name]["steps"] == list(range(steps)), name  # one step per real optimizer step, not per batch
+    assert data["loss"]["values"] == pytest.approx(expected_loss, rel=1e-6)
+    assert data["grad_norm"]["values"] == pytest.approx(expected_norm, rel=1e-5)  # the accumulated gradients
+    if accelerator.scaler is None:
+        assert data["scale"] == {"steps": [], "values": []}
+    else:  # fp16 where Accelerate builds a scaler (GPUs): its scale is recorded too
+        assert data["scale"]["values"] == scales
+    assert _run_info(sqlite_server, run.id)["status"] == "finished"
+
+
+# -- PyTorch Lightning -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lightning() -> ModuleType:
+    return _stack("lightning", "lightning")
+
+
+def _lightning_module(L: ModuleType, fail_at: int | None = None) -> object:
+    class Regression(L.LightningModule):
+        """Records, from Lightning's own hooks, the values the agent must report."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+            self.backward_losses: list[float] = []
+            self.norms: list[float] = []
+            self.scales: list[float] = []
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            if batch_idx == fail_at:
+                raise RuntimeError("data loader returned garbage")
+            return self.net(batch).float().pow(2).mean()
+
+        def on_before_backward(self, loss: torch.Tensor) -> None:
+            # Divided by accumulate_grad_batches, and already scaled when the plugin has a GradScaler.
+            scaler = self.trainer.precision_plugin.scaler
+            self.backward_losses.append(loss.item() / (scaler.get_scale() if scaler is not None else 1.0))
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            self.norms.append(_total_norm(self.parameters()))  # after unscale_, before Lightning clips
+            scaler = self.trainer.precision_plugin.scaler
+            self.scales.append(scaler.get_scale() if scaler is not None else None)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(torch.randn(256, 16), batch_size=8)
+
+    return Regression()
+
+
+def _trainer(L: ModuleType, callback: object, steps: int, precision: str, accumulation: int) -> object:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    # On CPU, precision="16-mixed" silently falls back to bf16; the plugin is how fp16 AMP with a GradScaler runs here.
+    amp = {"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {"precision": precision}
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulation, gradient_clip_val=0.05,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[callback], **amp)  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_lightning_callback_records_every_optimizer_step_and_finishes_the_run(sqlite_server, lightning: ModuleType, precision: str) -> None:  # type: ignore[no-untyped-def]
+    """bf16: no scaler; Lightning computes the gradients inside `optimizer.step(closure)`, so the norm is taken
+    once the closure's backward ran. fp16: the precision plugin's GradScaler is watched like any other."""
+    from ampwatch.lightning import AmpwatchCallback
+
+    steps, accumulation = 6, 2
+    module = _lightning_module(lightning)
+    run = ampwatch.init(project="integrations", name=f"lightning-{precision}", url=sqlite_server.url)
+    trainer = _trainer(lightning, AmpwatchCallback(run), steps, precision, accumulation)
+    trainer.fit(module)
+
+    data = _series(sqlite_server, run.id, "loss", "grad_norm", "lr", "scale", "skipped", "grad_norm/net.0", "grad_norm/net.2")
+    for name in ("loss", "grad_norm", "lr"):
+        assert data[name]["steps"] == list(range(steps)), name
+    micro = module.backward_losses
+    assert len(micro) == steps * accumulation
+    per_step = [math.fsum(micro[i : i + accumulation]) for i in range(0, len(micro), accumulation)]
+    assert data["loss"]["values"] == pytest.approx(per_step, rel=1e-5)  # the accumulated micro-batches add up
+    assert data["grad_norm"]["values"] == pytest.approx(module.norms, rel=1e-4)  # unscaled, before clipping to 0.05
+    assert min(module.norms) > 0.05  # so clipping did change the gradients the agent must not see
+    _layer_norms_add_up(data, 0, module.norms[0])
+    if precision == "16-mixed":
+        assert data["scale"]["values"] == module.scales and data["skipped"]["steps"] == list(range(steps))
+    else:
+        assert trainer.precision_plugin.scaler is None and data["scale"] == {"steps": [], "values": []}
+    assert _run_info(sqlite_server, run.id)["status"] == "finished"  # the callback finished the run
+
+
+def test_lightning_callback_marks_the_run_crashed_and_lets_the_exception_through(sqlite_server, lightning: ModuleType) -> None:  # type: ignore[no-untyped-def]
+    from ampwatch.lightning import AmpwatchCallback
+
+    run = ampwatch.init(project="integrations", name="lightning-crash", url=sqlite_server.url)
+    trainer = _trainer(lightning, AmpwatchCallback(run), 10, "bf16-mixed", 1)
+    with pytest.raises(RuntimeError, match="data loader returned garbage"):
+        trainer.fit(_lightning_module(lightning, fail_at=3))
+
+    assert _run_info(sqlite_server, run.id)["status"] == "crashed"
+    with sqlite_server.client() as http:
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+    crashed = [e for e in events if e["type"] == "run_crashed"]
+    assert len(crashed) == 1 and crashed[0]["step"] == 3 and "data loader returned garbage" in crashed[0]["message"]
+    assert _series(sqlite_server, run.id, "loss")["loss"]["steps"] == [0, 1, 2]
+
+
+def test_lightning_callback_can_leave_the_run_open(sqlite_server, lightning: ModuleType, wait_for) -> None:  # type: ignore[no-untyped-def]
+    from ampwatch.lightning import AmpwatchCallback
+
+    def last_step_and_status() -> tuple | None:
+        with sqlite_server.client() as http:
+            reply = http.get(f"/api/v1/runs/{run.id}")
+        return (reply.json()["last_step"], reply.json()["status"]) if reply.status_code == 200 else None
+
+    with ampwatch.init(project="integrations", name="lightning-open", url=sqlite_server.url) as run:
+        _trainer(lightning, AmpwatchCallback(run, finish=False), 3, "bf16-mixed", 1).fit(_lightning_module(lightning))
+        assert wait_for(lambda: last_step_and_status() == (2, "running"), what="the fit's last step") is True
+        run.log({"val_loss": 0.5}, step=2)
+    assert _series(sqlite_server, run.id, "val_loss")["val_loss"] == {"steps": [2], "values": [0.5]}
+    assert _run_info(sqlite_server, run.id)["status"] == "finished"
+
+
+def test_importing_ampwatch_loads_no_integration(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    modules = ("ampwatch.lightning", "lightning", "pytorch_lightning", "accelerate")
+    code = f"import sys, ampwatch; print([m for m in {modules!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stderr
