@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from typing import Any, Callable
 
+from ampwatch import _scaler
 from ampwatch._guard import guarded
 from ampwatch._misuse import SILENT_UNSCALED, Signature, classify
 from ampwatch._origin import OriginProbe
@@ -20,8 +20,6 @@ from ampwatch._worker import EVENT, ORIGIN, VALUES
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
 ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event
-_WATCHED: "weakref.WeakKeyDictionary[Any, Recorder]" = weakref.WeakKeyDictionary()
-_CLASSES: dict[type, type] = {}
 
 
 class Recorder:
@@ -80,8 +78,7 @@ class Recorder:
             self._probe = OriginProbe(model)
             self._first_forward_hook = model.register_forward_pre_hook(self._first_forward)
         if scaler is not None:
-            _WATCHED[scaler] = self
-            scaler.__class__ = _watched_class(type(scaler))
+            _scaler.attach(scaler, self)
             self._scaler = scaler
         if optimizers and (scaler is None or not scaler.is_enabled()):
             self._hooks.append(optimizers[0].register_step_pre_hook(self._before_optimizer_step))
@@ -99,10 +96,8 @@ class Recorder:
         self._hooks.clear()
         if self._probe is not None:
             self._probe.disarm()
-        scaler = self._scaler
-        if scaler is not None and _WATCHED.get(scaler) is self:
-            del _WATCHED[scaler]
-            scaler.__class__ = _plain_class(type(scaler))
+        if self._scaler is not None:
+            _scaler.detach(self._scaler, self)
 
     def _first_forward(self, module: Any, args: Any) -> None:
         """Configuration checks that need the forward's autocast state; runs once."""
@@ -352,81 +347,3 @@ def _combine_norms(norms: list[Any]) -> Any:
     import torch
 
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
-
-
-def _watched_class(base: type) -> type:
-    """A subclass of the scaler's own class whose methods report to the run's Recorder."""
-    if base in _CLASSES.values():
-        return base
-    if base not in _CLASSES:
-        _CLASSES[base] = type(base.__name__, (base,), dict(_WATCHED_METHODS, __module__=base.__module__))
-    return _CLASSES[base]
-
-
-def _plain_class(cls: type) -> type:
-    return next((base for base, watched in _CLASSES.items() if watched is cls), cls)
-
-
-def _scale(self: Any, outputs: Any) -> Any:
-    rec = _WATCHED.get(self)
-    if rec is not None:
-        guarded(rec.on_scale, outputs)
-    return super(type(self), self).scale(outputs)
-
-
-def _unscale_(self: Any, optimizer: Any) -> None:
-    rec = _WATCHED.get(self)
-    try:
-        super(type(self), self).unscale_(optimizer)
-    except (AssertionError, RuntimeError) as error:
-        if rec is not None:
-            guarded(rec.on_error, optimizer, error)
-        raise
-    if rec is not None:
-        guarded(rec.on_unscaled, optimizer)
-
-
-def _step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-    rec = _WATCHED.get(self)
-    if rec is not None:
-        guarded(rec.before_step, self, optimizer)
-    try:
-        return super(type(self), self).step(optimizer, *args, **kwargs)
-    except (AssertionError, RuntimeError) as error:
-        if rec is not None:
-            guarded(rec.on_error, optimizer, error)
-        raise
-
-
-def _update(self: Any, new_scale: Any = None) -> None:
-    rec = _WATCHED.get(self)
-    if rec is not None:
-        guarded(rec.before_update, self)
-    try:
-        super(type(self), self).update(new_scale)
-    except (AssertionError, RuntimeError) as error:
-        if rec is not None:
-            guarded(rec.on_error, None, error)
-        raise
-    if rec is not None:
-        guarded(rec.after_update)
-
-
-def _reduce_ex(self: Any, protocol: int) -> Any:
-    """Pickle and deep-copy as the plain scaler: the copy is not watched."""
-    return (_rebuild, (_plain_class(type(self)), self.__getstate__()))
-
-
-def _rebuild(cls: type, state: dict[str, Any]) -> Any:
-    scaler = cls.__new__(cls)
-    scaler.__setstate__(state)
-    return scaler
-
-
-_WATCHED_METHODS = {
-    "scale": _scale,
-    "unscale_": _unscale_,
-    "step": _step,
-    "update": _update,
-    "__reduce_ex__": _reduce_ex,
-}
