@@ -252,7 +252,7 @@ class Recorder:
                 self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in self._model.named_parameters()}
             modules = [self._module_of.get(id(p), "(unnamed)") for p in params]
             order = list(dict.fromkeys(modules))
-            index = torch.tensor([order.index(m) for m in modules], device=device)
+            index = torch.tensor([order.index(m) for m in modules]).to(device, non_blocking=True)  # built once
             self._layer_index[key] = (tuple(f"grad_norm/{m}" for m in order), index)
         return self._layer_index[key]
 
