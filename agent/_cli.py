@@ -28,6 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     upgrade = db_commands.add_parser("upgrade", help="apply migrations to the latest schema")
     upgrade.add_argument("--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)")
 
+    sync = commands.add_parser("sync", help="upload runs left in the spool by offline mode or an unreachable server")
+    sync.add_argument("dir", nargs="?", help="spool folder (default AMPWATCH_SPOOL_DIR, or ~/.cache/ampwatch/spool)")
+    sync.add_argument("--url", help="server to upload to (default: the one each run was started with)")
+    sync.add_argument("--token", help="ingest token (default AMPWATCH_TOKEN)")
+
     commands.add_parser("version", help="print the version")
     return parser
 
@@ -35,6 +40,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ampwatch` console script."""
     args = _parser().parse_args(argv)
+    if args.command == "sync":
+        import os
+        from pathlib import Path
+
+        from ampwatch._spool import default_root
+        from ampwatch._sync import sync
+
+        return sync(Path(args.dir) if args.dir else default_root(), args.url, args.token or os.environ.get("AMPWATCH_TOKEN"))
     if args.command == "version":
         from ampwatch import __version__
 

@@ -55,10 +55,6 @@ class Run:
         if settings.mode == "disabled":
             self.url = None
             return
-        if settings.mode == "offline":
-            warn_once("offline", "ampwatch: offline mode is not available yet; nothing will be recorded")
-            self.url = None
-            return
         doc = {
             "project": self.project,
             "name": self.name,

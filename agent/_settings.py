@@ -23,6 +23,7 @@ class AgentSettings:
     max_pending_records: int = 1_000_000
     max_batch_points: int = 50_000
     heartbeat_interval_s: float = 10.0
+    spool_max_bytes: int = 1 << 30
     layer_norm_interval: int = 25
     param_check_interval: int = 50
 
@@ -40,6 +41,7 @@ class AgentSettings:
             mode=mode,
             flush_interval_s=float(env.get("AMPWATCH_FLUSH_INTERVAL_S", cls.flush_interval_s)),
             finish_timeout_s=float(env.get("AMPWATCH_FINISH_TIMEOUT_S", cls.finish_timeout_s)),
+            spool_max_bytes=int(env.get("AMPWATCH_SPOOL_MAX_BYTES", cls.spool_max_bytes)),
             heartbeat_interval_s=float(env.get("AMPWATCH_HEARTBEAT_INTERVAL_S", cls.heartbeat_interval_s)),
             layer_norm_interval=max(1, int(env.get("AMPWATCH_LAYER_NORM_INTERVAL", cls.layer_norm_interval))),
             param_check_interval=max(1, int(env.get("AMPWATCH_PARAM_CHECK_INTERVAL", cls.param_check_interval))),

@@ -48,7 +48,10 @@ class Transport:
 
     def send(self, method: str, path: str, document: dict[str, Any]) -> Response:
         """One request; the result says whether to retry."""
-        data = json.dumps(document, allow_nan=False, separators=(",", ":")).encode()
+        try:
+            data = json.dumps(document, allow_nan=False, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as error:  # a bug on our side: retrying cannot help
+            return Response(400, f"the agent could not encode this document: {error}")
         request = urllib.request.Request(self._url + path, data, self._headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=self._timeout_s) as reply:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import random
 import threading
 import time
 from typing import Any, Protocol
 
+from ampwatch._host import to_host
+from ampwatch._outbox import Outbox
 from ampwatch._settings import AgentSettings
+from ampwatch._spool import Spool, default_root
 from ampwatch._transport import Transport, encode_value
 
 log = logging.getLogger("ampwatch")
@@ -45,10 +47,12 @@ class Worker:
 
     def __init__(self, settings: AgentSettings, run_id: str, run_doc: dict[str, Any], rank: int) -> None:
         self._settings = settings
-        self._run_path = f"/api/v1/runs/{run_id}"
-        self._run_doc = run_doc
+        self._online = settings.mode == "online"
         self._rank = rank
-        self._transport = Transport(settings.url, settings.token, settings.request_timeout_s)
+        transport = Transport(settings.url, settings.token, settings.request_timeout_s)
+        registration = {"run_id": run_id, "rank": rank, "url": settings.url, "doc": run_doc}
+        spool = Spool.create(default_root(), run_id, rank, registration, settings.spool_max_bytes)
+        self.outbox = Outbox(transport, run_id, run_doc, spool)
         self.records: collections.deque[tuple] = collections.deque()
         self.diagnosis: Diagnoser | None = None
         self.dropped = 0
@@ -57,11 +61,7 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._seq = 0
-        self._outbox: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
         self._waiters: list[tuple[int, threading.Event]] = []
-        self._registered = False
-        self._retry_at = 0.0
-        self._failures = 0
         self._last_batch_at = 0.0
 
     # -- training thread side -------------------------------------------------------------
@@ -89,10 +89,16 @@ class Worker:
         return done.wait(timeout_s)
 
     def close(self, timeout_s: float) -> bool:
-        """Flush, then stop the thread."""
-        delivered = self.flush(timeout_s)
+        """Flush, then stop the thread; the spool stays on disk while anything in it is unacknowledged."""
+        delivered = self.flush(timeout_s) and self._online
         self._stop = True
         self._wake.set()
+        spool = self.outbox.spool
+        if spool is not None and delivered and not len(self.outbox):
+            spool.discard()
+        elif spool is not None:
+            log.warning("ampwatch: %d batch(es) wait in %s; upload them with: ampwatch sync %s",
+                        len(spool.pending()), spool.folder, spool.folder.parent)  # fmt: skip
         return delivered
 
     def _start(self) -> None:
@@ -145,7 +151,7 @@ class Worker:
                 tensors.append(e[3])
             elif e[0] == ORIGIN:
                 tensors.extend(t for t in (e[4], e[6]) if t is not None)
-        host = _to_host(tensors)
+        host = to_host(tensors)
         points: dict[str, tuple[list[int], list[Any]]] = {}
         events: list[dict[str, Any]] = []
         status = None
@@ -180,7 +186,8 @@ class Worker:
 
     def _heartbeat(self) -> None:
         """An empty batch when nothing else was sent for a while: the server tells hung from dead by it."""
-        if not self._outbox and time.monotonic() - self._last_batch_at >= self._settings.heartbeat_interval_s:
+        due = time.monotonic() - self._last_batch_at >= self._settings.heartbeat_interval_s
+        if self._online and not len(self.outbox) and due:
             self._enqueue({}, [], None, heartbeat=True)
 
     def _enqueue(self, points: dict, events: list, status: str | None, heartbeat: bool = False) -> None:
@@ -195,79 +202,16 @@ class Worker:
             "events": events,
             "status": status,
         }
-        self._outbox.append((self._seq, doc))
+        self.outbox.add(self._seq, doc, send=self._online)
 
     def _deliver(self) -> None:
-        while self._outbox and time.monotonic() >= self._retry_at:
-            if not self._registered:
-                if not self._attempt("PUT", self._run_path, self._run_doc):
-                    return
-                self._registered = True
-            seq, doc = self._outbox[0]
-            reply = self._transport.send("POST", self._run_path + "/batches", doc)
-            if reply.status == 404:  # the server does not know the run (new database): register again
-                self._registered = False
-                continue
-            if not reply.ok and reply.retryable:
-                self._backoff(reply.retry_after_s)
-                return
-            if not reply.ok:
-                log.error("ampwatch: batch %d rejected (%d): %s", seq, reply.status, reply.body[:500])
-            self._failures = 0
-            self._outbox.popleft()
-            self._release_waiters()
-
-    def _attempt(self, method: str, path: str, doc: dict[str, Any]) -> bool:
-        reply = self._transport.send(method, path, doc)
-        if reply.ok:
-            self._failures = 0
-            return True
-        if reply.retryable:
-            self._backoff(reply.retry_after_s)
-        else:
-            log.error("ampwatch: %s %s rejected (%d): %s", method, path, reply.status, reply.body[:500])
-            self._backoff(None)
-        return False
-
-    def _backoff(self, retry_after_s: float | None) -> None:
-        self._failures += 1
-        if self._failures == 1:
-            log.warning("ampwatch: server %s unreachable, will retry", self._settings.url)
-        delay = min(30.0, 0.25 * 2 ** min(self._failures, 8)) * random.uniform(0.5, 1.0)
-        self._retry_at = time.monotonic() + (retry_after_s if retry_after_s is not None else delay)
+        if self._online:
+            self.outbox.deliver()
+        self._release_waiters()
 
     def _release_waiters(self) -> None:
-        pending = self._outbox[0][0] if self._outbox else self._seq + 1
+        first = self.outbox.first_seq if self._online else None
+        pending = first if first is not None else self._seq + 1
         for seq, done in [w for w in self._waiters if w[0] < pending]:
             done.set()
         self._waiters = [w for w in self._waiters if w[0] >= pending]
-
-
-def _to_host(tensors: list[Any]) -> Any:
-    """Copy all device scalars to the host at once (off the training thread) and iterate them."""
-    if not tensors:
-        return iter(())
-    import torch  # only reached when the user logged tensors, so torch is there
-
-    by_device: dict[Any, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    flat: list[float] = [0.0] * sum(t.numel() for t in tensors)
-    offsets = [0]
-    for t in tensors:
-        offsets.append(offsets[-1] + t.numel())
-    for device, idx in by_device.items():
-        values = torch.cat([tensors[i].detach().reshape(-1).float() for i in idx])
-        if device.type == "cuda":
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            while not copied.query():  # poll: never a blocking synchronize
-                time.sleep(0.001)
-            values = host
-        it = iter(values.tolist())
-        for i in idx:
-            for j in range(offsets[i], offsets[i + 1]):
-                flat[j] = next(it)
-    return iter(flat)

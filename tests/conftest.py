@@ -94,9 +94,9 @@ class LiveServer:
         self.app.state.engine.dispose()
 
 
-def start_server(settings: Settings) -> LiveServer:
+def start_server(settings: Settings, port: int | None = None) -> LiveServer:
     """A real uvicorn serving `create_app(settings)` on a loopback port, in a thread."""
-    port = free_port()
+    port = port or free_port()
     settings = settings.model_copy(update={"host": "127.0.0.1", "port": port})
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -119,6 +119,21 @@ def live_server(db_url: str) -> Iterator[LiveServer]:
 
 
 @pytest.fixture
+def live_server_factory() -> Iterator[Callable[..., LiveServer]]:
+    """Start servers at will (to stop and restart them mid-test); all are stopped at the end."""
+    started: list[LiveServer] = []
+
+    def start(settings: Settings, port: int | None = None) -> LiveServer:
+        started.append(start_server(settings, port))
+        return started[-1]
+
+    yield start
+    for server in started:
+        if server.thread.is_alive():
+            server.stop()
+
+
+@pytest.fixture
 def sqlite_server(sqlite_url: str) -> Iterator[LiveServer]:
     """A real server on SQLite only, for tests whose subject is not the database."""
     server = start_server(Settings(database_url=sqlite_url))
@@ -127,13 +142,14 @@ def sqlite_server(sqlite_url: str) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(autouse=True)
-def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _agent_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Agent settings from the developer's shell must not leak into tests."""
     for name in list(os.environ):
         if name.startswith("AMPWATCH_") and name not in ("AMPWATCH_TEST_PG_URL", "AMPWATCH_REQUIRE_POSTGRES", "AMPWATCH_REQUIRE_BROWSER", "AMPWATCH_REQUIRE_INTEGRATIONS"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0.05")
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "2")
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path_factory.mktemp("spool")))
 
 
 @pytest.fixture

@@ -1,0 +1,36 @@
+"""Device scalars to host floats, on the sender thread, in one copy per device."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def to_host(tensors: list[Any]) -> Any:
+    """Copy all device scalars to the host at once (off the training thread) and iterate them."""
+    if not tensors:
+        return iter(())
+    import torch  # only reached when the user logged tensors, so torch is there
+
+    by_device: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    flat: list[float] = [0.0] * sum(t.numel() for t in tensors)
+    offsets = [0]
+    for t in tensors:
+        offsets.append(offsets[-1] + t.numel())
+    for device, idx in by_device.items():
+        values = torch.cat([tensors[i].detach().reshape(-1).float() for i in idx])
+        if device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            while not copied.query():  # poll: never a blocking synchronize
+                time.sleep(0.001)
+            values = host
+        it = iter(values.tolist())
+        for i in idx:
+            for j in range(offsets[i], offsets[i + 1]):
+                flat[j] = next(it)
+    return iter(flat)

@@ -1,0 +1,99 @@
+"""Ordered, at-least-once delivery of batches; the server stores each (run, rank, seq) once.
+
+Batches are persisted to the spool before the first attempt, sent oldest first, retried with backoff
+and jitter while the server is unreachable or overloaded, and removed once acknowledged.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+from typing import Any
+
+from ampwatch._spool import Spool
+from ampwatch._transport import Transport
+
+log = logging.getLogger("ampwatch")
+IN_MEMORY = 64  # batches kept in memory besides the spool; the rest are read back from disk
+MEMORY_ONLY_CAP = 10_000  # without a usable spool, the most batches held for retry
+
+
+class Outbox:
+    """The batches of one (run, rank) that the server has not acknowledged yet."""
+
+    def __init__(self, transport: Transport, run_id: str, run_doc: dict[str, Any], spool: Spool | None) -> None:
+        self._transport = transport
+        self._run_path = f"/api/v1/runs/{run_id}"
+        self._run_doc = run_doc
+        self.spool = spool
+        self._queue: collections.deque[tuple[int, dict[str, Any] | None]] = collections.deque()
+        self._registered = False
+        self.retry_at = 0.0
+        self._failures = 0
+        self.dropped = 0
+        if spool is not None:
+            self._queue.extend((seq, None) for seq in spool.pending())
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @property
+    def first_seq(self) -> int | None:
+        """The oldest unacknowledged batch."""
+        return self._queue[0][0] if self._queue else None
+
+    def add(self, seq: int, doc: dict[str, Any], *, send: bool = True) -> None:
+        """Persist a batch and queue it (`send=False`: persist only, for offline mode)."""
+        stored = self.spool is not None and self.spool.put(seq, doc)
+        if not send:
+            return
+        if not stored and len(self._queue) >= MEMORY_ONLY_CAP:
+            self.dropped += 1  # neither disk nor memory can take it: counted, and said once
+            if self.dropped == 1:
+                log.warning("ampwatch: dropping batches the server has not taken (counted)")
+            return
+        self._queue.append((seq, doc if not stored or len(self._queue) < IN_MEMORY else None))
+
+    def deliver(self) -> bool:
+        """Send what is due, in order; False when the server could not take it (retry later)."""
+        while self._queue:
+            if time.monotonic() < self.retry_at:
+                return False
+            if not self._registered:
+                if not self._send("PUT", self._run_path, self._run_doc):
+                    return False
+                self._registered = True
+            seq, doc = self._queue[0]
+            reply = self._transport.send("POST", self._run_path + "/batches", doc or self.spool.load(seq))  # type: ignore[union-attr]
+            if reply.status == 404:  # the server does not know the run (a new database): register again
+                self._registered = False
+                continue
+            if not reply.ok and reply.retryable:
+                self._backoff(reply.retry_after_s)
+                return False
+            if not reply.ok:
+                log.error("ampwatch: batch %d rejected (%d): %s", seq, reply.status, reply.body[:500])
+            self._failures = 0
+            self._queue.popleft()
+            if self.spool is not None:
+                self.spool.remove(seq)
+        return True
+
+    def _send(self, method: str, path: str, doc: dict[str, Any]) -> bool:
+        reply = self._transport.send(method, path, doc)
+        if reply.ok:
+            self._failures = 0
+            return True
+        if not reply.retryable:
+            log.error("ampwatch: %s %s rejected (%d): %s", method, path, reply.status, reply.body[:500])
+        self._backoff(reply.retry_after_s)
+        return False
+
+    def _backoff(self, retry_after_s: float | None) -> None:
+        self._failures += 1
+        if self._failures == 1:
+            log.warning("ampwatch: the server is unreachable or busy; batches are kept and retried")
+        delay = min(30.0, 0.25 * 2 ** min(self._failures, 8)) * random.uniform(0.5, 1.0)
+        self.retry_at = time.monotonic() + (retry_after_s if retry_after_s is not None else delay)

@@ -1,0 +1,45 @@
+"""`ampwatch sync DIR`: upload what offline runs, or runs whose server was down, left in the spool."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from ampwatch._outbox import Outbox
+from ampwatch._spool import RUN_FILE, Spool
+from ampwatch._transport import Transport
+
+GIVE_UP_AFTER_S = 30.0
+
+
+def sync(root: Path, url: str | None, token: str | None) -> int:
+    """Upload every spooled run under `root`, oldest batch first; 0 when all of it was acknowledged."""
+    folders = sorted(p for p in root.glob("*") if (p / RUN_FILE).is_file()) if root.is_dir() else []
+    if not folders:
+        print(f"nothing to upload in {root}")
+        return 0
+    failed = 0
+    for folder in folders:
+        spool = Spool(folder, max_bytes=1 << 62)
+        info = spool.run()
+        target = (url or info["url"]).rstrip("/")
+        outbox = Outbox(Transport(target, token, 30.0), info["run_id"], info["doc"], spool)
+        total = len(outbox)
+        label = f"{info['doc']['project']}/{info['doc']['name']} (run {info['run_id']}, rank {info['rank']})"
+        if _drain(outbox):
+            spool.discard()
+            print(f"{label}: {total} batch(es) uploaded to {target}")
+        else:
+            failed += 1
+            print(f"{label}: {total - len(outbox)} of {total} uploaded; {target} did not take the rest", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _drain(outbox: Outbox) -> bool:
+    deadline = time.monotonic() + GIVE_UP_AFTER_S
+    while not outbox.deliver():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(max(0.0, min(outbox.retry_at - time.monotonic(), deadline - time.monotonic())))
+    return True

@@ -1,0 +1,112 @@
+"""Nothing lost: batches the server could not take wait on disk and arrive exactly once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+import ampwatch
+from ampwatch.server import Settings
+
+
+def _train(run: ampwatch.Run, steps: range, on_step=None) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    for step in steps:
+        if on_step:
+            on_step(step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(2, 4)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        run.log({"step_seen": float(step)}, step=step)
+
+
+def _series(server, run_id: str) -> dict:  # type: ignore[no-untyped-def]
+    with server.client() as http:
+        return http.get(f"/api/v1/runs/{run_id}/series", params={"name": ["loss", "step_seen"]}).json()
+
+
+def test_a_server_down_for_the_middle_third_of_a_run_loses_nothing(sqlite_url, monkeypatch, request) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "30")
+    start_server = request.getfixturevalue("live_server_factory")
+    server = start_server(Settings(database_url=sqlite_url))
+    port = server.url.rsplit(":", 1)[1]
+    run = ampwatch.init("spool", "outage", url=server.url)
+    holder = {"server": server}
+
+    def outage(step: int) -> None:
+        if step == 100:
+            holder["server"].stop()  # the middle third happens with nobody listening
+        if step == 200:
+            holder["server"] = start_server(Settings(database_url=sqlite_url, port=int(port)), port=int(port))
+        if 100 <= step < 200:
+            import time
+
+            time.sleep(0.005)
+
+    _train(run, range(300), outage)
+    run.finish()
+    data = _series(holder["server"], run.id)
+    assert data["step_seen"]["steps"] == list(range(300))  # every step, once
+    assert data["loss"]["steps"] == list(range(300))
+    assert not any(Path(os.environ["AMPWATCH_SPOOL_DIR"]).iterdir())  # acknowledged, so removed from disk
+
+
+def test_offline_mode_spools_and_sync_uploads_exactly_once(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    spool_dir = os.environ["AMPWATCH_SPOOL_DIR"]
+    with ampwatch.init("spool", "offline", url=sqlite_server.url) as run:
+        _train(run, range(50))
+    with sqlite_server.client() as http:
+        assert http.get("/api/v1/runs").json() == []  # nothing was sent
+    assert list(Path(spool_dir).iterdir())
+    command = [shutil.which("ampwatch") or "ampwatch", "sync", spool_dir, "--url", sqlite_server.url]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "spool/offline" in done.stdout and "uploaded" in done.stdout
+    assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(50))
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run.id}").json()["status"] == "finished"
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "nothing to upload" in again.stdout
+    assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(50))
+
+
+def test_a_run_that_ends_while_the_server_is_gone_is_uploaded_later(sqlite_url, request, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "0.5")
+    start_server = request.getfixturevalue("live_server_factory")
+    server = start_server(Settings(database_url=sqlite_url))
+    run = ampwatch.init("spool", "server-gone", url=server.url)
+
+    def vanish(step: int) -> None:
+        if step == 10:
+            server.stop()
+
+    _train(run, range(40), vanish)
+    run.finish()  # gives up after its timeout: the rest waits on disk
+    spool_dir = os.environ["AMPWATCH_SPOOL_DIR"]
+    assert any(Path(spool_dir).rglob("0*.json"))
+    back = start_server(Settings(database_url=sqlite_url))
+    done = subprocess.run([shutil.which("ampwatch") or "ampwatch", "sync", spool_dir, "--url", back.url], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _series(back, run.id)["step_seen"]["steps"] == list(range(40))
+
+
+def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    with ampwatch.init("spool", "nowhere", url="http://127.0.0.1:9") as run:
+        run.log({"x": 1.0})
+    monkeypatch.setattr("ampwatch._sync.GIVE_UP_AFTER_S", 1.0)
+    from ampwatch._sync import sync
+
+    assert sync(Path(os.environ["AMPWATCH_SPOOL_DIR"]), None, None) == 1
