@@ -15,22 +15,36 @@ def to_host(tensors: list[Any]) -> Any:
     by_device: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
+    if len(by_device) == 1:  # the usual case: one device, values already in order
+        return iter(_host_values(torch, tensors, next(iter(by_device))))
     flat: list[float] = [0.0] * sum(t.numel() for t in tensors)
     offsets = [0]
     for t in tensors:
         offsets.append(offsets[-1] + t.numel())
     for device, idx in by_device.items():
-        values = torch.cat([tensors[i].detach().reshape(-1).float() for i in idx])
-        if device.type == "cuda":
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            while not copied.query():  # poll: never a blocking synchronize
-                time.sleep(0.001)
-            values = host
-        it = iter(values.tolist())
+        it = iter(_host_values(torch, [tensors[i] for i in idx], device))
         for i in idx:
             for j in range(offsets[i], offsets[i + 1]):
                 flat[j] = next(it)
     return iter(flat)
+
+
+def _flat(tensor: Any) -> Any:
+    import torch
+
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.float32 else flat.float()
+
+
+def _host_values(torch: Any, tensors: list[Any], device: Any) -> list[float]:
+    with torch.no_grad():  # everything here is already detached; this only saves the checks
+        values = torch.cat([_flat(t) for t in tensors])
+    if device.type == "cuda":
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        while not copied.query():  # poll: never a blocking synchronize
+            time.sleep(0.001)
+        values = host
+    return values.tolist()

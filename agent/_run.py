@@ -72,7 +72,8 @@ class Run:
     # -- public API -----------------------------------------------------------------------
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "Run":
         """Record loss, scale, skipped steps and gradient norms from now on, with no other code."""
-        guarded(self._recorder.watch, model, optimizer, scaler)
+        if self._worker is not None:  # a disabled run does not even hook: it costs nothing
+            guarded(self._recorder.watch, model, optimizer, scaler)
         return self
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:

@@ -82,6 +82,14 @@ def _update(self: Any, new_scale: Any = None) -> None:
         raise
     if rec is not None:
         guarded(rec.after_update)
+        rec.reanchor = rec.reanchor or new_scale is not None  # set by hand: the shadow cannot know it
+
+
+def _load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+    super(type(self), self).load_state_dict(state_dict)
+    rec = _WATCHED.get(self)
+    if rec is not None:
+        rec.reanchor = True  # a checkpoint's scale: copy it from the device at the next update()
 
 
 def _reduce_ex(self: Any, protocol: int) -> Any:
@@ -100,5 +108,6 @@ _WATCHED_METHODS = {
     "unscale_": _unscale_,
     "step": _step,
     "update": _update,
+    "load_state_dict": _load_state_dict,
     "__reduce_ex__": _reduce_ex,
 }

@@ -15,7 +15,8 @@ from ampwatch import _scaler
 from ampwatch._guard import guarded
 from ampwatch._misuse import SILENT_UNSCALED, Signature, classify
 from ampwatch._origin import OriginProbe
-from ampwatch._worker import EVENT, ORIGIN, VALUES
+from ampwatch._steps import ANCHOR_EVERY, StepRecord
+from ampwatch._worker import EVENT, ORIGIN, STEP
 
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
@@ -33,10 +34,9 @@ class Recorder:
         self.param_interval = param_interval
         self.arm_request = False  # set by the sender thread's diagnosis
         self.disarm_request = False
-        self._loss: Any = None
-        self._norms: list[Any] = []
+        self._current = StepRecord()
         self._normed: set[int] = set()
-        self._row: tuple[tuple[str, ...], Any] | None = None
+        self.reanchor = True  # the scale must be copied from the device at the next update()
         self._user_step = -1
         self._user_names: set[str] = set()
         self._hooks: list[Any] = []
@@ -44,7 +44,7 @@ class Recorder:
         self._optimizers: list[Any] = []
         self._model: Any = None
         self._module_of: dict[int, str] = {}
-        self._layer_index: dict[tuple[int, ...], tuple[tuple[str, ...], Any]] = {}
+        self._layer_names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._probe: OriginProbe | None = None
         self._arming = 0
         self._scale_calls = 0
@@ -129,10 +129,8 @@ class Recorder:
         """The loss is the tensor handed to `scaler.scale()`, summed over micro-batches."""
         self._scale_calls += 1
         self._ever_scaled = True
-        if getattr(outputs, "numel", None) is None or outputs.numel() != 1:
-            return
-        loss = outputs.detach().reshape(())
-        self._loss = loss if self._loss is None else self._loss + loss
+        if getattr(outputs, "numel", None) is not None and outputs.numel() == 1:
+            self._current.losses.append(outputs.detach())
 
     def on_unscaled(self, optimizer: Any) -> None:
         """Right after `unscale_` the gradients are true and not yet clipped: take their norm."""
@@ -175,25 +173,21 @@ class Recorder:
             self._misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
 
     def before_update(self, scaler: Any) -> None:
-        """Snapshot scale and found_inf before `update()` overwrites them."""
-        self._row = None
+        """Keep found_inf (update() discards it), and copy the scale when the shadow needs an anchor."""
+        record = self._current
+        record.found = []
         if not scaler.is_enabled() or scaler._scale is None:
             return
-        scale = scaler._scale
-        found = [t for state in scaler._per_optimizer_states.values() for t in state["found_inf_per_device"].values()]
-        if not found:
-            return  # update() is about to raise: nothing to record
-        found_inf = found[0] if len(found) == 1 else sum(t.to(scale.device, non_blocking=True) for t in found)
-        names, parts = ["scale", "skipped"], [scale, found_inf]
-        self._add_common(names, parts)
-        self._row = (tuple(names), _stack(parts))
+        record.found = [t for state in scaler._per_optimizer_states.values() for t in state["found_inf_per_device"].values()]
+        record.rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
+        if record.found and (self.reanchor or self.step % ANCHOR_EVERY == 0):
+            record.anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
+            self.reanchor = False
 
     def after_update(self) -> None:
         """The iteration is over: record it at its step and start the next."""
-        if self._row is not None:
-            self._record((VALUES, self.step, *self._row))
-            self._row = None
-            self._end_iteration()
+        if self._current.found:
+            self._finish_step()
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -206,26 +200,32 @@ class Recorder:
         guarded(self._record_optimizer_step)
 
     def _record_optimizer_step(self) -> None:
-        names: list[str] = []
-        parts: list[Any] = []
-        self._add_common(names, parts)
-        if parts:
-            self._record((VALUES, self.step, tuple(names), _stack(parts)))
-        self._end_iteration()
+        self._current.found = []
+        self._finish_step()
 
     # -- shared ---------------------------------------------------------------------------
-    def _add_common(self, names: list[str], parts: list[Any]) -> None:
-        if self._loss is not None and self._mine("loss"):
-            names.insert(0, "loss")
-            parts.insert(0, self._loss)
-        if self._norms and self._mine("grad_norm"):
-            names.append("grad_norm")
-            parts.append(_combine_norms(self._norms))
+    def _finish_step(self) -> None:
+        """Record this iteration at its step (what the user logged under a standard name wins)."""
+        record = self._current
+        if not self._mine("loss"):
+            record.losses = []
+        if not self._mine("grad_norm"):
+            record.groups = []
         if self._optimizers and (self.step % self.param_interval == 0 or self._probe_armed()):
-            names.append("param_norm")
-            parts.append(_total_norm([p for o in self._optimizers for g in o.param_groups for p in g["params"]]))
+            import torch
+
+            record.params = torch._foreach_norm([p.detach() for o in self._optimizers for g in o.param_groups for p in g["params"]])
+        lr = self._optimizers[0].param_groups[0].get("lr") if self._optimizers else None
+        record.lr = lr if isinstance(lr, float) and self._mine("lr") else None
+        self._record((STEP, self.step, record))
+        self._probe_step()
+        self.step += 1
+        self._current = StepRecord()
+        self._normed.clear()
+        self._scale_calls = 0
 
     def _take_norm(self, optimizer: Any, scale: Any) -> None:
+        """Per-parameter gradient norms: one op here, everything else on the sender thread."""
         if id(optimizer) in self._normed:
             return
         self._normed.add(id(optimizer))
@@ -234,39 +234,17 @@ class Recorder:
             return
         import torch
 
-        norms = torch.stack(torch._foreach_norm([p.grad for p in params]))
-        total = torch.linalg.vector_norm(norms)
-        self._norms.append(total if scale is None else total / scale)
-        if self._model is not None and self.step % self.layer_interval == 0:
-            names, index = self._layers(params, norms.device)
-            per_layer = torch.zeros(len(names), device=norms.device).index_add_(0, index, norms.float().square()).sqrt()
-            self._record((VALUES, self.step, names, per_layer if scale is None else per_layer / scale))
+        modules = self._modules(params) if self._model is not None and self.step % self.layer_interval == 0 else None
+        self._current.groups.append((torch._foreach_norm([p.grad for p in params]), scale is not None, modules))
 
-    def _layers(self, params: list[Any], device: Any) -> tuple[tuple[str, ...], Any]:
-        """Series names per module and each gradient's module index, cached per parameter set."""
+    def _modules(self, params: list[Any]) -> tuple[str, ...]:
+        """The module of each parameter, cached per parameter set."""
         key = tuple(map(id, params))
-        if key not in self._layer_index:
-            import torch
-
+        if key not in self._layer_names:
             if any(id(p) not in self._module_of for p in params):  # parameters were replaced: look again
                 self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in self._model.named_parameters()}
-            modules = [self._module_of.get(id(p), "(unnamed)") for p in params]
-            order = list(dict.fromkeys(modules))
-            index = torch.tensor([order.index(m) for m in modules]).to(device, non_blocking=True)  # built once
-            self._layer_index[key] = (tuple(f"grad_norm/{m}" for m in order), index)
-        return self._layer_index[key]
-
-    def _end_iteration(self) -> None:
-        opt = self._optimizers[0] if self._optimizers else None
-        lr = opt.param_groups[0].get("lr") if opt is not None else None
-        if isinstance(lr, float) and self._mine("lr"):
-            self._record((VALUES, self.step, ("lr",), (lr,)))
-        self._probe_step()
-        self.step += 1
-        self._loss = None
-        self._norms = []
-        self._normed.clear()
-        self._scale_calls = 0
+            self._layer_names[key] = tuple(self._module_of.get(id(p), "(unnamed)") for p in params)
+        return self._layer_names[key]
 
     def _probe_armed(self) -> bool:
         return self._probe is not None and self._probe.armed
@@ -327,23 +305,3 @@ def _unwrap(optimizer: Any) -> Any:
 
 def _grads(optimizer: Any) -> list[Any]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-
-def _stack(parts: list[Any]) -> Any:
-    import torch
-
-    return torch.stack([p.float() for p in parts])
-
-
-def _total_norm(tensors: list[Any]) -> Any:
-    import torch
-
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t.detach() for t in tensors])).float())
-
-
-def _combine_norms(norms: list[Any]) -> Any:
-    if len(norms) == 1:
-        return norms[0]
-    import torch
-
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))

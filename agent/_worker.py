@@ -12,21 +12,36 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Protocol
 
 from ampwatch._host import to_host
 from ampwatch._outbox import Outbox
 from ampwatch._settings import AgentSettings
 from ampwatch._spool import Spool, default_root
+from ampwatch._steps import StepDecoder
 from ampwatch._transport import Transport, encode_value
 
 log = logging.getLogger("ampwatch")
 
 # Record kinds appended by the training thread.
-VALUES, EVENT, STATUS, FLUSH, ORIGIN = "v", "e", "s", "f", "o"
+VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP = "v", "e", "s", "f", "o", "t"
 
 
 Flags = list[tuple[str, float]]  # (module, 1.0 if its output or output gradient was non-finite), in call order
+
+
+_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) inherits the deques but not the threads: it starts its own
+    sender only if it records something itself."""
+    for worker in list(_LIVE):
+        worker._forget_thread()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Diagnoser(Protocol):
@@ -35,11 +50,6 @@ class Diagnoser(Protocol):
     def observe(self, step: int, values: dict[str, float]) -> list[dict[str, Any]]: ...
 
     def origin(self, step: int, arming: int, forward: Flags, backward: Flags) -> list[dict[str, Any]]: ...
-
-
-def _derived(name: str, value: float) -> float:
-    """`skipped` is recorded as the raw found_inf sum: any inf found means the step was skipped."""
-    return (1.0 if value > 0 else 0.0) if name == "skipped" else value
 
 
 class Worker:
@@ -59,15 +69,15 @@ class Worker:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._pid = 0
         self._seq = 0
         self._waiters: list[tuple[int, threading.Event]] = []
         self._last_batch_at = 0.0
+        self._decoder = StepDecoder()
 
     # -- training thread side -------------------------------------------------------------
     def record(self, entry: tuple) -> None:
         """Append a record without blocking; past the cap, count it as dropped."""
-        if self._pid != os.getpid():
+        if self._thread is None:
             self._start()
         if len(self.records) >= self._settings.max_pending_records:
             self.dropped += 1
@@ -78,8 +88,13 @@ class Worker:
 
     def start(self) -> None:
         """Start sending now: the run registers and heartbeats before its first step."""
-        if self._pid != os.getpid():
+        if self._thread is None:
             self._start()
+            _LIVE.add(self)
+
+    def _forget_thread(self) -> None:
+        self._thread = None
+        self.records.clear()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything recorded so far was delivered; False on timeout."""
@@ -102,9 +117,6 @@ class Worker:
         return delivered
 
     def _start(self) -> None:
-        # A forked child (DataLoader worker) inherits the deque but not the thread: start afresh.
-        self._pid = os.getpid()
-        self.records.clear()
         self._thread = threading.Thread(target=self._loop, name="ampwatch-sender", daemon=True)
         self._thread.start()
 
@@ -149,6 +161,8 @@ class Worker:
         for e in entries:
             if e[0] == VALUES and not isinstance(e[3], tuple):
                 tensors.append(e[3])
+            elif e[0] == STEP:
+                tensors.extend(e[2].tensors())
             elif e[0] == ORIGIN:
                 tensors.extend(t for t in (e[4], e[6]) if t is not None)
         host = to_host(tensors)
@@ -158,10 +172,13 @@ class Worker:
         count = 0
         for entry in entries:
             kind = entry[0]
-            if kind == VALUES:
-                _, step, names, value = entry
-                values = value if isinstance(value, tuple) else [next(host) for _ in names]
-                named = {n: _derived(n, float(v)) for n, v in zip(names, values)}
+            if kind in (VALUES, STEP):
+                if kind == STEP:
+                    step, named = entry[1], self._decoder.decode(entry[2], host)
+                else:
+                    _, step, names, value = entry
+                    values = value if isinstance(value, tuple) else [next(host) for _ in names]
+                    named = {n: float(v) for n, v in zip(names, values)}
                 for name, v in named.items():
                     steps, vals = points.setdefault(name, ([], []))
                     steps.append(step)

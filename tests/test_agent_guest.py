@@ -237,3 +237,29 @@ def test_a_script_that_never_calls_finish_is_closed_truthfully_at_exit(sqlite_se
     assert run["status"] == status
     assert len(series["x"]["steps"]) == 50  # nothing left behind in the buffer
     assert [e["type"] for e in events] == ([] if status == "finished" else ["run_crashed"])
+
+
+def test_dataloader_workers_forked_mid_run_start_no_sender_and_exit_cleanly(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 4))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, num_workers=2, multiprocessing_context="fork")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("guest", "fork", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(2):  # two epochs: the workers are forked twice while the sender runs
+            for x, y in loader:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = (model(x).float() - y).pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+    senders = [t for t in threading.enumerate() if t.name == "ampwatch-sender" and t.is_alive()]
+    assert len(senders) <= 1  # only this run's, finishing
+    with sqlite_server.client() as http:
+        run_doc = http.get(f"/api/v1/runs/{run.id}").json()
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "loss"}).json()
+    assert run_doc["status"] == "finished"
+    assert data["loss"]["steps"] == list(range(16))  # each step once: no child sent anything
