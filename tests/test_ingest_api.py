@@ -124,3 +124,9 @@ def test_downsample_returns_short_series_unchanged_and_keeps_extremes() -> None:
     values[42] = -50.0
     _, kept = downsample(steps, values, 10)
     assert -50.0 in kept and 9.0 in kept and len(kept) <= 10
+
+
+def test_a_step_repeated_within_a_batch_keeps_its_last_value(http) -> None:  # type: ignore[no-untyped-def]
+    batch = {"seq": 1, "points": {"x": {"steps": [0, 1, 1, 2, 1], "values": [1.0, 2.0, 3.0, 4.0, "NaN"]}}}
+    assert http.post("/api/v1/runs/r1/batches", json=batch).status_code == 200
+    assert _stored(http)[0] == {"x": {"steps": [0, 1, 2], "values": [1.0, "NaN", 4.0]}}
