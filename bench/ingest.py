@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    DEFAULT_PG_ADMIN_URL, Server, cpu_count, percentile, postgres_problem, scratch_database,
+    DEFAULT_PG_ADMIN_URL, Server, cpu_count, percentile, postgres_problem, process_cpu_seconds, scratch_database,
 )  # fmt: skip
 
 TARGET_SQLITE_POINTS_S = 200_000
@@ -132,15 +132,6 @@ def _request(port: int, method: str, path: str, doc: dict[str, Any] | None = Non
     return reply.status, data
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc), in seconds."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
 def run_config(server: Server, backend: str, batch_points: int, args: argparse.Namespace) -> dict[str, Any]:
     """One (backend, batch size) measurement with `args.clients` concurrent client processes."""
     ctx = mp.get_context("spawn")
@@ -161,10 +152,10 @@ def run_config(server: Server, backend: str, batch_points: int, args: argparse.N
     try:
         ready.wait(timeout=300)  # every client has built its bodies
         spy = _start_py_spy(server.pid, args.profile, f"server-{backend}-{batch_points}")
-        cpu0 = _cpu_seconds(server.pid)
+        cpu0 = process_cpu_seconds(server.pid)
         go.set()
         outs = [results.get(timeout=args.max_seconds + 300) for _ in procs]
-        cpu1 = _cpu_seconds(server.pid)
+        cpu1 = process_cpu_seconds(server.pid)
         _stop_py_spy(spy)
     finally:
         for p in procs:
@@ -182,6 +173,7 @@ def run_config(server: Server, backend: str, batch_points: int, args: argparse.N
         "points": points, "wall_s": wall, "points_s": points / wall if wall > 0 else 0.0,
         "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
         "server_cpu": (cpu1 - cpu0) / wall if wall > 0 else float("nan"),
+        "points_per_cpu_s": points / (cpu1 - cpu0) if cpu1 > cpu0 else float("nan"),
         "body_kib": outs[0]["body_bytes"] / 1024, "errors": errors, "verified": verified,
     }  # fmt: skip
 
@@ -215,14 +207,14 @@ def _stored_steps(port: int, run_id: str) -> int:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (f"{'backend':<9} {'batch pts':>9} {'body KiB':>8} {'clients':>7} {'requests':>8} {'points':>9} "
-              f"{'points/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'server CPU':>10}  check")  # fmt: skip
+              f"{'points/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'server CPU':>10} {'pts/server CPU-s':>16}  check")  # fmt: skip
     print(header)
     print("-" * len(header))
     for r in rows:
         check = "ok" if r["verified"] and not r["errors"] else f"{len(r['errors'])} errors" if r["errors"] else "MISMATCH"
         print(f"{r['backend']:<9} {r['batch_points']:>9,} {r['body_kib']:>8.0f} {r['clients']:>7} {r['requests']:>8} "
               f"{r['points']:>9,} {r['points_s']:>10,.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
-              f"{r['server_cpu']:>9.0%}  {check}")  # fmt: skip
+              f"{r['server_cpu']:>9.0%} {r['points_per_cpu_s']:>16,.0f}  {check}")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -246,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     print(f"ampwatch ingest benchmark: {cpu_count()} CPUs, {args.clients} client process(es), "
-          f"{len(series_names(args.layers))} series per batch, ~{args.points:,} points or {args.max_seconds:g} s per row")  # fmt: skip
+          f"{len(series_names(args.layers))} series per batch, ~{args.points:,} points or {args.max_seconds:g} s per row, "
+          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     if args.profile:
         if shutil.which("py-spy") is None:
             print("--profile needs py-spy on PATH (pip install py-spy)", file=sys.stderr)
@@ -275,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     if sqlite_best is not None:
         verdict = "met" if sqlite_best >= TARGET_SQLITE_POINTS_S else "MISSED"
         print(f"\ntarget >= {TARGET_SQLITE_POINTS_S:,} points/s on SQLite: best {sqlite_best:,.0f} -> {verdict}")
-    print("server CPU = server process CPU time / wall time (100% = one core; the server is one process).")
+    print("server CPU = CPU time of the server process / wall time (100% = one core). pts/server CPU-s = points per\n"
+          "CPU-second of the server process: its capacity per core, little affected by other load on the machine\n"
+          "(the database's own processes are not in it: for Postgres they run beside it).")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} on {cpu_count()} CPUs")
     for note in notes:
         print("note:", note)
     if args.json:

@@ -1,0 +1,563 @@
+"""Per-step cost of the agent on a ~1 ms CPU mixed-precision training step, and the host reads it adds.
+
+The step: a small MLP under `torch.autocast("cpu", float16)`, AdamW, `torch.amp.GradScaler("cpu")` with
+scale/backward, unscale_, clip_grad_norm_, step, update, zero_grad. The MLP width is calibrated so one
+step takes about `--target-ms` here. Conditions:
+
+  none          the plain loop
+  ampwatch      `ampwatch.init(...)` + `run.watch(model, optimizer, scaler)`, sending to a real
+                `ampwatch server` started by this script (SQLite in a temporary folder)
+  ampwatch+log  the same plus `run.log({"loss": loss})` with the loss tensor every step
+  ampwatch-off  AMPWATCH_MODE=disabled + `run.watch(...)`: what the hooks cost with nothing sent
+  tensorboard   `SummaryWriter.add_scalar` of loss, scale, skipped, grad_norm (if tensorboard is installed)
+  wandb         `wandb.log` of the same values, offline (if wandb is installed)
+
+Measurements (all on one model and optimizer, so no condition gets a luckier memory layout):
+
+  paired        steps alternate between `none` and the condition (a second GradScaler is the watched
+                one), in random order within each pair. overhead = median(t_cond - t_none) / median(t_none)
+                over thousands of adjacent pairs: drift and other processes cancel, so this is the
+                training thread's own cost to a fraction of a percent, even on a busy 2-core machine.
+                (Hooks the agent puts on the model itself would run in both halves of a pair and
+                cancel out here; the sustained column still sees them.)
+  background    CPU time of the process's other threads (the agent's sender, the tensorboard writer)
+                per logged step, final flush included. On 2 cores it competes with training only for
+                the GIL, so on-thread + background is a ceiling on the real cost.
+  sustained     whole blocks of `--sustained-steps` steps per condition, interleaved in shuffled rounds:
+                end-to-end wall time with the background at work (noisier; a cross-check).
+  host reads    counted on the training thread with a TorchFunctionMode (`item`, `tolist`, `__bool__`,
+                `__float__`, `cpu`, `numpy`, ...) and a TorchDispatchMode (`aten._local_scalar_dense`).
+
+Target (shared/PRODUCT.md): <= 2 % on a ~1 ms step and 0 added host-device syncs per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Server, cpu_count, percentile, process_cpu_seconds, scratch_database  # noqa: E402
+
+TARGET_OVERHEAD = 0.02
+HOST_READ_METHODS = frozenset({
+    "item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__", "cpu", "numpy", "__array__",
+})  # fmt: skip
+
+AfterStep = Callable[[int, Any, Any, Any, float], None]  # (step, scaler, loss, grad norm, scale before)
+
+
+# -- the training step ----------------------------------------------------------------------
+@dataclass
+class Variant:
+    """How one step runs: which scaler, and what is logged after it."""
+
+    scaler: Any
+    after_step: AfterStep | None = None
+    read_scale: bool = False  # the logger wants the scale before update(): a host read, as users write it
+
+
+@dataclass
+class Trainer:
+    model: Any
+    optimizer: Any
+    scaler: Any
+    x: Any
+    y: Any
+    step_index: int = 0
+
+    def step(self, variant: Variant) -> None:
+        import torch
+
+        scaler = variant.scaler
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(self.model(self.x), self.y)
+        scale_before = scaler.get_scale() if variant.read_scale else 0.0
+        scaler.scale(loss).backward()
+        scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if variant.after_step is not None:
+            variant.after_step(self.step_index, scaler, loss, norm, scale_before)
+        self.step_index += 1
+
+    @property
+    def plain(self) -> Variant:
+        return Variant(self.scaler)
+
+
+def build(hidden: int, batch: int, seed: int = 0) -> Trainer:
+    """A 3-layer MLP trainer (64 -> hidden -> hidden -> 10)."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, hidden), torch.nn.GELU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+        torch.nn.Linear(hidden, 10),
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return Trainer(model, optimizer, torch.amp.GradScaler("cpu"), torch.randn(batch, 64), torch.randint(0, 10, (batch,)))
+
+
+def time_steps(trainer: Trainer, variant: Variant, steps: int) -> float:
+    """Mean wall seconds per step over `steps` consecutive steps."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.step(variant)
+    return (time.perf_counter() - start) / steps
+
+
+def calibrate(target_s: float, batch: int) -> tuple[int, float]:
+    """The MLP width (8..256) whose fastest step time is closest to `target_s`, by bisection."""
+    lo, hi = 8, 256
+    best = (lo, float("inf"))
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        trainer = build(mid, batch)
+        time_steps(trainer, trainer.plain, 30)
+        step_s = min(time_steps(trainer, trainer.plain, 40) for _ in range(5))  # min: other load only slows
+        if abs(step_s - target_s) < abs(best[1] - target_s):
+            best = (mid, step_s)
+        lo, hi = (mid + 4, hi) if step_s < target_s else (lo, mid - 4)
+    return best
+
+
+# -- conditions -----------------------------------------------------------------------------
+class Condition:
+    """Something that logs from the loop: `start` gives the step variant, `stop` ends it."""
+
+    name = "none"
+    note = ""
+
+    def start(self, trainer: Trainer) -> Variant:
+        return trainer.plain
+
+    def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Ampwatch(Condition):
+    """A run watching its own GradScaler (on the shared model and optimizer); finished at `stop`."""
+
+    def __init__(self, name: str, server_url: str, log_loss: bool = False, disabled: bool = False) -> None:
+        self.name, self.server_url, self.log_loss, self.disabled = name, server_url, log_loss, disabled
+        self.run: Any = None
+        self.run_ids: list[str] = []
+
+    def start(self, trainer: Trainer) -> Variant:
+        import ampwatch
+        import torch
+
+        scaler = torch.amp.GradScaler("cpu")
+        with _env(AMPWATCH_MODE="disabled" if self.disabled else "online"):
+            self.run = ampwatch.init(project="bench", name=f"overhead-{self.name}", url=self.server_url)
+        self.run.watch(model=trainer.model, optimizer=trainer.optimizer, scaler=scaler)
+        run = self.run
+        after = (lambda step, scaler, loss, norm, scale_before: run.log({"loss": loss})) if self.log_loss else None
+        return Variant(scaler, after)
+
+    def stop(self) -> None:
+        self.run.finish()  # unhooks the scaler and delivers what is left
+        self.run_ids.append(self.run.id)
+
+
+class TensorBoard(Condition):
+    name = "tensorboard"
+
+    def __init__(self, logdir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(logdir)
+
+    def start(self, trainer: Trainer) -> Variant:
+        writer = self.writer
+
+        def after(step: int, scaler: Any, loss: Any, norm: Any, scale_before: float) -> None:
+            scale_after = scaler.get_scale()
+            writer.add_scalar("loss", loss.item(), step)
+            writer.add_scalar("scale", scale_before, step)
+            writer.add_scalar("skipped", float(scale_after < scale_before), step)
+            writer.add_scalar("grad_norm", norm.item(), step)
+
+        return Variant(trainer.scaler, after, read_scale=True)
+
+    def stop(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Wandb(Condition):
+    name = "wandb"
+    note = "wandb's own service process is not counted in 'background'"
+
+    def __init__(self, directory: str) -> None:
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(project="ampwatch-bench", mode="offline", dir=directory)
+
+    def start(self, trainer: Trainer) -> Variant:
+        run = self.run
+
+        def after(step: int, scaler: Any, loss: Any, norm: Any, scale_before: float) -> None:
+            scale_after = scaler.get_scale()
+            values = {"loss": loss.item(), "scale": scale_before, "skipped": float(scale_after < scale_before),
+                      "grad_norm": norm.item()}  # fmt: skip
+            run.log(values, step=step)
+
+        return Variant(trainer.scaler, after, read_scale=True)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def make_conditions(names: list[str], server_url: str, tmp: str) -> tuple[list[Condition], list[str]]:
+    """The conditions that can run here, and notes on those that cannot."""
+    conditions: list[Condition] = [Condition()]
+    notes: list[str] = []
+    for name in names:
+        if name == "none":
+            continue
+        if name in ("ampwatch", "ampwatch+log", "ampwatch-off"):
+            conditions.append(Ampwatch(name, server_url, log_loss=name == "ampwatch+log", disabled=name == "ampwatch-off"))
+        elif name in ("tensorboard", "wandb"):
+            if importlib.util.find_spec(name) is None:
+                notes.append(f"{name} row skipped: the {name} package is not installed (pip install {name})")
+                continue
+            try:
+                conditions.append(TensorBoard(os.path.join(tmp, "tb")) if name == "tensorboard" else Wandb(os.path.join(tmp, "wandb")))
+            except Exception as error:  # a broken optional install is a note, not a failed benchmark
+                notes.append(f"{name} row skipped: it failed to start ({error!r})")
+        else:
+            notes.append(f"unknown condition {name!r} ignored")
+    return conditions, notes
+
+
+# -- measuring ------------------------------------------------------------------------------
+@dataclass
+class Result:
+    name: str
+    base_s: list[float] = field(default_factory=list)  # paired: the `none` step of each pair
+    diff_s: list[float] = field(default_factory=list)  # paired: condition step - `none` step
+    background_s: list[float] = field(default_factory=list)  # per logged step, per paired block
+    server_s: list[float] = field(default_factory=list)  # the local server's CPU per logged step, per paired block
+    sustained_ratios: list[float] = field(default_factory=list)
+    sustained_s: list[float] = field(default_factory=list)
+    reads: float = float("nan")
+    dense: float = float("nan")
+    by_name: dict[str, int] = field(default_factory=dict)
+
+
+def paired_block(trainer: Trainer, condition: Condition, pairs: int, warm: int, rng: random.Random, result: Result,
+                 server_pid: int | None = None) -> None:  # fmt: skip
+    """Alternate `none` and `condition` step by step; record each pair's difference and the background CPU."""
+    clock = time.perf_counter
+    server0 = process_cpu_seconds(server_pid) if server_pid else float("nan")
+    proc0, thread0 = time.process_time(), time.thread_time()
+    variant = condition.start(trainer)
+    plain = trainer.plain
+    for _ in range(warm):
+        trainer.step(variant)
+        trainer.step(plain)
+    for _ in range(pairs):
+        first_plain = rng.random() < 0.5
+        t0 = clock()
+        trainer.step(plain if first_plain else variant)
+        t1 = clock()
+        trainer.step(variant if first_plain else plain)
+        t2 = clock()
+        t_plain, t_cond = (t1 - t0, t2 - t1) if first_plain else (t2 - t1, t1 - t0)
+        result.base_s.append(t_plain)
+        result.diff_s.append(t_cond - t_plain)
+    condition.stop()
+    background = (time.process_time() - proc0) - (time.thread_time() - thread0)
+    result.background_s.append(max(0.0, background) / (pairs + warm))
+    if server_pid:
+        result.server_s.append((process_cpu_seconds(server_pid) - server0) / (pairs + warm))
+
+
+def sustained_rounds(trainer: Trainer, conditions: list[Condition], rounds: int, steps: int, warm: int,
+                     rng: random.Random, results: dict[str, Result]) -> None:  # fmt: skip
+    """Whole blocks per condition, shuffled within each round; ratios against the round's `none` block."""
+    for _ in range(rounds):
+        order = conditions[:]
+        rng.shuffle(order)
+        per_step: dict[str, float] = {}
+        for condition in order:
+            variant = condition.start(trainer)
+            for _ in range(warm):
+                trainer.step(variant)
+            per_step[condition.name] = time_steps(trainer, variant, steps)
+            condition.stop()
+            time.sleep(0.2)
+        for name, step_s in per_step.items():
+            results[name].sustained_s.append(step_s)
+            results[name].sustained_ratios.append(step_s / per_step["none"])
+
+
+def count_host_reads(trainer: Trainer, condition: Condition, steps: int) -> tuple[float, float, dict[str, int]]:
+    """(python-level host reads, aten._local_scalar_dense calls) per step on this thread, and reads by name."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FunctionReads(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: collections.Counter[str] = collections.Counter()
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = getattr(func, "__name__", "")
+            if name in HOST_READ_METHODS:
+                self.counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    class DispatchReads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    variant = condition.start(trainer)
+    trainer.step(variant)  # first-step work (thread start) is not per-step
+    functions, dispatch = FunctionReads(), DispatchReads()
+    try:
+        with functions, dispatch:
+            for _ in range(steps):
+                trainer.step(variant)
+    finally:
+        condition.stop()
+    return sum(functions.counts.values()) / steps, dispatch.count / steps, dict(functions.counts)
+
+
+def ampwatch_check(server_url: str, run_id: str) -> str:
+    """What the server holds for an ampwatch run: its series and how many `loss` points."""
+    try:
+        with urllib.request.urlopen(f"{server_url}/api/v1/runs/{run_id}", timeout=10) as reply:
+            run = json.load(reply)
+        with urllib.request.urlopen(f"{server_url}/api/v1/runs/{run_id}/series?name=loss", timeout=30) as reply:
+            loss = json.load(reply)["loss"]
+        return f"series {run.get('series')}, {len(loss['steps'])} loss points, last_step {run.get('last_step')}"
+    except Exception as error:  # a report line, never a crash
+        return f"could not read the run back: {error!r}"
+
+
+# -- reporting ------------------------------------------------------------------------------
+@dataclass
+class Summary:
+    step_s: float
+    on_thread: float  # fraction of a step
+    on_thread_iqr: tuple[float, float]
+    background: float  # fraction of a step
+    ceiling: float
+    sustained: float
+    sustained_iqr: tuple[float, float]
+
+
+def summarize(r: Result) -> Summary:
+    step = statistics.median(r.base_s) if r.base_s else float("nan")
+    if r.diff_s:
+        on_thread = statistics.median(r.diff_s) / step
+        iqr = (percentile(r.diff_s, 25) / step, percentile(r.diff_s, 75) / step)
+    else:
+        on_thread, iqr = 0.0, (0.0, 0.0)
+    background = statistics.fmean(r.background_s) / step if r.background_s else 0.0
+    if r.sustained_ratios:
+        sustained = statistics.median(r.sustained_ratios) - 1
+        s_iqr = (percentile(r.sustained_ratios, 25) - 1, percentile(r.sustained_ratios, 75) - 1)
+    else:
+        sustained, s_iqr = float("nan"), (float("nan"), float("nan"))
+    return Summary(step, on_thread, iqr, background, on_thread + background, sustained, s_iqr)
+
+
+def print_tables(results: dict[str, Result], base_step_s: float, count_steps: int) -> dict[str, Summary]:
+    """The timing table and the host-read table."""
+    summaries = {}
+    print("Timing: overhead as a fraction of the baseline step")
+    header = (f"{'condition':<13} {'on-thread':>9} {'IQR of pairs':>16} {'background':>10} {'= us':>7} "
+              f"{'ceiling':>8} {'sustained':>9} {'IQR of rounds':>16} {'median step':>11} {'server us':>9}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        s = summaries[name] = summarize(r)
+        step = base_step_s * (1 + (s.sustained if s.sustained == s.sustained else s.on_thread))
+        print(f"{name:<13} {s.on_thread:>+9.2%} {s.on_thread_iqr[0]:>+7.1%}..{s.on_thread_iqr[1]:>+7.1%} "
+              f"{s.background:>+10.2%} {s.background * base_step_s * 1e6:>7.1f} {s.ceiling:>+8.2%} "
+              f"{s.sustained:>+9.1%} {s.sustained_iqr[0]:>+7.1%}..{s.sustained_iqr[1]:>+7.1%} {step * 1e3:>8.3f} ms "
+              f"{statistics.fmean(r.server_s) * 1e6 if r.server_s else float('nan'):>9.1f}")  # fmt: skip
+    print()
+    print(f"Host reads on the training thread, per step ({count_steps} steps each)")
+    print(f"{'condition':<13} {'python reads':>12} {'added':>6} {'_local_scalar_dense':>19} {'added':>6}  by name")
+    base = results["none"]
+    for name, r in results.items():
+        names = ", ".join(f"{k} {v / count_steps:g}" for k, v in sorted(r.by_name.items())) or "-"
+        print(f"{name:<13} {r.reads:>12.2f} {r.reads - base.reads:>+6.2f} {r.dense:>19.2f} {r.dense - base.dense:>+6.2f}  {names}")
+    return summaries
+
+
+LEGEND = """\
+on-thread = median over adjacent pairs of (condition step - none step) / median none step; IQR of pairs shows
+the per-step spread. background = CPU of this process's other threads (sender, writer) per logged step, final
+flush included. ceiling = on-thread + background: the most the agent itself can cost the training thread when
+a spare core runs its sender (they then compete only for the GIL). sustained = median over shuffled rounds of
+a whole block of the condition / the round's `none` block: end-to-end wall time, which here also pays for the
+local server ingesting on the same 2 cores and for whatever else runs on the machine (noisy). median step =
+the baseline step scaled by the sustained (or on-thread) overhead. server us = CPU of the local ampwatch
+server per logged step. Baseline host reads: GradScaler.step's found_inf .item() and AdamW's per-parameter
+CPU step counters (no device sync on a GPU)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conditions", default="none,ampwatch,ampwatch+log,ampwatch-off,tensorboard,wandb",
+                        help="comma-separated (default: all; missing packages are skipped with a note)")  # fmt: skip
+    parser.add_argument("--target-ms", type=float, default=1.0, help="calibrate the MLP width to this step time (default 1.0)")
+    parser.add_argument("--hidden", type=int, help="MLP width; skips calibration")
+    parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the other core "
+                        "is left to background threads and the server, like a GPU host's spare cores)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=6, help="paired blocks per condition, interleaved (default 6)")
+    parser.add_argument("--pairs", type=int, default=400, help="step pairs per paired block (default 400)")
+    parser.add_argument("--warm", type=int, default=3, help="untimed steps after starting a condition (default 3)")
+    parser.add_argument("--sustained-rounds", type=int, default=6, help="rounds of whole blocks, 0 to skip (default 6)")
+    parser.add_argument("--sustained-steps", type=int, default=800, help="steps per sustained block (default 800)")
+    parser.add_argument("--count-steps", type=int, default=50, help="steps per condition for host-read counting (default 50)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for orders (default 0)")
+    parser.add_argument("--profile", metavar="PATH", help="also cProfile the ampwatch condition (`--profile-steps`) into PATH")
+    parser.add_argument("--profile-steps", type=int, default=3000, help="steps to profile (default 3000)")
+    parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    if args.hidden:
+        hidden = args.hidden
+        trainer = build(hidden, args.batch)
+        step_s = statistics.median(time_steps(trainer, trainer.plain, 100) for _ in range(3))
+    else:
+        hidden, step_s = calibrate(args.target_ms / 1e3, args.batch)
+    print(f"ampwatch agent overhead: torch {torch.__version__}, {cpu_count()} CPUs, {args.threads} torch thread(s), "
+          f"load average {os.getloadavg()[0]:.2f}\nstep: MLP 64-{hidden}-{hidden}-10, batch {args.batch}, fp16 autocast, "
+          f"AdamW, GradScaler('cpu'), clip_grad_norm_: {step_s * 1e3:.3f} ms at calibration (fastest of 5 blocks)\n"
+          f"paired: {args.rounds} blocks x {args.pairs} pairs per condition; sustained: {args.sustained_rounds} rounds x "
+          f"{args.sustained_steps} steps", flush=True)  # fmt: skip
+    names = [c.strip() for c in args.conditions.split(",") if c.strip()]
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="ampwatch-overhead-") as tmp, scratch_database("sqlite") as db_url, \
+            Server(db_url, Path(tmp) / "server.log") as server:  # fmt: skip
+        server.wait_ready()
+        conditions, notes = make_conditions(names, server.url, tmp)
+        trainer = build(hidden, args.batch)
+        results = {c.name: Result(c.name) for c in conditions}
+        try:
+            for condition in conditions:  # warm-up: allocator, autocast, first run and connection
+                variant = condition.start(trainer)
+                time_steps(trainer, variant, 100)
+                condition.stop()
+            others = [c for c in conditions if c.name != "none"]
+            for _ in range(args.rounds):
+                rng.shuffle(others)
+                for condition in others:
+                    paired_block(trainer, condition, args.pairs, args.warm, rng, results[condition.name], server.pid)
+            # the baseline against itself: what the method reads when nothing differs
+            for _ in range(max(1, args.rounds // 2)):
+                paired_block(trainer, conditions[0], args.pairs, args.warm, rng, results["none"], server.pid)
+            sustained_rounds(trainer, conditions, args.sustained_rounds, args.sustained_steps, args.warm, rng, results)
+            for condition in conditions:
+                r = results[condition.name]
+                r.reads, r.dense, r.by_name = count_host_reads(trainer, condition, args.count_steps)
+            if args.profile:
+                profile(trainer, conditions, args)
+        finally:
+            for condition in conditions:
+                condition.close()
+        base_step_s = statistics.median(x for r in results.values() for x in r.base_s)
+        print(f"\nbaseline step (median `none` step of all pairs): {base_step_s * 1e3:.3f} ms\n")
+        summaries = print_tables(results, base_step_s, args.count_steps)
+        print()
+        print(LEGEND)
+        if "ampwatch" in summaries:
+            s, r, base = summaries["ampwatch"], results["ampwatch"], results["none"]
+            added = (r.reads - base.reads) + (r.dense - base.dense)
+            verdict = "met" if s.ceiling <= TARGET_OVERHEAD and added <= 0 else "MISSED"
+            print(f"\ntarget: ampwatch <= {TARGET_OVERHEAD:.0%} of a step and 0 added host reads -> {verdict} "
+                  f"(on-thread {s.on_thread:+.2%}, ceiling with background {s.ceiling:+.2%}, sustained "
+                  f"{s.sustained:+.1%}, {added:+.2f} reads/step)")  # fmt: skip
+        for condition in conditions:
+            if isinstance(condition, Ampwatch) and not condition.disabled and condition.run_ids:
+                print(f"server check {condition.name} (last run): {ampwatch_check(server.url, condition.run_ids[-1])}")
+        for condition in conditions:
+            if condition.note:
+                notes.append(f"{condition.name}: {condition.note}")
+        for note in notes:
+            print("note:", note)
+        if args.json:
+            Path(args.json).write_text(json.dumps({n: r.__dict__ for n, r in results.items()}, indent=1))
+    return 0
+
+
+def profile(trainer: Trainer, conditions: list[Condition], args: argparse.Namespace) -> None:
+    """cProfile the training thread with ampwatch attached."""
+    import cProfile
+
+    condition = next((c for c in conditions if c.name == "ampwatch"), None)
+    if condition is None:
+        return
+    variant = condition.start(trainer)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.profile_steps):
+        trainer.step(variant)
+    profiler.disable()
+    condition.stop()
+    profiler.dump_stats(args.profile)
+    print(f"cProfile of {args.profile_steps} ampwatch steps written to {args.profile}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
