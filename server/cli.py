@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_demo(settings, steps=args.steps, step_delay_s=args.step_delay, serve_after=not args.exit)
     print(f"ampwatch server on {settings.base_url} (database {_safe_url(settings.database_url)})", file=sys.stderr)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=3)  # open live streams must not hold up Ctrl-C
     return 0
 
 

@@ -28,7 +28,7 @@ def run_demo(settings: Settings, *, steps: int, step_delay_s: float, serve_after
     except ImportError:
         print("ampwatch demo trains a small model with PyTorch, which is not installed: pip install torch", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=3))
     thread = threading.Thread(target=server.run, name="ampwatch-demo-server", daemon=True)
     thread.start()
     while not server.started:

@@ -99,7 +99,7 @@ def start_server(settings: Settings, port: int | None = None) -> LiveServer:
     port = port or free_port()
     settings = settings.model_copy(update={"host": "127.0.0.1", "port": port})
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=3))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
