@@ -2,30 +2,55 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from sqlalchemy import event
 
 from ampwatch import __version__
-from ampwatch.server import db
+from ampwatch.server import alerts, db
 from ampwatch.server.errors import validation_error
 from ampwatch.server.limits import BodyLimit
-from ampwatch.server.routers import ingest, read
+from ampwatch.server.routers import alerts as alerts_api
+from ampwatch.server.routers import ingest, read, stream
 from ampwatch.server.settings import Settings
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """A ready app on `settings.database_url`, migrated to the latest schema."""
     from ampwatch import web  # pages import the server's modules; wire them last
+    from ampwatch.web import alerts_pages
 
     settings = settings or Settings()
     engine = db.make_engine(settings.database_url)
     db.upgrade(engine)
-    app = FastAPI(title="ampwatch", version=__version__, description="Mixed-precision training telemetry.")
+    sessions = db.session_factory(engine)
+    with sessions() as session:
+        alerts.prepare(session, settings)
+    service = alerts.AlertService(settings, sessions)
+    event.listen(sessions, "after_commit", service.after_commit)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        service.start()  # background evaluation and delivery: never on the request path
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(service.stop)
+
+    app = FastAPI(title="ampwatch", version=__version__, description="Mixed-precision training telemetry.", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine
-    app.state.sessions = db.session_factory(engine)
+    app.state.sessions = sessions
+    app.state.alerts = service
     app.include_router(ingest.router)
     app.include_router(read.router)
+    app.include_router(stream.router)
+    app.include_router(alerts_api.router)
+    app.include_router(alerts_pages.router)  # before web.router: its /static/{name} would shadow /static/alerts.js
     app.include_router(web.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, validation_error)

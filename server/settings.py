@@ -16,6 +16,14 @@ class Settings(BaseSettings):
     public_url: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     max_batch_points: int = 1_000_000
+    # Alerts. Empty strings mean "not set" (an environment variable can be set to nothing).
+    alert_webhook_url: str = ""
+    alert_rules_file: str = ""
+    alert_eval_interval_s: float = 1.0
+    alert_delivery_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 60.0
+    stall_min_s: float = 300.0
+    stall_factor: float = 20.0
 
     @property
     def base_url(self) -> str:

@@ -9,9 +9,9 @@ from sqlalchemy import Table, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from ampwatch.server import models
+from ampwatch.server import alerts, models, series
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
-from ampwatch.server.values import downsample, to_db
+from ampwatch.server.values import to_db
 
 _SEVERITY_RANK = {"ok": 0, "info": 0, "warning": 1, "critical": 2}
 _HEALTH = {0: "ok", 1: "warning", 2: "critical"}
@@ -50,6 +50,8 @@ def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
             name=body.name, config=body.config, environment=body.environment,
         )  # fmt: skip
         session.add(run)
+        session.flush()
+        alerts.on_batch(session, run=run, events=[], new_step=None, status=None, stamp=stamp)  # its liveness row
     else:
         run.name, run.config, run.environment = body.name, body.config, body.environment
     session.commit()
@@ -67,7 +69,7 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
         session.rollback()
         return BatchOut(stored=False, points=0)
     count = _store_points(session, run_id, batch)
-    _store_events(session, run_id, batch, stamp)
+    events = _store_events(session, run_id, batch, stamp)
     steps = [max(s.steps) for s in batch.points.values() if s.steps] + [e.step for e in batch.events]
     if steps:
         run.last_step = max(steps + ([run.last_step] if run.last_step is not None else []))
@@ -77,6 +79,8 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     if batch.status is not None:
         run.status = batch.status
         run.finished_at = stamp if batch.status != "running" else None
+    # Event rules fire in this transaction: the alert and its queued notifications commit with the batch.
+    alerts.on_batch(session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp)
     session.commit()
     return BatchOut(stored=True, points=count)
 
@@ -129,21 +133,78 @@ def _series_ids(session: Session, run_id: str, names: list[str]) -> dict[str, in
     return ids
 
 
-def _store_events(session: Session, run_id: str, batch: BatchIn, stamp: datetime) -> None:
+def _store_events(session: Session, run_id: str, batch: BatchIn, stamp: datetime) -> list[models.Event]:
+    rows = []
     for e in batch.events:
         time = datetime.fromtimestamp(e.time, timezone.utc) if e.time is not None else stamp
-        session.add(models.Event(
+        rows.append(models.Event(
             run_id=run_id, step=e.step, rank=batch.rank if e.rank is None else e.rank, type=e.type,
             severity=e.severity, message=e.message, details=e.details, time=time,
         ))  # fmt: skip
+    session.add_all(rows)
+    return rows
 
 
-def list_runs(session: Session, *, project: str | None = None) -> list[tuple[models.Run, str]]:
-    """Runs, newest first, with their project's name."""
-    query = select(models.Run, models.Project.name).join(models.Project).order_by(models.Run.created_at.desc())
+RUN_SORTS = {
+    "started": models.Run.created_at, "seen": models.Run.last_seen_at, "step": models.Run.last_step,
+    "name": models.Run.name, "status": models.Run.status, "health": models.Run.health,
+}  # fmt: skip
+
+
+def list_runs(
+    session: Session, *, project: str | None = None, status: str | None = None, search: str | None = None,
+    sort: str = "started", descending: bool = True, seen_after: datetime | None = None,
+) -> list[tuple[models.Run, str]]:  # fmt: skip
+    """Runs with their project's name, newest first unless `sort` (a RUN_SORTS key) says otherwise;
+    `search` matches part of the run's name, `seen_after` keeps runs heard from since then."""
+    column = RUN_SORTS.get(sort, models.Run.created_at)
+    order = column.desc() if descending else column.asc()
+    query = select(models.Run, models.Project.name).join(models.Project).order_by(order, models.Run.id)
     if project is not None:
         query = query.where(models.Project.name == project)
+    if status is not None:
+        query = query.where(models.Run.status == status)
+    if search:
+        query = query.where(models.Run.name.contains(search, autoescape=True))
+    if seen_after is not None:
+        query = query.where(models.Run.last_seen_at > seen_after)
     return [(run, name) for run, name in session.execute(query)]
+
+
+def project_names(session: Session) -> list[str]:
+    """Every project's name, sorted."""
+    return list(session.scalars(select(models.Project.name).order_by(models.Project.name)))
+
+
+def run_vitals(session: Session, *, run_ids: list[str], window_steps: int = 1000) -> dict[str, dict[str, Any]]:
+    """Per run: the last loss scale (rank 0), the share of skipped steps among its last `window_steps`
+    steps, and how many alerts are firing. Index seeks only, whatever the length of the runs."""
+    if not run_ids:
+        return {}
+    out: dict[str, dict[str, Any]] = {r: {"scale": None, "skip_rate": None, "firing": 0} for r in run_ids}
+    for run_id, name, sid in session.execute(select(models.Series.run_id, models.Series.name, models.Series.id).where(
+        models.Series.run_id.in_(run_ids), models.Series.name.in_(["scale", "skipped"])
+    )):  # fmt: skip
+        span = series.bounds(session, series_id=sid, rank=0)
+        if span is None:
+            continue
+        first = span[1] if name == "scale" else max(span[0], span[1] - window_steps + 1)
+        steps, values = series.read_range(session, series_id=sid, rank=0, lo=first, hi=span[1])
+        if name == "scale":
+            out[run_id]["scale"] = values[-1]
+        else:
+            out[run_id]["skip_rate"] = sum(1 for v in values if v) / len(steps)
+    for run_id, count in firing_counts(session, run_ids=run_ids).items():
+        out[run_id]["firing"] = count
+    return out
+
+
+def firing_counts(session: Session, *, run_ids: list[str] | None = None) -> dict[str, int]:
+    """How many alerts are firing, per run that has any."""
+    query = select(models.Alert.run_id, func.count()).where(models.Alert.state == "firing")
+    if run_ids is not None:
+        query = query.where(models.Alert.run_id.in_(run_ids))
+    return dict(session.execute(query.group_by(models.Alert.run_id)).all())  # type: ignore[arg-type]
 
 
 def get_run(session: Session, *, run_id: str) -> tuple[models.Run, str] | None:
@@ -159,33 +220,48 @@ def series_names(session: Session, *, run_id: str) -> list[str]:
 
 
 def read_series(
-    session: Session, *, run_id: str, names: list[str], rank: int = 0, max_points: int | None = None
-) -> dict[str, tuple[list[int], list[float | None]]]:
-    """Each named series as (steps, values) in step order; NaN is None. Unknown names are empty."""
-    ids = dict(session.execute(
-        select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, models.Series.name.in_(names))
-    ).all())  # fmt: skip
-    out: dict[str, tuple[list[int], list[float | None]]] = {}
-    for name in names:
-        steps: list[int] = []
-        values: list[float | None] = []
-        if name in ids:
-            query = (
-                select(models.Point.step, models.Point.value)
-                .where(models.Point.series_id == ids[name], models.Point.rank == rank)
-                .order_by(models.Point.step)
-            )
-            for step, value in session.execute(query):
-                steps.append(step)
-                values.append(value)
-        out[name] = downsample(steps, values, max_points) if max_points else (steps, values)
-    return out
+    session: Session, *, run_id: str, names: list[str], rank: int = 0, max_points: int | None = None,
+    start: int | None = None, end: int | None = None,
+) -> dict[str, tuple[list[int], list[float | None]]]:  # fmt: skip
+    """Each named series as (steps, values) in step order, within [start, end]; NaN is None. Unknown names
+    are empty. With `max_points`, downsampled in SQL keeping per-bucket extremes and every non-finite point."""
+    ids = _series_ids_of(session, run_id, names)
+    return {
+        name: series.read_series(session, series_id=ids[name], rank=rank, start=start, end=end, max_points=max_points)
+        if name in ids else ([], [])
+        for name in names
+    }  # fmt: skip
 
 
-def list_events(session: Session, *, run_id: str, limit: int = 1000) -> list[models.Event]:
-    """The run's events in step order."""
-    query = select(models.Event).where(models.Event.run_id == run_id).order_by(models.Event.step, models.Event.id)
+def _series_ids_of(session: Session, run_id: str, names: list[str]) -> dict[str, int]:
+    query = select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, models.Series.name.in_(names))
+    return dict(session.execute(query).all())  # type: ignore[arg-type]
+
+
+def layer_heatmap(
+    session: Session, *, run_id: str, prefix: str, rank: int = 0, columns: int = 300,
+    start: int | None = None, end: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Series named `prefix…` (e.g. `grad_norm/`) as a layer × step grid, layers in natural order; see `series.grid`."""
+    query = select(models.Series.name, models.Series.id).where(
+        models.Series.run_id == run_id, models.Series.name.startswith(prefix, autoescape=True)
+    )
+    found = sorted(((n[len(prefix):], i) for n, i in session.execute(query)), key=lambda row: series.natural_key(row[0]))
+    return series.grid(session, layers=found, rank=rank, columns=columns, start=start, end=end)
+
+
+def list_events(session: Session, *, run_id: str, limit: int = 1000, after_id: int | None = None) -> list[models.Event]:
+    """The run's events in step order; with `after_id`, only those stored after that event, in id order."""
+    if after_id is not None:  # walk the primary key from `after_id` (run_id || '' keeps the planner off the run's index)
+        query = select(models.Event).where((models.Event.run_id + "") == run_id, models.Event.id > after_id).order_by(models.Event.id)
+    else:
+        query = select(models.Event).where(models.Event.run_id == run_id).order_by(models.Event.step, models.Event.id)
     return list(session.scalars(query.limit(limit)))
+
+
+def last_event_id(session: Session, *, run_id: str) -> int:
+    """The id of the run's newest event, 0 when it has none (where a live stream starts)."""
+    return session.scalar(select(func.max(models.Event.id)).where(models.Event.run_id == run_id)) or 0
 
 
 def count_events(session: Session, *, run_id: str) -> dict[str, int]:

@@ -46,3 +46,8 @@ def downsample(steps: list[int], values: list[float | None], max_points: int) ->
         keep.update(i for i in (lo_i, hi_i) if i >= 0)
     order = sorted(keep)
     return [steps[i] for i in order], [values[i] for i in order]
+
+
+def to_json_cells(cells: Iterable[float | None]) -> list[float | str | None]:
+    """Grid cells as JSON items: None (no point there) stays null, NaN and ±Infinity are spelled out."""
+    return [None if c is None else c if math.isfinite(c) else _spell(c) for c in cells]

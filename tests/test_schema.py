@@ -7,6 +7,7 @@ import subprocess
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
 from ampwatch.server import db
@@ -27,7 +28,8 @@ def test_upgrading_twice_is_harmless_and_records_the_head(db_url: str) -> None:
     db.upgrade(engine)
     db.upgrade(engine)
     with engine.connect() as connection:
-        assert MigrationContext.configure(connection).get_current_revision() == "0001"
+        head = ScriptDirectory.from_config(db.alembic_config()).get_current_head()
+        assert head is not None and MigrationContext.configure(connection).get_current_revision() == head
     engine.dispose()
 
 

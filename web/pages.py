@@ -1,58 +1,104 @@
-"""The dashboard: `/` lists runs, `/runs/{id}` charts one run. Tables render on the server."""
+"""The dashboard: `/` lists runs, `/runs/{id}` charts one run, `/compare` overlays runs. Tables render on
+the server (they work with JavaScript off); scripts add charts and live updates over SSE."""
 
 from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+from urllib.parse import urlencode
 
 import plotly
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from ampwatch.server import store
 from ampwatch.server.deps import SessionDep
+from ampwatch.web import formats
 
 router = APIRouter(include_in_schema=False)
 _HERE = resources.files("ampwatch.web")
 templates = Jinja2Templates(directory=str(_HERE / "templates"))
+templates.env.filters.update(scale=formats.scale, rate=formats.rate, stamp=formats.stamp, clock=formats.clock)
+_OWN = ("app.js", "run.js", "runs.js", "compare.js", "app.css")
 _STATIC = {
-    "app.js": (Path(str(_HERE / "static" / "app.js")), "text/javascript"),
-    "app.css": (Path(str(_HERE / "static" / "app.css")), "text/css"),
+    **{name: (Path(str(_HERE / "static" / name)), "text/css" if name.endswith(".css") else "text/javascript") for name in _OWN},
     "plotly.min.js": (Path(plotly.__file__).parent / "package_data" / "plotly.min.js", "text/javascript"),
 }
+STATUSES = ("running", "finished", "crashed", "stalled")
+COLUMNS = (  # (sort key or None, heading, numeric)
+    (None, "", False), ("project", "Project", False), ("name", "Run", False), ("status", "Status", False),
+    ("health", "Health", False), (None, "Alerts", True), ("step", "Last step", True), (None, "Skipped (last 1k)", True),
+    (None, "Scale", True), ("started", "Started (UTC)", False), ("seen", "Last seen (UTC)", False),
+)  # fmt: skip
+Text = Annotated[str | None, Query(max_length=200)]
 
 
 @router.get("/", response_class=HTMLResponse)
-def runs_page(request: Request, session: SessionDep, project: str | None = None) -> Any:
-    """Every run (or one project's), newest first."""
-    runs = store.list_runs(session, project=project)
-    projects = sorted({name for _, name in runs})
-    return templates.TemplateResponse(request, "runs.html", {"runs": runs, "project": project, "projects": projects})
+def runs_page(
+    request: Request, session: SessionDep, project: Text = None, status: Text = None, q: Text = None,
+    sort: str = "started", order: str = "desc",
+) -> Any:  # fmt: skip
+    """Runs, filtered (project, status, part of the name) and sorted by the column headers; newest first."""
+    project, status, q = project or None, status if status in STATUSES else None, q or None
+    descending = order != "asc"
+    runs = store.list_runs(session, project=project, status=status, search=q, sort=sort, descending=descending)
+    if sort == "project":
+        runs.sort(key=lambda row: row[1], reverse=descending)
+    context = {
+        "runs": runs, "vitals": store.run_vitals(session, run_ids=[r.id for r, _ in runs]),
+        "projects": store.project_names(session), "statuses": STATUSES, "columns": COLUMNS,
+        "filters": {"project": project, "status": status, "q": q}, "sort": sort, "descending": descending,
+        "since": store.now().isoformat(), "nav": "runs", "sort_links": _sort_links(project, status, q, sort, descending),
+    }  # fmt: skip
+    return templates.TemplateResponse(request, "runs.html", context)
+
+
+def _sort_links(project: str | None, status: str | None, q: str | None, sort: str, descending: bool) -> dict[str, str]:
+    """Each sortable column's link: the same filters, that column, the other direction when it is the current one."""
+    kept = {k: v for k, v in {"project": project, "status": status, "q": q}.items() if v}
+    return {
+        key: "?" + urlencode({**kept, "sort": key, "order": "asc" if key == sort and descending else "desc"})
+        for key, _, _ in COLUMNS if key
+    }  # fmt: skip
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: str, session: SessionDep) -> Any:
-    """One run: header, charts (filled by app.js), events and configuration."""
+    """One run: header, runtime, charts (drawn by run.js), the event timeline, configuration and environment."""
     found = store.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
     run, project = found
+    events = store.list_events(session, run_id=run_id, limit=500)
     context = {
-        "run": run,
-        "project": project,
-        "events": store.list_events(session, run_id=run_id, limit=500),
-        "counts": store.count_events(session, run_id=run_id),
-        "series": store.series_names(session, run_id=run_id),
-    }
+        "run": run, "project": project, "events": events, "counts": store.count_events(session, run_id=run_id),
+        "series": store.series_names(session, run_id=run_id), "runtime": formats.runtime(run.environment, run.config),
+        "last_event_id": store.last_event_id(session, run_id=run_id),
+    }  # fmt: skip
     return templates.TemplateResponse(request, "run.html", context)
+
+
+@router.get("/compare", response_class=HTMLResponse)
+def compare_page(
+    request: Request, session: SessionDep, run: Annotated[list[str] | None, Query()] = None, series: Text = None
+) -> Any:
+    """One series of several runs on one chart; the form picks the runs and the series."""
+    chosen = [found for found in (store.get_run(session, run_id=r) for r in (run or [])[:20]) if found]
+    names = sorted({n for r, _ in chosen for n in store.series_names(session, run_id=r.id)})
+    context = {
+        "runs": store.list_runs(session)[:200], "chosen": chosen, "chosen_ids": {r.id for r, _ in chosen},
+        "nav": "compare", "names": names, "series": series or ("loss" if "loss" in names or not names else names[0]),
+    }  # fmt: skip
+    return templates.TemplateResponse(request, "compare.html", context)
 
 
 @router.get("/static/{name}")
 def static(name: str) -> FileResponse:
-    """The dashboard's own script and style, and Plotly.js from the installed package (no CDN)."""
+    """The dashboard's own scripts and style, and Plotly.js from the installed package (no CDN)."""
     if name not in _STATIC:
         raise HTTPException(404, "no such file")
     path, media_type = _STATIC[name]
-    return FileResponse(path, media_type=media_type, headers={"Cache-Control": "public, max-age=3600"})
+    cache = "public, max-age=3600" if name == "plotly.min.js" else "no-cache"  # our own files change with releases
+    return FileResponse(path, media_type=media_type, headers={"Cache-Control": cache})

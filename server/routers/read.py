@@ -58,14 +58,36 @@ def get_series(
     name: Annotated[list[str] | None, Query(description="Series to return; all when absent.")] = None,
     max_points: Annotated[int | None, Query(ge=4, le=1_000_000)] = None,
     rank: Annotated[int, Query(ge=0)] = 0,
+    start_step: Annotated[int | None, Query(ge=0, description="First step to return (a zoomed chart).")] = None,
+    end_step: Annotated[int | None, Query(ge=0, description="Last step to return.")] = None,
 ) -> Response:
     """`{name: {"steps": [...], "values": [...]}}`; non-finite values are "NaN", "Infinity", "-Infinity".
-    With `max_points`, downsampled keeping spikes (per-bucket min and max) and every non-finite point."""
+    With `max_points`, downsampled keeping spikes (per-bucket min and max) and every non-finite point;
+    `start_step`/`end_step` narrow the range, so a zoomed chart gets full resolution."""
     _get_run(session, run_id)
     names = name or store.series_names(session, run_id=run_id)
-    data = store.read_series(session, run_id=run_id, names=names, rank=rank, max_points=max_points)
+    data = store.read_series(
+        session, run_id=run_id, names=names, rank=rank, max_points=max_points, start=start_step, end=end_step
+    )
     body = {n: {"steps": steps, "values": to_json(values)} for n, (steps, values) in data.items()}
     return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+
+
+@router.get("/runs/{run_id}/heatmap")
+def get_heatmap(
+    run_id: str,
+    session: SessionDep,
+    prefix: Annotated[str, Query(min_length=1, description="Series name prefix; one row per series.")] = "grad_norm/",
+    columns: Annotated[int, Query(ge=1, le=5000, description="About this many step buckets.")] = 300,
+    rank: Annotated[int, Query(ge=0)] = 0,
+    start_step: Annotated[int | None, Query(ge=0)] = None,
+    end_step: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
+    """Per-layer series (`grad_norm/<module>`) as a grid: `{layers, steps, width, values}`, `values[layer][bucket]`
+    the bucket's largest value, or "NaN"/"Infinity"/"-Infinity" when it holds one, null when empty."""
+    _get_run(session, run_id)
+    grid = store.layer_heatmap(session, run_id=run_id, prefix=prefix, rank=rank, columns=columns, start=start_step, end=end_step)
+    return Response(json.dumps(grid, separators=(",", ":")), media_type="application/json")
 
 
 @router.get("/runs/{run_id}/events", response_model=list[EventOut])

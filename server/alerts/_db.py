@@ -1,0 +1,50 @@
+"""Small shared helpers: the clock, dialect-aware INSERT, severities, step formatting."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Table
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
+ACTIVE = ("pending", "firing")
+WAKE = "ampwatch.alerts.wake"  # session.info flag: deliveries were queued, wake the dispatcher after commit
+
+
+def now() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+def utc(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes: they are UTC."""
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def insert(session: Session, table: Table) -> Any:
+    """An INSERT that knows ON CONFLICT on this session's database."""
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    return dialect.insert(table)
+
+
+def steps(value: int | None) -> str:
+    """A step as people read it: 12 340."""
+    return "?" if value is None else f"{value:,}".replace(",", " ")
+
+
+def pow2(value: float | None) -> str:
+    """A loss scale as people read it: 2^16, or the number when it is not a power of two."""
+    if value is None or not math.isfinite(value):
+        return "?"
+    if value > 0 and math.log2(value).is_integer():
+        return f"2^{int(math.log2(value))}"
+    return f"{value:g}"
+
+
+def at_least(severity: str, floor: str) -> bool:
+    """Whether `severity` is `floor` or worse."""
+    return SEVERITY_RANK.get(severity, 0) >= SEVERITY_RANK.get(floor, 0)

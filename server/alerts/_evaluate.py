@@ -1,0 +1,164 @@
+"""The background evaluation of one run: windowed rules (a series threshold, an event rate), the clearing,
+`for` and `keep_firing_for` of open alerts, and reminders. Never on the request path.
+
+A process evaluates a run only while it holds the run's lease (a conditional UPDATE), so replicas share the
+work instead of repeating it; the state changes themselves are guarded again in `_state`."""
+
+from __future__ import annotations
+
+import math
+import operator
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.orm import Session
+
+from ampwatch.server import models
+from ampwatch.server.alerts import _state
+from ampwatch.server.alerts._clearing import cleared
+from ampwatch.server.alerts._context import series_tail
+from ampwatch.server.alerts._db import ACTIVE, steps, utc
+from ampwatch.server.alerts._ingest import ensure_liveness
+from ampwatch.server.alerts._rules import applies, project_of
+
+L, R, A = models.RunLiveness, models.Run, models.Alert
+LEASE_S = 30.0
+_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+_REMIND_STATUSES = ("running", "stalled")  # a finished or dead run does not need reminding
+
+
+def runs_to_evaluate(session: Session, *, limit: int = 200) -> list[str]:
+    """Runs with data newer than their last evaluation, and runs with open alerts."""
+    fresh = select(L.run_id).join(R, R.id == L.run_id).where(or_(L.evaluated_at.is_(None), L.evaluated_at < R.last_seen_at))
+    # Open alerts of a finished or dead run change only with new data, unless a timer runs (for, keep_firing_for).
+    timed = or_(R.status.in_(_REMIND_STATUSES), A.state == "pending", A.cleared_at.is_not(None))
+    open_ = select(A.run_id).join(R, R.id == A.run_id).where(A.state.in_(ACTIVE), timed).distinct()
+    return list(dict.fromkeys([*session.scalars(fresh.limit(limit)), *session.scalars(open_.limit(limit))]))
+
+
+def claim(session: Session, run_id: str, stamp: datetime) -> datetime | None:
+    """Take the run's evaluation lease; the run's last_seen_at when taken, None when another process holds it."""
+    ensure_liveness(session, run_id)
+    done = session.execute(
+        update(L).where(L.run_id == run_id, or_(L.lease_until.is_(None), L.lease_until < stamp))
+        .values(lease_until=stamp + timedelta(seconds=LEASE_S)).execution_options(synchronize_session=False)
+    )  # fmt: skip
+    seen = session.scalar(select(R.last_seen_at).where(R.id == run_id))
+    session.commit()
+    return seen if done.rowcount == 1 else None
+
+
+def release(session: Session, run_id: str, seen: datetime | None) -> None:
+    """Give the lease back, recording what was evaluated."""
+    session.execute(update(L).where(L.run_id == run_id).values(lease_until=None, evaluated_at=seen).execution_options(synchronize_session=False))
+    session.commit()
+
+
+def evaluate_run(session: Session, run_id: str, stamp: datetime) -> None:
+    """Windowed rules, then the upkeep of every open alert of the run."""
+    run = session.get(R, run_id)
+    if run is None:
+        return
+    liveness = ensure_liveness(session, run_id)
+    project = project_of(session, run)
+    rules = {r.id: r for r in session.scalars(select(models.AlertRule))}
+    for rule in rules.values():
+        if rule.enabled and rule.kind in ("threshold", "event_rate") and applies(rule, project):
+            _window(session, rule, run, liveness, project, stamp)
+    for alert in session.scalars(select(A).where(A.run_id == run_id, A.state.in_(ACTIVE))).all():
+        rule = rules.get(alert.rule_id) if alert.rule_id is not None else None
+        _upkeep(session, alert, rule, run, stamp)
+
+
+def _upkeep(session: Session, alert: models.Alert, rule: models.AlertRule | None, run: models.Run, stamp: datetime) -> None:
+    if alert.state not in ACTIVE:
+        return
+    if rule is None or not rule.enabled:
+        _state.clear(session, alert, None, step=run.last_step, reason="The rule was disabled or deleted.", stamp=stamp)
+        return
+    if rule.kind == "event":
+        reason = cleared(session, alert=alert, event_type=rule.event_type or "", run=run)
+        if reason is not None:
+            _state.clear(session, alert, rule, step=run.last_step, reason=reason, stamp=stamp)
+            return
+        alert.cleared_at = None
+        if alert.state == "pending" and _for_met(rule, alert, run.last_step, stamp):
+            _state.fire(session, alert, step=alert.last_step, reason=f"held for {_for_text(rule)}", stamp=stamp)
+    if alert.state == "firing" and run.status in _REMIND_STATUSES:
+        _state.remind(session, alert, rule, stamp=stamp)
+
+
+def _window(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness, project: str, stamp: datetime) -> None:
+    measured = _measure(session, rule, run, liveness)
+    if measured is None:
+        return  # not enough data to decide either way
+    value, step = measured
+    holds = not math.isnan(value) and _OPS[rule.op or ">"](value, rule.threshold if rule.threshold is not None else 0.0)
+    query = select(A).where(A.rule == rule.name, A.run_id == run.id, A.rank == -1, A.state.in_(ACTIVE))
+    alert = session.scalars(query).first()
+    if not holds:
+        if alert is not None:
+            reason = f"{_what(rule)} is {value:.4g} at step {steps(step)}, no longer {rule.op} {rule.threshold:g}."
+            _state.clear(session, alert, rule, step=step, reason=reason, stamp=stamp)
+        return
+    details = {"value": value, "window_steps": rule.window_steps, "threshold": rule.threshold, "type": rule.name,
+               "message": f"{_what(rule)} is {value:.4g} (threshold {rule.op} {rule.threshold:g}) at step {steps(step)}."}  # fmt: skip
+    summary = f"{_title(rule, value)} in {project}/{run.name} at step {steps(step)}"
+    alert, _ = _state.open_or_fold(session, rule=rule, run_id=run.id, rank=-1, step=step, summary=summary, details=details,
+                                   stamp=stamp, reason=details["message"], occurrence=False)  # fmt: skip
+    if alert.state == "pending" and _for_met(rule, alert, step, stamp):
+        _state.fire(session, alert, step=step, reason=f"held for {_for_text(rule)}", stamp=stamp)
+
+
+def _measure(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness) -> tuple[float, int] | None:
+    window = rule.window_steps or 1
+    floor = rule.ignore_steps
+    if rule.series in ("skipped", "scale") and liveness.calibrated_step is not None:
+        floor = max(floor, liveness.calibrated_step)  # skips while the scale calibrates at start-up are normal
+    if rule.kind == "event_rate":
+        if run.last_step is None or run.last_step - floor + 1 < window:
+            return None
+        E = models.Event
+        count = session.scalar(select(func.count()).where(
+            E.run_id == run.id, E.type == rule.event_type, E.step > run.last_step - window, E.step >= floor))  # fmt: skip
+        return float(count or 0), run.last_step
+    tail = series_tail(session, run_id=run.id, name=rule.series or "", rank=0, after=floor - 1, limit=window)
+    if len(tail) < window:
+        return None
+    return aggregate(rule.aggregation or "mean", [v for _, v in tail]), tail[0][0]
+
+
+def aggregate(how: str, values: list[float | None]) -> float:
+    """Aggregate a window, newest value first; NaN (None) only counts for `nonfinite` and `last`."""
+    if how == "nonfinite":
+        return float(sum(1 for v in values if v is None or math.isinf(v)))
+    if how == "last":
+        return math.nan if values[0] is None else values[0]
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return math.nan
+    return {"mean": lambda: sum(finite) / len(finite), "max": lambda: max(finite), "min": lambda: min(finite),
+            "sum": lambda: sum(finite)}[how]()  # fmt: skip
+
+
+def _for_met(rule: models.AlertRule, alert: models.Alert, step: int | None, stamp: datetime) -> bool:
+    held_s = (stamp - utc(alert.started_at)).total_seconds()
+    held_steps = (step or 0) - (alert.step or 0)
+    return held_s >= rule.for_s and held_steps >= rule.for_steps
+
+
+def _for_text(rule: models.AlertRule) -> str:
+    parts = [f"{rule.for_steps} steps"] if rule.for_steps else []
+    return " and ".join(parts + ([f"{rule.for_s:g} s"] if rule.for_s else [])) or "0 s"
+
+
+def _what(rule: models.AlertRule) -> str:
+    if rule.kind == "event_rate":
+        return f"{rule.event_type} events in the last {rule.window_steps} steps"
+    return f"{rule.aggregation} of {rule.series} over the last {rule.window_steps} steps"
+
+
+def _title(rule: models.AlertRule, value: float) -> str:
+    if rule.name == "skip_rate":
+        return f"Skip rate {value:.0%} over {rule.window_steps} steps"
+    return f"{rule.name}: {_what(rule)} = {value:.4g}"

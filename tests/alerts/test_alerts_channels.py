@@ -1,0 +1,200 @@
+"""Channels against real receivers on loopback: Slack's format, e-mail through a real SMTP server with
+authentication, retries that honour Retry-After, permanent failures, the test action, and secrets kept."""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import logging
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import AuthResult, LoginPassword
+
+PASSWORD = "s3cret-pw-do-not-show"
+# AUTH without TLS is what a loopback test server can offer; aiosmtpd warns about it, rightly, elsewhere.
+pytestmark = pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS")
+
+
+class Inbox:
+    """An aiosmtpd handler that keeps what it receives."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:  # noqa: N802
+        self.messages.append(envelope)
+        return "250 OK"
+
+    def wait(self, count: int, timeout_s: float = 20.0) -> list[Any]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.messages) < count:
+            assert time.monotonic() < deadline, f"expected {count} e-mails, got {len(self.messages)}"
+            time.sleep(0.02)
+        return self.messages
+
+
+def _authenticate(server: Any, session: Any, envelope: Any, mechanism: str, auth_data: Any) -> AuthResult:
+    ok = isinstance(auth_data, LoginPassword) and (auth_data.login, auth_data.password) == (b"ampwatch", PASSWORD.encode())
+    return AuthResult(success=ok, handled=False)  # not handled: aiosmtpd answers 535 itself
+
+
+@pytest.fixture
+def smtp() -> Iterator[tuple[Inbox, int]]:
+    """A real SMTP server on loopback that requires AUTH (over plain text: loopback only)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    inbox = Inbox()
+    controller = Controller(inbox, hostname="127.0.0.1", port=port, authenticator=_authenticate,
+                            auth_required=True, auth_require_tls=False)  # fmt: skip
+    controller.start()
+    yield inbox, port
+    controller.stop()
+
+
+def _nan(http: Any, run_id: str, step: int = 10, severity: str = "critical", kind: str = "nonfinite_loss") -> None:
+    http.put(f"/api/v1/runs/{run_id}", json={"project": "p", "name": run_id}).raise_for_status()
+    event = {"step": step, "type": kind, "severity": severity, "message": f"NaN loss at step {step}.", "details": {"loss": "NaN"}}
+    http.post(f"/api/v1/runs/{run_id}/batches", json={"seq": 1, "events": [event]}).raise_for_status()
+
+
+def _deliveries(http: Any, run_id: str) -> list[dict[str, Any]]:
+    [alert] = http.get("/api/v1/alerts", params={"run_id": run_id}).json()
+    detail = http.get(f"/api/v1/alerts/{alert['id']}").json()
+    return detail["flips"][0]["deliveries"]
+
+
+def test_email_goes_through_smtp_with_auth_and_the_password_is_never_shown(alert_server, smtp, caplog) -> None:  # type: ignore[no-untyped-def]
+    inbox, port = smtp
+    server = alert_server(alert_webhook_url="")
+    caplog.set_level(logging.DEBUG)
+    channel = {"name": "oncall-mail", "kind": "email", "to": ["oncall@example.com"], "smtp": {
+        "host": "127.0.0.1", "port": port, "starttls": False, "username": "ampwatch", "password": PASSWORD,
+        "from": "ampwatch@example.com"}}  # fmt: skip
+    with server.client() as http:
+        created = http.post("/api/v1/alert-channels", json=channel)
+        assert created.status_code == 201, created.text
+        assert created.json()["smtp"]["password_set"] is True
+        test = http.post(f"/api/v1/alert-channels/{created.json()['id']}/test").json()
+        assert test["ok"] is True, test
+        _nan(http, "mailed")
+        [_, alert_mail] = inbox.wait(2)
+        listing = http.get("/api/v1/alert-channels").text
+    assert alert_mail.rcpt_tos == ["oncall@example.com"]
+    message = email.message_from_bytes(alert_mail.content, policy=email.policy.default)
+    assert message["Subject"] == "[FIRING · critical] NaN loss in p/mailed at step 10"
+    assert f"{server.url}/runs/mailed?step=10" in message.get_content()
+    assert "test from ampwatch" in email.message_from_bytes(inbox.messages[0].content, policy=email.policy.default).get_content()
+    assert PASSWORD not in listing and PASSWORD not in caplog.text
+
+
+def test_wrong_smtp_credentials_are_a_permanent_failure_with_the_servers_answer(alert_server, smtp) -> None:  # type: ignore[no-untyped-def]
+    _, port = smtp
+    server = alert_server(alert_webhook_url="")
+    channel = {"name": "bad-mail", "kind": "email", "to": ["a@example.com"],
+               "smtp": {"host": "127.0.0.1", "port": port, "starttls": False, "username": "ampwatch", "password": "wrong"}}  # fmt: skip
+    with server.client() as http:
+        channel_id = http.post("/api/v1/alert-channels", json=channel).json()["id"]
+        test = http.post(f"/api/v1/alert-channels/{channel_id}/test").json()
+        shown = http.get(f"/api/v1/alert-channels/{channel_id}").json()
+    assert test["ok"] is False and test["error"].startswith("SMTP 535")
+    assert shown["last_delivery"]["status"] == "failed" and shown["last_delivery"]["error"].startswith("SMTP 535")
+
+
+def test_slack_gets_its_incoming_webhook_format_and_the_token_is_masked(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server(alert_webhook_url="")
+    with server.client() as http:
+        made = http.post("/api/v1/alert-channels", json={"name": "slack", "kind": "slack", "url": f"{receiver.url}/slack/T0/B0/token123"})
+        assert made.json()["url"] == f"{receiver.url}/slack/***"
+        _nan(http, "slacked")
+    [body] = receiver.wait(1, path="/slack/T0/B0/token123")
+    assert body["text"] == "[FIRING · critical] NaN loss in p/slacked at step 10"
+    assert [b["type"] for b in body["blocks"]] == ["section", "section", "context"]
+    assert f"<{server.url}/runs/slacked?step=10|" in body["blocks"][-1]["elements"][0]["text"]
+
+
+def test_a_503_is_retried_after_retry_after_and_each_attempt_is_recorded(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server()
+    receiver.replies = [(503, {"Retry-After": "1"}, 0.0)]
+    with server.client() as http:
+        _nan(http, "flaky")
+        receiver.wait(2)
+        first, second = receiver.received[:2]
+        assert second.at - first.at >= 0.9  # Retry-After: 1 was honoured
+        deliveries = _wait_final(http, "flaky", 2)
+    assert [(d["attempt"], d["status"], d["response_status"]) for d in deliveries] == [(1, "retried", 503), (2, "delivered", 200)]
+    assert deliveries[0]["error"].startswith("HTTP 503")
+
+
+def test_a_4xx_is_permanent_and_an_unreachable_channel_is_retried(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nobody listens here once the socket is closed
+    server = alert_server(alert_webhook_url=f"http://127.0.0.1:{closed}/hook")
+    receiver.replies = [(404, {}, 0.0)]
+    with server.client() as http:
+        http.post("/api/v1/alert-channels", json={"name": "gone", "kind": "webhook", "url": f"{receiver.url}/gone"})
+        _nan(http, "unlucky")
+        deliveries = _wait_final(http, "unlucky", 2)
+    by_channel = {d["channel"]: d for d in deliveries}
+    assert (by_channel["gone"]["status"], by_channel["gone"]["error"]) == ("failed", "HTTP 404: ok")
+    unreachable = by_channel["AMPWATCH_ALERT_WEBHOOK_URL"]
+    assert unreachable["status"] == "retried" and unreachable["error"].startswith("connection failed")
+    assert len(receiver.bodies("/gone")) == 1
+
+
+def _wait_final(http: Any, run_id: str, count: int, timeout_s: float = 20.0) -> list[dict[str, Any]]:
+    """The alert's first deliveries once `count` attempts have an outcome."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        deliveries = _deliveries(http, run_id)
+        done = [d for d in deliveries if d["finished_at"] is not None]
+        if len(done) >= count:
+            return done
+        assert time.monotonic() < deadline, deliveries
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def tls_smtp(tmp_path) -> Iterator[tuple[Inbox, int, str]]:  # type: ignore[no-untyped-def]
+    """A real SMTP server that requires STARTTLS before AUTH, with a self-signed certificate (made by openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)  # fmt: skip
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    inbox = Inbox()
+    controller = Controller(inbox, hostname="127.0.0.1", port=port, authenticator=_authenticate, auth_required=True,
+                            tls_context=context, require_starttls=True)  # fmt: skip
+    controller.start()
+    yield inbox, port, str(cert)
+    controller.stop()
+
+
+def test_starttls_verifies_the_servers_certificate_against_the_given_ca(alert_server, tls_smtp) -> None:  # type: ignore[no-untyped-def]
+    inbox, port, cert = tls_smtp
+    server = alert_server(alert_webhook_url="")
+    smtp = {"host": "127.0.0.1", "port": port, "starttls": True, "username": "ampwatch", "password": PASSWORD}
+    with server.client() as http:
+        trusted = http.post("/api/v1/alert-channels", json={"name": "tls", "kind": "email", "to": ["a@example.com"],
+                                                            "smtp": {**smtp, "ca_file": cert}}).json()  # fmt: skip
+        untrusted = http.post("/api/v1/alert-channels", json={"name": "tls-unknown-ca", "kind": "email", "to": ["a@example.com"], "smtp": smtp}).json()
+        ok = http.post(f"/api/v1/alert-channels/{trusted['id']}/test").json()
+        refused = http.post(f"/api/v1/alert-channels/{untrusted['id']}/test").json()
+    assert ok["ok"] is True, ok
+    assert len(inbox.wait(1)) == 1
+    assert refused["ok"] is False and "CERTIFICATE_VERIFY_FAILED" in refused["error"]

@@ -1,0 +1,143 @@
+"""Rules and lifecycle through the HTTP API, fed with agent-shaped batches: built-in defaults, user rules
+with `for` and `keep_firing_for`, reminders, inhibition, silences, and the config file."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from ampwatch.server import Settings, create_app
+from ampwatch.server.alerts import ConfigError
+
+BUILTINS = {"nonfinite_loss", "nonfinite_param", "nonfinite_grad", "scale_collapse", "scaler_misuse", "run_crashed",
+            "skip_rate", "grad_spike", "loss_spike", "run_stalled"}  # fmt: skip
+
+
+class Feed:
+    """Registers runs and sends numbered batches, as the agent would."""
+
+    def __init__(self, http: Any) -> None:
+        self.http, self.seq = http, 0
+
+    def run(self, run_id: str, project: str = "p") -> str:
+        self.http.put(f"/api/v1/runs/{run_id}", json={"project": project, "name": run_id}).raise_for_status()
+        return run_id
+
+    def send(self, run_id: str, *, events: list[tuple[str, str, int]] = (), **series: tuple[range, float]) -> None:  # type: ignore[assignment]
+        self.seq += 1
+        points = {name: {"steps": list(steps), "values": [value] * len(steps)} for name, (steps, value) in series.items()}
+        body = {"seq": self.seq, "points": points,
+                "events": [{"step": s, "type": t, "severity": sev, "message": f"{t} at {s}"} for t, sev, s in events]}  # fmt: skip
+        self.http.post(f"/api/v1/runs/{run_id}/batches", json=body).raise_for_status()
+
+    def alerts(self, run_id: str) -> dict[str, dict[str, Any]]:
+        listed = self.http.get("/api/v1/alerts", params={"run_id": run_id}).json()
+        return {a["rule"]: self.http.get(f"/api/v1/alerts/{a['id']}").json() for a in listed}
+
+
+@pytest.fixture
+def feed(alert_server) -> Any:  # type: ignore[no-untyped-def]
+    server = alert_server()
+    with server.client() as http:
+        yield Feed(http)
+
+
+def test_builtin_rules_work_with_zero_configuration_and_can_be_disabled_but_not_deleted(feed) -> None:  # type: ignore[no-untyped-def]
+    rules = {r["name"]: r for r in feed.http.get("/api/v1/alert-rules").json()}
+    assert BUILTINS <= set(rules) and {rules[n]["source"] for n in BUILTINS} == {"builtin"}
+    assert (rules["nonfinite_loss"]["severity"], rules["run_stalled"]["severity"]) == ("critical", "warning")
+    assert feed.http.delete(f"/api/v1/alert-rules/{rules['grad_spike']['id']}").status_code == 409
+    off = feed.http.patch(f"/api/v1/alert-rules/{rules['grad_spike']['id']}", json={"enabled": False})
+    assert off.status_code == 200 and off.json()["enabled"] is False
+    feed.send(feed.run("r"), events=[("grad_spike", "warning", 5), ("loss_spike", "warning", 5)])
+    assert set(feed.alerts("r")) == {"loss_spike"}
+
+
+def test_a_threshold_rule_goes_pending_then_fires_after_for_steps_and_resolves_after_keep_firing_for(feed, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
+    rule = {"name": "loss_high", "kind": "threshold", "series": "loss", "aggregation": "mean", "window_steps": 5,
+            "op": ">", "threshold": 10, "for": "20 steps", "keep_firing_for_s": 0.5, "project": "p"}  # fmt: skip
+    assert feed.http.post("/api/v1/alert-rules", json=rule).status_code == 201
+    assert feed.http.post("/api/v1/alert-rules", json=rule).status_code == 409
+    run, other = feed.run("hot"), feed.run("hot-elsewhere", project="q")
+    feed.send(run, loss=(range(0, 10), 50.0))
+    feed.send(other, loss=(range(0, 40), 50.0))  # another project: the rule does not watch it
+    wait_for(lambda: feed.alerts(run).get("loss_high", {}).get("state") == "pending", what="a pending alert")
+    feed.send(run, loss=(range(10, 30), 50.0))
+    [firing] = receiver.wait(1, alert__rule="loss_high")
+    assert "mean of loss over the last 5 steps is 50 (threshold > 10)" in firing["text"]
+    cleared_at = time.monotonic()
+    feed.send(run, loss=(range(30, 40), 1.0))
+    [resolved] = receiver.wait(1, status="resolved", alert__rule="loss_high")
+    assert time.monotonic() - cleared_at >= 0.5  # keep_firing_for
+    assert "no longer > 10" in resolved["reason"]
+    flips = [(f["old_state"], f["new_state"]) for f in feed.alerts(run)["loss_high"]["flips"]]
+    assert flips == [(None, "pending"), ("pending", "firing"), ("firing", "resolved")]
+    assert feed.alerts(other) == {}
+
+
+def test_a_firing_alert_sends_reminders_every_repeat_interval(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+    rule_id = next(r["id"] for r in feed.http.get("/api/v1/alert-rules").json() if r["name"] == "nonfinite_param")
+    feed.http.patch(f"/api/v1/alert-rules/{rule_id}", json={"repeat_interval_s": 0.5}).raise_for_status()
+    feed.send(feed.run("nag"), events=[("nonfinite_param", "critical", 3)])
+    first, reminder = receiver.wait(2, alert__rule="nonfinite_param")[:2]
+    assert (first["reminder"], reminder["reminder"], reminder["status"]) == (False, True, "firing")
+    assert reminder["text"].startswith("[STILL FIRING · critical] Non-finite parameters in p/nag at step 3")
+
+
+def test_a_firing_scale_collapse_inhibits_the_lesser_alerts_of_its_run(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+    run = feed.run("collapsing")
+    feed.send(run, events=[("grad_spike", "warning", 12), ("scale_collapse", "critical", 12)])
+    feed.send(feed.run("spiky"), events=[("grad_spike", "warning", 12)])
+    alerts = feed.alerts(run)
+    assert alerts["grad_spike"]["flips"][0]["suppressed"].startswith("inhibited by the firing scale_collapse alert")
+    assert alerts["grad_spike"]["flips"][0]["deliveries"] == []
+    receiver.wait(2)
+    assert sorted((b["run"]["id"], b["alert"]["rule"]) for b in receiver.bodies()) == [
+        ("collapsing", "scale_collapse"), ("spiky", "grad_spike")]  # fmt: skip
+
+
+def test_a_silence_mutes_its_run_until_it_ends(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+    quiet, loud = feed.run("quiet"), feed.run("loud")
+    made = feed.http.post("/api/v1/silences", json={"run_id": quiet, "duration_s": 3600, "comment": "known bad data"})
+    assert made.status_code == 201 and made.json()["active"] is True
+    feed.send(quiet, events=[("nonfinite_loss", "critical", 7)])
+    feed.send(loud, events=[("nonfinite_loss", "critical", 7)])
+    assert feed.alerts(quiet)["nonfinite_loss"]["flips"][0]["suppressed"].startswith(f"silenced by silence #{made.json()['id']}")
+    assert feed.http.delete(f"/api/v1/silences/{made.json()['id']}").json()["active"] is False
+    feed.send(quiet, events=[("loss_spike", "warning", 8)])
+    receiver.wait(2)
+    assert sorted((b["run"]["id"], b["alert"]["rule"]) for b in receiver.bodies()) == [("loud", "nonfinite_loss"), ("quiet", "loss_spike")]
+
+
+def test_rules_and_channels_from_the_config_file_and_the_env_webhook(alert_server, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "alerts.yaml"
+    path.write_text(f"""
+rules:
+  - {{name: spiky, kind: event_rate, event_type: grad_spike, window_steps: 100, op: ">=", threshold: 3, severity: critical}}
+channels:
+  - {{name: team, kind: webhook, url: "{receiver.url}/team", min_severity: critical}}
+""")
+    server = alert_server(alert_rules_file=str(path))
+    with server.client() as http:
+        rules = {r["name"]: r for r in http.get("/api/v1/alert-rules").json()}
+        assert rules["spiky"]["source"] == "file"
+        channels = {c["name"]: c for c in http.get("/api/v1/alert-channels").json()}
+        assert channels["AMPWATCH_ALERT_WEBHOOK_URL"]["source"] == "env" and channels["team"]["source"] == "file"
+        feed = Feed(http)
+        feed.send(feed.run("bursty"), events=[("grad_spike", "warning", s) for s in (100, 120, 150)], loss=(range(0, 160), 1.0))
+    [team] = receiver.wait(1, path="/team")
+    assert team["alert"]["rule"] == "spiky" and "grad_spike events in the last 100 steps is 3" in team["text"]
+    server.stop()
+    again = alert_server(alert_webhook_url="")  # the same database, without the environment variable
+    with again.client() as http:
+        assert "AMPWATCH_ALERT_WEBHOOK_URL" not in {c["name"] for c in http.get("/api/v1/alert-channels").json()}
+
+
+def test_a_broken_config_file_stops_the_server_from_starting_with_the_reason(tmp_path, sqlite_url) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "alerts.json"
+    path.write_text(json.dumps({"rules": [{"name": "x", "kind": "threshold", "series": "loss"}]}))
+    with pytest.raises(ConfigError, match="a threshold rule needs op, threshold"):
+        create_app(Settings(database_url=sqlite_url, alert_rules_file=str(path)))

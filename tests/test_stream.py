@@ -1,0 +1,139 @@
+"""Live streams over Server-Sent Events, read by a real HTTP client from a real server (SQLite and Postgres)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+
+class SSE:
+    """A minimal `text/event-stream` reader: one parsed event per `next()`, failing after `timeout_s` of silence."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.lines = response.iter_lines()
+
+    def next(self, event: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        fields: dict[str, str] = {}
+        for line in self.lines:
+            if time.monotonic() > deadline:
+                break
+            if line == "":
+                if fields.get("event") == event:
+                    return {"id": fields.get("id"), "data": json.loads(fields["data"])}
+                fields = {}
+            elif not line.startswith(":"):
+                key, _, value = line.partition(":")
+                fields[key] = fields.get(key, "") + value.removeprefix(" ") if key == "data" else value.removeprefix(" ")
+        raise AssertionError(f"no {event!r} event within {timeout_s} s")
+
+    def until(self, predicate: Any, event: str = "update", timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        """Events up to and including the first for which `predicate(data)` holds."""
+        seen: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seen.append(self.next(event, timeout_s=deadline - time.monotonic()))
+            if predicate(seen[-1]["data"]):
+                return seen
+        raise AssertionError(f"condition not met; got {seen}")
+
+
+@contextmanager
+def sse(http: httpx.Client, path: str, **kwargs: Any) -> Iterator[SSE]:
+    with http.stream("GET", path, timeout=httpx.Timeout(10.0, read=10.0), **kwargs) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        yield SSE(response)
+
+
+@pytest.fixture
+def http(live_server):  # type: ignore[no-untyped-def]
+    with live_server.client() as client:
+        assert client.put("/api/v1/runs/r1", json={"project": "p", "name": "live"}).status_code == 200
+        yield client
+
+
+def _post(http: httpx.Client, seq: int, points: dict[str, Any], events: list[dict[str, Any]] | None = None, rank: int = 0) -> None:
+    reply = http.post("/api/v1/runs/r1/batches", json={"seq": seq, "rank": rank, "points": points, "events": events or []})
+    assert reply.status_code == 200 and reply.json()["stored"], reply.text
+
+
+def _merged(updates: list[dict[str, Any]], name: str) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for u in updates:
+        series = u["data"]["points"].get(name, {"steps": [], "values": []})
+        out.update(zip(series["steps"], series["values"]))
+    return out
+
+
+def test_a_point_posted_after_the_stream_opened_arrives_with_its_event(http) -> None:  # type: ignore[no-untyped-def]
+    _post(http, 1, {"loss": {"steps": [0, 1, 2], "values": [3.0, 2.5, 2.0]}})
+    with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 2, "after_event": 0}) as stream:
+        event = {"step": 4, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss at step 4"}
+        _post(http, 2, {"loss": {"steps": [3, 4], "values": [1.5, "NaN"]}, "scale": {"steps": [3, 4], "values": [65536.0, 32768.0]}}, [event])
+        updates = stream.until(lambda d: 4 in d["points"].get("loss", {}).get("steps", []) and d["events"])
+    loss = _merged(updates, "loss")
+    assert {k: v for k, v in loss.items() if k > 2} == {3: 1.5, 4: "NaN"}
+    assert _merged(updates, "scale") == {3: 65536.0, 4: 32768.0}
+    last = updates[-1]["data"]
+    assert [e["message"] for e in last["events"]] == ["NaN loss at step 4"]
+    assert (last["run"]["last_step"], last["run"]["health"]) == (4, "critical")
+    assert updates[-1]["id"] == f"4:{last['events'][0]['id']}"
+
+
+def test_a_reconnecting_client_resumes_from_last_event_id_and_gets_what_it_missed(http) -> None:  # type: ignore[no-untyped-def]
+    with sse(http, "/api/v1/runs/r1/stream", params={"after_step": -1}) as stream:
+        _post(http, 1, {"loss": {"steps": [0, 1], "values": [3.0, 2.0]}})
+        last_id = stream.until(lambda d: 1 in d["points"].get("loss", {}).get("steps", []))[-1]["id"]
+    assert last_id.startswith("1:")
+    # While nobody listens: a late point at the cursor's own step (another series), and newer points.
+    _post(http, 2, {"lr": {"steps": [1], "values": [0.1]}, "loss": {"steps": [2, 3], "values": [1.0, "Infinity"]}})
+    with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 100}, headers={"Last-Event-ID": last_id}) as stream:
+        updates = stream.until(lambda d: 3 in d["points"].get("loss", {}).get("steps", []))
+    assert _merged(updates, "lr") == {1: 0.1}
+    assert {k: v for k, v in _merged(updates, "loss").items() if k >= 2} == {2: 1.0, 3: "Infinity"}
+
+
+def test_a_stream_sends_only_its_rank(http) -> None:  # type: ignore[no-untyped-def]
+    with sse(http, "/api/v1/runs/r1/stream", params={"after_step": -1, "rank": 1}) as stream:
+        _post(http, 1, {"loss": {"steps": [0], "values": [9.0]}}, rank=0)
+        _post(http, 1, {"loss": {"steps": [0], "values": [1.0]}}, rank=1)
+        updates = stream.until(lambda d: bool(d["points"]))
+    assert _merged(updates, "loss") == {0: 1.0}
+
+
+def test_a_stream_far_behind_is_told_to_reset(http) -> None:  # type: ignore[no-untyped-def]
+    from ampwatch.server.routers.stream import RESET_STEPS
+
+    _post(http, 1, {"loss": {"steps": [0, RESET_STEPS + 10], "values": [1.0, 2.0]}})
+    with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 0}) as stream:
+        first = stream.next("update")["data"]
+        _post(http, 2, {"loss": {"steps": [RESET_STEPS + 11], "values": [3.0]}})
+        after = stream.until(lambda d: bool(d["points"]))
+    assert first["reset"] is True and first["points"] == {}
+    # After a reset the stream goes on from the run's end; that last step itself may come again (the client keeps one).
+    assert _merged(after, "loss")[RESET_STEPS + 11] == 3.0 and min(_merged(after, "loss")) >= RESET_STEPS + 10
+
+
+def test_streams_of_an_unknown_run_get_404(http) -> None:  # type: ignore[no-untyped-def]
+    assert http.get("/api/v1/runs/nobody/stream").status_code == 404
+
+
+def test_the_runs_stream_sends_a_run_that_changed_with_its_vitals(http) -> None:  # type: ignore[no-untyped-def]
+    http.put("/api/v1/runs/other", json={"project": "elsewhere", "name": "quiet"})
+    with sse(http, "/api/v1/stream/runs", params={"project": "p"}) as stream:
+        skipped = [1.0, 0.0, 0.0, 1.0]
+        http.post("/api/v1/runs/other/batches", json={"seq": 1, "points": {"loss": {"steps": [7], "values": [1.0]}}})
+        _post(http, 1, {"scale": {"steps": [0, 1, 2, 3], "values": [65536.0, 32768.0, 32768.0, 16384.0]},
+                        "skipped": {"steps": [0, 1, 2, 3], "values": skipped}})  # fmt: skip
+        runs = stream.until(lambda d: any(r["id"] == "r1" and r["last_step"] == 3 for r in d), event="runs")
+    row = next(r for r in runs[-1]["data"] if r["id"] == "r1")
+    assert (row["project"], row["status"], row["scale"], row["skip_rate"], row["firing"]) == ("p", "running", 16384.0, 0.5, 0)
+    assert all(r["id"] != "other" for m in runs for r in m["data"]), "the project filter holds"

@@ -1,0 +1,300 @@
+// The run page: charts that share one step axis (zoom one, all follow, and the zoomed range is read again at
+// full resolution), the per-layer heatmap, skipped-step spans, an event timeline that moves the charts, and
+// live updates over Server-Sent Events appended with Plotly.extendTraces.
+"use strict";
+
+(() => {
+  const MAX_POINTS = 2000;
+  const HEAT_COLUMNS = 300;
+  const REREAD_AFTER = 20000; // appended points before the series are read (downsampled) again
+  const STANDARD = {
+    loss: { title: "Loss", log: "auto" },
+    scale: { title: "Loss scale (log₂ axis)", log: 2, color: "#2b8a3e" },
+    grad_norm: { title: "Gradient norm (unscaled, log axis)", log: 10, color: "#7048e8" },
+    lr: { title: "Learning rate", log: "auto", color: "#0c8599" },
+  };
+  const HIDDEN = new Set(["skipped"]); // drawn as shaded spans and markers, not as a chart of its own
+  const root = document.getElementById("charts");
+  if (!root || typeof Plotly === "undefined") return;
+  const runId = encodeURIComponent(root.dataset.runId);
+  const heatEl = document.getElementById("chart-layers");
+  const timeline = document.getElementById("timeline");
+  const state = { cache: {}, grid: null, events: [], zoom: null, full: null, cursor: null, appended: 0, syncing: 0,
+                  seen: new Set(), lastEvent: Number(root.dataset.afterEvent || 0), loading: null, pending: [] };
+
+  const getJSON = async (url) => {
+    const reply = await fetch(url);
+    if (!reply.ok) throw new Error(`${url}: HTTP ${reply.status}`);
+    return reply.json();
+  };
+  const within = (range) => (range ? `&start_step=${Math.max(0, Math.floor(range[0]))}&end_step=${Math.max(0, Math.ceil(range[1]))}` : "");
+  const lastStep = (s) => (s && s.steps.length ? s.steps[s.steps.length - 1] : -1);
+
+  // ---- data -------------------------------------------------------------------------------------------
+  async function read(range) {
+    const run = await getJSON(`/api/v1/runs/${runId}`);
+    const names = run.series.filter((n) => !n.startsWith("grad_norm/"));
+    const query = names.map((n) => `name=${encodeURIComponent(n)}`).join("&");
+    const wide = range && pad(range, 0.25);
+    state.pending = [];
+    state.loading = Promise.all([
+      names.length ? getJSON(`/api/v1/runs/${runId}/series?${query}&max_points=${MAX_POINTS}${within(wide)}`) : {},
+      getJSON(`/api/v1/runs/${runId}/heatmap?columns=${HEAT_COLUMNS}${within(range)}`),
+    ]);
+    const [data, grid] = await state.loading;
+    state.loading = null;
+    state.cache = data;
+    state.grid = grid;
+    state.appended = 0;
+    state.pending.forEach(([name, s]) => merge(name, s)); // what streamed in while the read was on its way
+    if (!range) state.full = fullView();
+    header(run);
+  }
+
+  function merge(name, series) {
+    const cur = state.cache[name] || (state.cache[name] = { steps: [], values: [] });
+    const after = lastStep(cur);
+    const steps = [], values = [];
+    series.steps.forEach((step, i) => { if (step > after) { steps.push(step); values.push(series.values[i]); } });
+    cur.steps.push(...steps);
+    cur.values.push(...values);
+    state.appended += steps.length;
+    return { steps, values };
+  }
+
+  // ---- views and overlays -----------------------------------------------------------------------------
+  function pad(range, share) {
+    const w = Math.max(1, range[1] - range[0]) * share;
+    return [range[0] - w, range[1] + w];
+  }
+
+  function fullView() {
+    let lo = Infinity, hi = -Infinity;
+    Object.values(state.cache).forEach((s) => { if (s.steps.length) { lo = Math.min(lo, s.steps[0]); hi = Math.max(hi, lastStep(s)); } });
+    if (state.grid && state.grid.steps.length) {
+      lo = Math.min(lo, state.grid.steps[0]);
+      hi = Math.max(hi, state.grid.steps[state.grid.steps.length - 1] + state.grid.width - 1);
+    }
+    if (lo > hi) return null;
+    const w = Math.max(0.5, (hi - lo) * 0.01);
+    return [lo - w, hi + w];
+  }
+
+  const view = () => state.zoom || state.full || fullView();
+
+  /** Runs of consecutive skipped steps (gaps under a pixel or so closed, since long series come downsampled). */
+  function skipSpans() {
+    const s = state.cache.skipped, shown = view();
+    if (!s || !shown) return [];
+    const gap = Math.max(1, (shown[1] - shown[0]) / 1500), spans = [];
+    s.steps.forEach((step, i) => {
+      if (s.values[i] !== 1) return;
+      const last = spans[spans.length - 1];
+      if (last && step - last[1] <= gap) last[1] = step; else spans.push([step, step]);
+    });
+    return spans.slice(0, 500);
+  }
+
+  function skippedMarkers() {
+    const scale = state.cache.scale, skipped = state.cache.skipped;
+    if (!scale || !skipped || !skipped.steps.length) return [];
+    const at = new Map(scale.steps.map((s, i) => [s, scale.values[i]]));
+    const steps = skipped.steps.filter((s, i) => skipped.values[i] === 1);
+    return [{ x: steps, y: steps.map((s) => at.get(s)), mode: "markers", type: "scatter", name: "skipped step",
+              marker: { symbol: "circle-open", size: 8, color: "#c92a2a", line: { width: 1.5 } }, cliponaxis: false,
+              hovertemplate: "skipped at step %{x}<extra></extra>" }];
+  }
+
+  function spikeMarkers() {
+    const norm = state.cache.grad_norm;
+    if (!norm) return [];
+    const at = new Map(norm.steps.map((s, i) => [s, norm.values[i]]));
+    const steps = state.events.filter((e) => e.type === "grad_spike" && typeof at.get(e.step) === "number").map((e) => e.step);
+    return steps.length ? [{ x: steps, y: steps.map((s) => at.get(s)), mode: "markers", type: "scatter", name: "spike",
+                             marker: { symbol: "star", size: 12, color: "#e8590c" }, hovertemplate: "grad spike at step %{x}<extra></extra>" }] : [];
+  }
+
+  // ---- drawing ----------------------------------------------------------------------------------------
+  function chartFor(name) {
+    const id = `chart-${name}`;
+    let el = STANDARD[name] ? document.getElementById(id) : document.querySelector(`#chart-extra [data-series="${CSS.escape(name)}"]`);
+    if (!el && !HIDDEN.has(name) && !name.startsWith("grad_norm/")) {
+      el = Object.assign(document.createElement("div"), { className: "chart" });
+      Object.assign(el.dataset, { series: name, title: name });
+      document.getElementById("chart-extra").appendChild(el);
+    }
+    return el;
+  }
+
+  function drawLine(name) {
+    const el = chartFor(name);
+    if (!el) return null;
+    const opts = Object.assign({ title: name, log: "auto", color: "#a05a2c" }, STANDARD[name] || {});
+    opts.extra = name === "scale" ? skippedMarkers() : name === "grad_norm" ? spikeMarkers() : [];
+    const zoomed = state.zoom ? { height: 250, notice: "no points in this range" } : {};
+    const done = AW.line(el, state.cache[name], Object.assign(opts, { view: view(), spans: skipSpans(), cursor: state.cursor }, zoomed));
+    bind(el);
+    return done;
+  }
+
+  function drawHeat() {
+    const notice = "no per-layer gradient norms: pass the model to run.watch(model=…)";
+    AW.heatmap(heatEl, state.grid || { layers: [], steps: [], width: 1, values: [] }, { view: view(), cursor: state.cursor, notice });
+    bind(heatEl);
+  }
+
+  function drawAll() {
+    const names = Object.keys(state.cache).filter((n) => !HIDDEN.has(n));
+    ["loss", "scale", "grad_norm", "lr"].forEach((n) => names.includes(n) || names.push(n));
+    names.forEach(drawLine);
+    drawHeat();
+    root.dataset.view = (view() || []).map(Math.round).join(",");
+  }
+
+  const charts = () => Array.from(root.querySelectorAll(".js-plotly-plot"));
+
+  function bind(el) {
+    if (el._awBound) return;
+    el._awBound = true;
+    el.on("plotly_relayout", (ev) => {
+      if (state.syncing) return;
+      if ("xaxis.range[0]" in ev) zoomTo([ev["xaxis.range[0]"], ev["xaxis.range[1]"]]);
+      else if (Array.isArray(ev["xaxis.range"])) zoomTo(ev["xaxis.range"]);
+      else if (ev["xaxis.autorange"]) zoomTo(null);
+    });
+  }
+
+  /** Every chart shows `view()`; then the shaded spans and the cursor follow. */
+  async function sync() {
+    const range = view();
+    if (!range) return;
+    state.syncing += 1;
+    try {
+      const spans = skipSpans();
+      await Promise.all(charts().map((el) => Plotly.relayout(el, {
+        "xaxis.range": range.slice(), "xaxis.autorange": false, ...AW.stepTicks(range),
+        shapes: AW.shapes(el._aw ? el._aw.marks : {}, el === heatEl ? [] : spans, state.cursor),
+      })));
+    } finally {
+      state.syncing -= 1;
+    }
+    root.dataset.view = range.map(Math.round).join(",");
+  }
+
+  let reread = null;
+  async function zoomTo(range) {
+    state.zoom = range;
+    await sync();
+    clearTimeout(reread);
+    reread = setTimeout(() => read(state.zoom).then(drawAll).catch(report), 250); // at the zoom's own resolution
+  }
+
+  // ---- the event timeline -----------------------------------------------------------------------------
+  function jumpTo(step, item) {
+    timeline.querySelectorAll("li.active").forEach((li) => li.classList.remove("active"));
+    if (item) item.classList.add("active", "open");
+    state.cursor = step;
+    const full = state.full || [step - 50, step + 50];
+    const half = Math.max(25, (full[1] - full[0]) * 0.04);
+    zoomTo([step - half, step + half]);
+  }
+
+  function addEvent(e) {
+    if (state.seen.has(e.id)) return;
+    state.seen.add(e.id);
+    state.events.push(e);
+    const none = timeline.querySelector("li.none");
+    if (none) none.remove();
+    const li = document.createElement("li");
+    li.className = `ev sev-${e.severity}`;
+    Object.assign(li.dataset, { step: e.step, id: e.id });
+    const button = Object.assign(document.createElement("button"), { type: "button", className: "ev-jump" });
+    const step = Object.assign(document.createElement("span"), { className: "ev-step", textContent: `step ${e.step}` });
+    const badge = Object.assign(document.createElement("span"), { className: `badge sev-badge sev-${e.severity}`, textContent: e.type });
+    button.append(step, badge);
+    const msg = Object.assign(document.createElement("p"), { className: "ev-msg", textContent: e.message });
+    li.append(button, msg);
+    timeline.appendChild(li);
+    const count = document.getElementById("event-count");
+    if (count) count.textContent = String(state.seen.size);
+  }
+
+  // ---- live -------------------------------------------------------------------------------------------
+  function header(run) {
+    const set = (id, text, className) => {
+      const el = document.getElementById(id);
+      el.textContent = text;
+      if (className) el.className = className;
+    };
+    set("run-status", run.status, `status status-${run.status}`);
+    set("run-health", run.health, `badge health-${run.health}`);
+    set("run-step", run.last_step ?? "–");
+    root.dataset.status = run.status;
+  }
+
+  function append(name, series) {
+    if (state.loading) state.pending.push([name, series]);
+    const added = merge(name, series);
+    if (!added.steps.length || name.startsWith("grad_norm/")) return;
+    if (name === "skipped") { drawLine("scale"); return; }
+    const el = chartFor(name);
+    const drawn = Number(el.dataset.points || 0);
+    const span = AW.extent(state.cache[name].values.slice(0, -added.values.length));
+    const fresh = AW.extent(added.values);
+    const outside = !span || !fresh || fresh[0] < span[0] || fresh[1] > span[1];
+    if (!el.data || !drawn || outside || added.values.some((v) => typeof v === "string")) {
+      drawLine(name); // a new marker or a new axis extent: draw it whole
+    } else {
+      Plotly.extendTraces(el, { x: [added.steps], y: [added.values] }, [0]);
+      el.dataset.points = String(drawn + added.steps.length);
+    }
+  }
+
+  let heatTimer = null;
+  function onUpdate(msg) {
+    header(msg.run);
+    msg.events.forEach((e) => { addEvent(e); state.lastEvent = Math.max(state.lastEvent, e.id); });
+    if (msg.reset || state.appended > REREAD_AFTER) { read(state.zoom).then(drawAll).catch(report); return; }
+    const names = Object.keys(msg.points);
+    names.forEach((name) => append(name, msg.points[name]));
+    if (msg.events.some((e) => e.type === "grad_spike")) drawLine("grad_norm");
+    if (names.some((n) => n.startsWith("grad_norm/")) && !heatTimer) {
+      heatTimer = setTimeout(() => {
+        heatTimer = null;
+        getJSON(`/api/v1/runs/${runId}/heatmap?columns=${HEAT_COLUMNS}${within(state.zoom)}`).then((g) => { state.grid = g; drawHeat(); }).catch(report);
+      }, 1000);
+    }
+    if (!state.zoom) state.full = fullView();
+    if (names.length) sync();
+  }
+
+  function connect() {
+    const after = Math.max(-1, ...Object.values(state.cache).map(lastStep));
+    const source = new EventSource(`/api/v1/runs/${runId}/stream?after_step=${after}&after_event=${state.lastEvent}`);
+    const dot = document.getElementById("live");
+    source.addEventListener("update", (e) => onUpdate(JSON.parse(e.data)));
+    source.onopen = () => { root.dataset.live = "open"; dot.hidden = false; };
+    source.onerror = () => { root.dataset.live = "reconnecting"; dot.hidden = true; };
+  }
+
+  function report(error) {
+    console.error("ampwatch", error);
+  }
+
+  async function main() {
+    document.getElementById("chart-area").hidden = false;
+    timeline.querySelectorAll("li.ev").forEach((li) => state.seen.add(Number(li.dataset.id)));
+    timeline.addEventListener("click", (e) => {
+      const li = e.target.closest("li.ev");
+      if (li) jumpTo(Number(li.dataset.step), li);
+    });
+    document.getElementById("show-all").addEventListener("click", () => { state.cursor = null; zoomTo(null); });
+    state.events = await getJSON(`/api/v1/runs/${runId}/events`);
+    await read(null);
+    drawAll();
+    root.dataset.loaded = "true";
+    if (root.dataset.status === "running" || root.dataset.status === "stalled") connect();
+  }
+
+  main().catch(report);
+})();
