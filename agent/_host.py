@@ -38,7 +38,10 @@ def _flat(tensor: Any) -> Any:
 
 def _host_values(torch: Any, tensors: list[Any], device: Any) -> list[float]:
     with torch.no_grad():  # everything here is already detached; this only saves the checks
-        values = torch.cat([_flat(t) for t in tensors])
+        if all(t.dim() == 0 for t in tensors):  # the usual case: one stack, no per-tensor reshape
+            values = torch.stack(tensors).float()
+        else:
+            values = torch.cat([_flat(t) for t in tensors])
     if device.type == "cuda":
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
