@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy import Engine, Table, create_engine, event, make_url, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 _MIGRATION_LOCK = 860_0001  # pg advisory lock key: replicas starting together migrate one at a time
@@ -60,3 +63,19 @@ def iter_session(factory: sessionmaker[Session]) -> Iterator[Session]:
     """One session per request, closed afterwards."""
     with factory() as session:
         yield session
+
+
+def now() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+def utc(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes: they are UTC."""
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def insert(session: Session, table: Table) -> Any:
+    """An INSERT that knows ON CONFLICT on this session's database."""
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    return dialect.insert(table)

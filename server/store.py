@@ -5,11 +5,12 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Table, func, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import alerts, models, series
+from ampwatch.server.db import insert as _insert
+from ampwatch.server.db import now
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
 from ampwatch.server.values import to_db
 
@@ -19,21 +20,6 @@ _HEALTH = {0: "ok", 1: "warning", 2: "critical"}
 
 class UnknownRun(LookupError):
     """The run id was never registered."""
-
-
-def now() -> datetime:
-    """The current time, timezone-aware UTC."""
-    return datetime.now(timezone.utc)
-
-
-def utc(value: datetime) -> datetime:
-    """SQLite hands back naive datetimes: they are UTC."""
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-
-
-def _insert(session: Session, table: Table) -> Any:
-    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    return dialect.insert(table)
 
 
 def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
@@ -95,8 +81,8 @@ def _store_points(session: Session, run_id: str, batch: BatchIn) -> int:
     connection = session.connection()
     if connection.dialect.name == "postgresql":
         columns: tuple[list[Any], ...] = ([], [], [])
-        for name, series in batch.points.items():
-            steps, values = series.steps, series.values
+        for name, points in batch.points.items():
+            steps, values = points.steps, points.values
             if len(set(steps)) < len(steps):  # one statement may touch a row once: the last value wins
                 last = dict(zip(steps, values))
                 steps, values = list(last), list(last.values())
@@ -108,8 +94,8 @@ def _store_points(session: Session, run_id: str, batch: BatchIn) -> int:
     rank = batch.rank
     rows = [
         (ids[name], rank, step, to_db(value))
-        for name, series in batch.points.items()
-        for step, value in zip(series.steps, series.values)
+        for name, points in batch.points.items()
+        for step, value in zip(points.steps, points.values)
     ]
     connection.exec_driver_sql(_SQLITE_UPSERT, rows)
     return len(rows)

@@ -3,32 +3,12 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
-from typing import Any
 
-from sqlalchemy import Table
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from ampwatch.server.db import insert, now, utc  # noqa: F401  (this package's helpers, re-exported)
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 ACTIVE = ("pending", "firing")
 WAKE = "ampwatch.alerts.wake"  # session.info flag: deliveries were queued, wake the dispatcher after commit
-
-
-def now() -> datetime:
-    """The current time, timezone-aware UTC."""
-    return datetime.now(timezone.utc)
-
-
-def utc(value: datetime) -> datetime:
-    """SQLite hands back naive datetimes: they are UTC."""
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-
-
-def insert(session: Session, table: Table) -> Any:
-    """An INSERT that knows ON CONFLICT on this session's database."""
-    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    return dialect.insert(table)
 
 
 def steps(value: int | None) -> str:

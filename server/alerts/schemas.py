@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ampwatch.server.schemas import EventType, Severity
+from ampwatch.server.schemas import AlertOut, EventType, Severity
 
 Kind = Literal["event", "event_rate", "threshold"]
 Aggregation = Literal["mean", "max", "min", "sum", "last", "nonfinite"]
@@ -211,15 +211,7 @@ class FlipOut(BaseModel):
     deliveries: list[DeliveryOut]
 
 
-class AlertDetailOut(BaseModel):
-    id: int
-    run_id: str
-    rule: str
-    severity: Severity
-    state: Literal["pending", "firing", "resolved"]
-    started_at: datetime
-    resolved_at: datetime | None
-    summary: str
+class AlertDetailOut(AlertOut):
     rank: int | None
     step: int | None
     last_step: int | None

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
+from ampwatch.server.db import utc
 from ampwatch.server import models, store
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import AlertOut, EventOut, RunOut
@@ -22,8 +23,8 @@ def run_out(run: models.Run, project: str, settings: Settings, series: list[str]
     """A run as the API shows it."""
     return RunOut(
         id=run.id, project=project, name=run.name, status=run.status, health=run.health,
-        created_at=store.utc(run.created_at), last_seen_at=store.utc(run.last_seen_at),
-        finished_at=store.utc(run.finished_at) if run.finished_at else None, last_step=run.last_step,
+        created_at=utc(run.created_at), last_seen_at=utc(run.last_seen_at),
+        finished_at=utc(run.finished_at) if run.finished_at else None, last_step=run.last_step,
         config=run.config, environment=run.environment, url=f"{settings.base_url}/runs/{run.id}", series=series or [],
     )  # fmt: skip
 
@@ -96,7 +97,7 @@ def get_events(run_id: str, session: SessionDep) -> list[EventOut]:
     _get_run(session, run_id)
     return [
         EventOut(id=e.id, step=e.step, rank=e.rank, type=e.type, severity=e.severity, message=e.message,
-                 details=e.details, time=store.utc(e.time))  # fmt: skip
+                 details=e.details, time=utc(e.time))  # fmt: skip
         for e in store.list_events(session, run_id=run_id)
     ]
 
@@ -110,7 +111,7 @@ def list_alerts(
     """Alerts, newest first."""
     return [
         AlertOut(id=a.id, run_id=a.run_id, rule=a.rule, severity=a.severity, state=a.state,
-                 started_at=store.utc(a.started_at), resolved_at=store.utc(a.resolved_at) if a.resolved_at else None,
+                 started_at=utc(a.started_at), resolved_at=utc(a.resolved_at) if a.resolved_at else None,
                  summary=a.summary)  # fmt: skip
         for a in store.list_alerts(session, run_id=run_id, state=state)
     ]

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy.orm import Session, sessionmaker
 
+from ampwatch.server.db import utc
 from ampwatch.server import models, series, store
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.routers.read import run_out
@@ -149,12 +150,12 @@ def _new_points(session: Session, run_id: str, rank: int, cursor: RunCursor) -> 
 
 def _run_state(run: models.Run) -> dict[str, Any]:
     return {"status": run.status, "health": run.health, "last_step": run.last_step,
-            "last_seen_at": store.utc(run.last_seen_at).isoformat()}  # fmt: skip
+            "last_seen_at": utc(run.last_seen_at).isoformat()}  # fmt: skip
 
 
 def _event(e: models.Event) -> dict[str, Any]:
     out = EventOut(id=e.id, step=e.step, rank=e.rank, type=e.type, severity=e.severity, message=e.message,
-                   details=e.details, time=store.utc(e.time))  # fmt: skip
+                   details=e.details, time=utc(e.time))  # fmt: skip
     return out.model_dump(mode="json")
 
 
@@ -174,7 +175,7 @@ async def stream_runs(
     since the last message; the first message has those heard from after `since` (or `Last-Event-ID`)."""
     sessions: sessionmaker[Session] = request.app.state.sessions
     settings = request.app.state.settings
-    resume = _parse_time(last_event_id) or (store.utc(since) if since else None)
+    resume = _parse_time(last_event_id) or (utc(since) if since else None)
     filters = {"project": project, "status": status, "search": q}
     snapshot: dict[str, tuple[Any, ...]] | None = None
     yield ServerSentEvent(comment="ampwatch runs stream", retry=RETRY_MS)
@@ -189,7 +190,7 @@ async def stream_runs(
 
 def _parse_time(value: str | None) -> datetime | None:
     try:
-        return store.utc(datetime.fromisoformat(value)) if value else None
+        return utc(datetime.fromisoformat(value)) if value else None
     except ValueError:
         return None
 
@@ -202,7 +203,7 @@ def _poll_runs(
     with sessions() as session:
         rows = store.list_runs(session, **filters)
         firing = store.firing_counts(session)
-        now = {run.id: (run.status, run.health, run.last_step, store.utc(run.last_seen_at), firing.get(run.id, 0)) for run, _ in rows}
+        now = {run.id: (run.status, run.health, run.last_step, utc(run.last_seen_at), firing.get(run.id, 0)) for run, _ in rows}
         if snapshot is None:
             changed = [(r, p) for r, p in rows if since is not None and now[r.id][3] > since]
         else:
