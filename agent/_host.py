@@ -43,10 +43,13 @@ def _host_values(torch: Any, tensors: list[Any], device: Any) -> list[float]:
         else:
             values = torch.cat([_flat(t) for t in tensors])
     if device.type == "cuda":
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        # This thread's current device is cuda:0 whatever the rank's: name the device, or the event
+        # would be recorded on another GPU's stream and could report the copy done before it is.
+        with torch.cuda.device(device):
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(device))
         while not copied.query():  # poll: never a blocking synchronize
             time.sleep(0.001)
         values = host

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampwatch._guard import guarded
+
 INPUT = "(input batch)"
+MAX_FLAGS = 10_000  # forwards without an optimizer step (evaluation) must not grow the lists forever
 
 
 def _first_float_tensor(value: Any) -> Any:
@@ -62,17 +65,21 @@ class OriginProbe:
         return [n for n, _ in fwd], [f for _, f in fwd], [n for n, _ in bwd], [f for _, f in bwd]
 
     def _on_input(self, module: Any, args: Any) -> None:
-        tensor = _first_float_tensor(args)
-        if tensor is not None:
-            self.forward.append((INPUT, ~tensor.detach().isfinite().all()))
+        guarded(self._flag, self.forward, INPUT, _first_float_tensor(args))
 
     def _hook_for(self, name: str) -> Any:
         def on_output(module: Any, args: Any, output: Any) -> None:
-            tensor = _first_float_tensor(output)
-            if tensor is None:
-                return
-            self.forward.append((name, ~tensor.detach().isfinite().all()))
-            if tensor.requires_grad:
-                tensor.register_hook(lambda grad: self.backward.append((name, ~grad.isfinite().all())))
+            guarded(self._on_output, name, _first_float_tensor(output))
 
         return on_output
+
+    def _on_output(self, name: str, tensor: Any) -> None:
+        self._flag(self.forward, name, tensor)
+        if tensor is not None and tensor.requires_grad:
+            tensor.register_hook(lambda grad: guarded(self._flag, self.backward, name, grad))
+
+    @staticmethod
+    def _flag(flags: list[tuple[str, Any]], name: str, tensor: Any) -> None:
+        """True (on the device) where `tensor` holds a NaN or an Inf; sparse or nested tensors fail into the guard."""
+        if tensor is not None and len(flags) < MAX_FLAGS:
+            flags.append((name, ~tensor.detach().isfinite().all()))

@@ -66,7 +66,12 @@ class Outbox:
                     return False
                 self._registered = True
             seq, doc = self._queue[0]
-            reply = self._transport.send("POST", self._run_path + "/batches", doc or self.spool.load(seq))  # type: ignore[union-attr]
+            if doc is None:
+                doc = self._load(seq)
+                if doc is None:
+                    self._queue.popleft()
+                    continue
+            reply = self._transport.send("POST", self._run_path + "/batches", doc)
             if reply.status == 404:  # the server does not know the run (a new database): register again
                 self._registered = False
                 continue
@@ -80,6 +85,16 @@ class Outbox:
             if self.spool is not None:
                 self.spool.remove(seq)
         return True
+
+    def _load(self, seq: int) -> dict[str, Any] | None:
+        """A spooled batch; an unreadable one (a crash mid-write) is set aside so the rest still flows."""
+        try:
+            return self.spool.load(seq)  # type: ignore[union-attr]
+        except (OSError, ValueError) as error:
+            self.dropped += 1
+            log.error("ampwatch: spooled batch %d is unreadable (%s); set aside as .bad", seq, error)
+            self.spool.set_aside(seq)  # type: ignore[union-attr]
+            return None
 
     def _send(self, method: str, path: str, doc: dict[str, Any]) -> bool:
         reply = self._transport.send(method, path, doc)

@@ -27,6 +27,8 @@ from ampwatch._worker import EVENT, STATUS, VALUES, Worker
 
 log = logging.getLogger("ampwatch")
 _UNFINISHED: "weakref.WeakSet[Run]" = weakref.WeakSet()
+MAX_NAME = 200  # the server's limit on project, run and series names
+MAX_STEP = 2**63
 
 
 class Run:
@@ -38,10 +40,11 @@ class Run:
         name: str | None = None,
         config: dict[str, Any] | None = None,
     ) -> None:
-        self.rank, self.world_size = _rank_and_world_size()
-        self.id = _run_id(settings.project, name, self.world_size)
-        self.project = settings.project
-        self.name = name or f"run-{self.id[:6]}"
+        disabled = settings.mode == "disabled"  # the fallback of a failed init(): nothing here may raise
+        self.rank, self.world_size = (0, 1) if disabled else _rank_and_world_size()
+        self.id = secrets.token_hex(8) if disabled else _run_id(settings.project, name, self.world_size)
+        self.project = str(settings.project)[:MAX_NAME]
+        self.name = str(name)[:MAX_NAME] if name else f"run-{self.id[:6]}"
         self.url: str | None = f"{settings.url}/runs/{self.id}"
         self._settings = settings
         self._finished = False
@@ -103,16 +106,20 @@ class Run:
 
     def _log(self, metrics: dict[str, Any], step: int | None) -> None:
         step = self._recorder.step if step is None else int(step)
+        if not 0 <= step < MAX_STEP:  # the server would refuse the whole batch it travels in
+            warn_once("log-step", "ampwatch: steps must be in [0, 2**63), got %r; ignored", step)
+            return
         names: list[str] = []
         floats: list[float] = []
         for name, value in metrics.items():
-            if not isinstance(name, str) or not name:
-                warn_once("log-name", "ampwatch: metric names must be non-empty strings, got %r", name)
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+                warn_once("log-name", "ampwatch: metric names must be strings of 1-%d characters, got %r", MAX_NAME, name)
             elif isinstance(value, (int, float)):
                 names.append(name)
                 floats.append(float(value))
             elif getattr(value, "numel", None) is not None and value.numel() == 1:
-                self._record((VALUES, step, (name,), value.detach()))
+                # A copy (asynchronous on a GPU): the tensor is read later, and accumulators change in place.
+                self._record((VALUES, step, (name,), value.detach().clone()))
                 self._recorder.user_logged(step, (name,))
             else:
                 warn_once("log-" + name, "ampwatch: %r is not a number or a 1-element tensor; ignored", name)
@@ -182,7 +189,11 @@ def _rank_and_world_size() -> tuple[int, int]:
     dist = getattr(sys.modules.get("torch"), "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError:
+        warn_once("rank", "ampwatch: RANK / WORLD_SIZE are not integers; recording as rank 0 of 1")
+        return 0, 1
 
 
 def _run_id(project: str, name: str | None, world_size: int) -> str:

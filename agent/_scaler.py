@@ -4,6 +4,7 @@ run's Recorder. GradScaler's own exceptions pass through unchanged; pickling, de
 
 from __future__ import annotations
 
+import copyreg
 import weakref
 from typing import Any
 
@@ -93,14 +94,9 @@ def _load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
 
 
 def _reduce_ex(self: Any, protocol: int) -> Any:
-    """Pickle and deep-copy as the plain scaler: the copy is not watched."""
-    return (_rebuild, (_plain_class(type(self)), self.__getstate__()))
-
-
-def _rebuild(cls: type, state: dict[str, Any]) -> Any:
-    scaler = cls.__new__(cls)
-    scaler.__setstate__(state)
-    return scaler
+    """Pickle and deep-copy as the plain scaler: the copy is not watched, and loading a checkpoint
+    that holds it needs no ampwatch."""
+    return (copyreg._reconstructor, (_plain_class(type(self)), object, None), self.__getstate__())
 
 
 _WATCHED_METHODS = {

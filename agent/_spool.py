@@ -82,18 +82,27 @@ class Spool:
         except OSError:
             pass
 
+    def set_aside(self, seq: int) -> None:
+        """Rename an unreadable batch file to `.bad`, out of the queue but kept for a person to look at."""
+        path = self.folder / f"{seq:012d}.json"
+        try:
+            os.replace(path, path.with_suffix(".bad"))
+        except OSError:
+            pass
+
     def pending(self) -> list[int]:
         """Sequence numbers still on disk, oldest first."""
         return sorted(int(p.stem) for p in self.folder.glob("[0-9]*.json"))
 
     def discard(self) -> None:
-        """Remove the folder once everything in it was delivered."""
-        shutil.rmtree(self.folder, ignore_errors=True)
+        """Remove the folder once everything in it was delivered (kept if a batch was set aside)."""
+        if not any(self.folder.glob("*.bad")):
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def _refused(self, why: str) -> None:
         if not self._warned:
             self._warned = True
-            log.warning("ampwatch: the spool %s takes no more batches (%s); keeping them in memory", self.folder, why)
+            log.warning("ampwatch: the spool %s takes no more batches (%s)", self.folder, why)
 
 
 def _write(path: Path, data: Any) -> None:

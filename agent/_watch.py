@@ -241,6 +241,8 @@ class Recorder:
         """The module of each parameter, cached per parameter set."""
         key = tuple(map(id, params))
         if key not in self._layer_names:
+            if len(self._layer_names) >= 16:  # the parameter set keeps changing (MoE, layer drop): start over
+                self._layer_names.clear()
             if any(id(p) not in self._module_of for p in params):  # parameters were replaced: look again
                 self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in self._model.named_parameters()}
             self._layer_names[key] = tuple(self._module_of.get(id(p), "(unnamed)") for p in params)

@@ -69,7 +69,9 @@ class Worker:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._seq = 0
+        # Batches of a relaunch under the same run id must not look like re-sends of the first process's:
+        # number them from the launch time (ms), leaving room for 1000 batches per millisecond.
+        self._seq = int(time.time() * 1000) * 1000
         self._waiters: list[tuple[int, threading.Event]] = []
         self._last_batch_at = 0.0
         self._decoder = StepDecoder()

@@ -95,7 +95,7 @@ def test_a_run_that_ends_while_the_server_is_gone_is_uploaded_later(sqlite_url, 
     _train(run, range(40), vanish)
     run.finish()  # gives up after its timeout: the rest waits on disk
     spool_dir = os.environ["AMPWATCH_SPOOL_DIR"]
-    assert any(Path(spool_dir).rglob("0*.json"))
+    assert any(Path(spool_dir).rglob("[0-9]*.json"))
     back = start_server(Settings(database_url=sqlite_url))
     done = subprocess.run([shutil.which("ampwatch") or "ampwatch", "sync", spool_dir, "--url", back.url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
