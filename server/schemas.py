@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 EVENT_TYPES = (
     "skipped_step", "scale_collapse", "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_spike",
@@ -31,6 +31,10 @@ def _strict_json(value: dict[str, Any]) -> dict[str, Any]:
 
 
 JsonObject = Annotated[dict[str, Any], AfterValidator(_strict_json)]
+MAX_INT = 2**31 - 1  # INTEGER columns (rank, row ids)
+MAX_BIGINT = 2**63 - 1  # BIGINT columns (steps, batch sequence numbers)
+Step = Annotated[int, Field(ge=0, le=MAX_BIGINT)]
+Rank = Annotated[int, Field(ge=0, le=MAX_INT)]
 Name = Annotated[str, Field(min_length=1, max_length=200)]
 
 
@@ -47,7 +51,7 @@ class RunIn(BaseModel):
 class SeriesIn(BaseModel):
     """Points of one series: parallel lists. Values may be numbers or 'NaN', 'Infinity', '-Infinity'."""
 
-    steps: list[NonNegativeInt]
+    steps: list[Step]
     values: list[float]
 
     @model_validator(mode="after")
@@ -59,21 +63,21 @@ class SeriesIn(BaseModel):
 
 class EventIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    step: NonNegativeInt
-    rank: NonNegativeInt | None = None
+    step: Step
+    rank: Rank | None = None
     type: EventType
     severity: Severity
     message: Annotated[str, Field(max_length=20_000)]
     details: JsonObject = {}
-    time: float | None = Field(None, description="Unix time in seconds; the server's clock when absent.")
+    time: float | None = Field(None, ge=0, le=1e11, description="Unix time in seconds; the server's clock when absent.")
 
 
 class BatchIn(BaseModel):
     """One agent batch. (run, rank, seq) identifies it: a batch sent twice is stored once."""
 
     model_config = ConfigDict(extra="forbid")
-    rank: NonNegativeInt = 0
-    seq: Annotated[int, Field(ge=1)]
+    rank: Rank = 0
+    seq: Annotated[int, Field(ge=1, le=MAX_BIGINT)]
     points: dict[Name, SeriesIn] = {}
     events: Annotated[list[EventIn], Field(max_length=10_000)] = []
     status: Literal["running", "finished", "crashed"] | None = None

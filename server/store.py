@@ -237,12 +237,13 @@ def layer_heatmap(
 
 
 def list_events(session: Session, *, run_id: str, limit: int = 1000, after_id: int | None = None) -> list[models.Event]:
-    """The run's events in step order; with `after_id`, only those stored after that event, in id order."""
+    """The run's newest `limit` events in step order; with `after_id`, the first `limit` stored after that
+    event, in id order."""
     if after_id is not None:  # walk the primary key from `after_id` (run_id || '' keeps the planner off the run's index)
         query = select(models.Event).where((models.Event.run_id + "") == run_id, models.Event.id > after_id).order_by(models.Event.id)
-    else:
-        query = select(models.Event).where(models.Event.run_id == run_id).order_by(models.Event.step, models.Event.id)
-    return list(session.scalars(query.limit(limit)))
+        return list(session.scalars(query.limit(limit)))
+    newest = select(models.Event).where(models.Event.run_id == run_id).order_by(models.Event.step.desc(), models.Event.id.desc())
+    return list(reversed(session.scalars(newest.limit(limit)).all()))
 
 
 def last_event_id(session: Session, *, run_id: str) -> int:

@@ -130,3 +130,29 @@ def test_a_step_repeated_within_a_batch_keeps_its_last_value(http) -> None:  # t
     batch = {"seq": 1, "points": {"x": {"steps": [0, 1, 1, 2, 1], "values": [1.0, 2.0, 3.0, 4.0, "NaN"]}}}
     assert http.post("/api/v1/runs/r1/batches", json=batch).status_code == 200
     assert _stored(http)[0] == {"x": {"steps": [0, 1, 2], "values": [1.0, "NaN", 4.0]}}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("post", "/api/v1/runs/r1/batches", {"seq": 1, "points": {"x": {"steps": [2**63], "values": [1.0]}}}),
+        ("post", "/api/v1/runs/r1/batches", {"seq": 2**63}),
+        ("post", "/api/v1/runs/r1/batches", {"seq": 1, "rank": 2**31}),
+        ("post", "/api/v1/runs/r1/batches", {"seq": 1, "events": [{"step": 0, "type": "nonfinite_loss", "severity": "critical", "message": "m", "time": 1e20}]}),
+        ("get", "/api/v1/runs/r1/series?rank=100000000000000000000", None),
+        ("get", "/api/v1/alerts/100000000000000000000", None),
+        ("get", "/api/v1/alert-rules/99999999999", None),
+    ],
+)
+def test_out_of_range_numbers_get_a_4xx_not_a_500(http, method: str, path: str, body) -> None:  # type: ignore[no-untyped-def]
+    reply = http.post(path, json=body) if method == "post" else http.get(path)
+    assert 400 <= reply.status_code < 500, (reply.status_code, reply.text)
+
+
+def test_a_long_run_shows_its_newest_events(http) -> None:  # type: ignore[no-untyped-def]
+    events = [{"step": i, "type": "skipped_step", "severity": "info", "message": f"skip {i}"} for i in range(1200)]
+    events.append({"step": 1200, "type": "nonfinite_loss", "severity": "critical", "message": "the NaN that matters"})
+    assert http.post("/api/v1/runs/r1/batches", json={"seq": 1, "events": events}).status_code == 200
+    shown = http.get("/api/v1/runs/r1/events").json()
+    assert shown[-1]["message"] == "the NaN that matters"
+    assert [e["step"] for e in shown] == sorted(e["step"] for e in shown)

@@ -137,3 +137,20 @@ def test_the_runs_stream_sends_a_run_that_changed_with_its_vitals(http) -> None:
     row = next(r for r in runs[-1]["data"] if r["id"] == "r1")
     assert (row["project"], row["status"], row["scale"], row["skip_rate"], row["firing"]) == ("p", "running", 16384.0, 0.5, 0)
     assert all(r["id"] != "other" for m in runs for r in m["data"]), "the project filter holds"
+
+
+def test_many_open_streams_do_not_starve_other_requests(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    import contextlib
+
+    import httpx
+
+    with sqlite_server.client() as http:
+        http.put("/api/v1/runs/busy", json={"project": "p", "name": "n"})
+        with contextlib.ExitStack() as stack:
+            clients = [stack.enter_context(httpx.Client(base_url=sqlite_server.url, timeout=5)) for _ in range(20)]
+            for client in clients:  # more open streams than the connection pool has connections
+                assert stack.enter_context(client.stream("GET", "/api/v1/runs/busy/stream")).status_code == 200
+            reply = http.get("/api/v1/runs", timeout=5)
+            assert reply.status_code == 200
+            posted = http.post("/api/v1/runs/busy/batches", json={"seq": 1, "points": {"x": {"steps": [0], "values": [1.0]}}}, timeout=5)
+            assert posted.status_code == 200

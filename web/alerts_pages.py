@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from urllib.parse import parse_qsl, urlencode
 
 from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 
@@ -20,7 +21,10 @@ from ampwatch.server.alerts._db import now
 from ampwatch.server.alerts._deliver import send_test
 from ampwatch.server.alerts.schemas import ChannelIn, SilenceIn
 from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.schemas import MAX_INT
 from ampwatch.web.pages import templates
+
+RowId = Annotated[int, PathParam(ge=1, le=MAX_INT)]  # larger ids cannot exist: 404 without a query
 
 router = APIRouter(include_in_schema=False)
 _SCRIPT = Path(str(resources.files("ampwatch.web") / "static" / "alerts.js"))
@@ -63,7 +67,7 @@ def silence_form(session: SessionDep, form: Fields) -> RedirectResponse:
 
 
 @router.post("/alerts/silences/{silence_id}/end")
-def end_silence_form(silence_id: int, session: SessionDep) -> RedirectResponse:
+def end_silence_form(silence_id: RowId, session: SessionDep) -> RedirectResponse:
     """End a silence now."""
     silence = session.get(models.AlertSilence, silence_id)
     if silence is None:
@@ -81,7 +85,7 @@ def rules_page(request: Request, session: SessionDep, msg: str | None = None) ->
 
 
 @router.post("/alerts/rules/{rule_id}/toggle")
-def toggle_rule_form(rule_id: int, session: SessionDep) -> RedirectResponse:
+def toggle_rule_form(rule_id: RowId, session: SessionDep) -> RedirectResponse:
     """Enable a disabled rule, disable an enabled one."""
     rule = session.get(models.AlertRule, rule_id)
     if rule is None:
@@ -109,7 +113,7 @@ def add_channel_form(session: SessionDep, form: Fields) -> RedirectResponse:
 
 
 @router.post("/alerts/channels/{channel_id}/test")
-def test_channel_form(channel_id: int, session: SessionDep, settings: SettingsDep) -> RedirectResponse:
+def test_channel_form(channel_id: RowId, session: SessionDep, settings: SettingsDep) -> RedirectResponse:
     """Send a test notification and say how it went."""
     channel = session.get(models.AlertChannel, channel_id)
     if channel is None:

@@ -166,7 +166,7 @@ class SilenceIn(BaseModel):
     project: str | None = None
     rule: str | None = None
     ends_at: datetime | None = None
-    duration_s: Annotated[float, Field(gt=0)] | None = None
+    duration_s: Annotated[float, Field(gt=0, le=10 * 365 * 86400)] | None = None
     comment: Annotated[str, Field(max_length=2000)] = ""
 
     @model_validator(mode="after")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi import APIRouter, HTTPException, Path, Query, Response
 from sqlalchemy.exc import IntegrityError
 
 from ampwatch.server import models
@@ -15,6 +15,9 @@ from ampwatch.server.alerts.schemas import (
     AlertDetailOut, ChannelFields, ChannelIn, ChannelOut, RuleFields, RuleIn, RuleOut, SilenceIn, SilenceOut, TestResult,
 )  # fmt: skip
 from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.schemas import MAX_INT
+
+RowId = Annotated[int, Path(ge=1, le=MAX_INT)]  # larger ids cannot exist: 404 without a query
 
 router = APIRouter(prefix="/api/v1", tags=["alerts"])
 
@@ -30,7 +33,7 @@ def _conflict(error: Exception) -> HTTPException:
 
 
 @router.get("/alerts/{alert_id}", response_model=AlertDetailOut)
-def get_alert(alert_id: int, session: SessionDep) -> AlertDetailOut:
+def get_alert(alert_id: RowId, session: SessionDep) -> AlertDetailOut:
     """One alert with its flips (state changes) and every delivery attempt with its error."""
     return _found(_admin.alert_detail(session, alert_id=alert_id), "alert", alert_id)
 
@@ -52,13 +55,13 @@ def create_rule(body: RuleIn, session: SessionDep) -> RuleOut:
 
 
 @router.get("/alert-rules/{rule_id}", response_model=RuleOut)
-def get_rule(rule_id: int, session: SessionDep) -> RuleOut:
+def get_rule(rule_id: RowId, session: SessionDep) -> RuleOut:
     """One rule."""
     return _admin.rule_out(_found(session.get(models.AlertRule, rule_id), "rule", rule_id))
 
 
 @router.patch("/alert-rules/{rule_id}", response_model=RuleOut)
-def update_rule(rule_id: int, body: RuleFields, session: SessionDep) -> RuleOut:
+def update_rule(rule_id: RowId, body: RuleFields, session: SessionDep) -> RuleOut:
     """Change a rule, built-in ones included (e.g. `{"enabled": false}` or a new threshold)."""
     rule = _found(session.get(models.AlertRule, rule_id), "rule", rule_id)
     try:
@@ -68,7 +71,7 @@ def update_rule(rule_id: int, body: RuleFields, session: SessionDep) -> RuleOut:
 
 
 @router.delete("/alert-rules/{rule_id}", status_code=204)
-def delete_rule(rule_id: int, session: SessionDep) -> Response:
+def delete_rule(rule_id: RowId, session: SessionDep) -> Response:
     """Delete a rule; its open alerts resolve. Built-in rules can only be disabled (409)."""
     try:
         _admin.delete_rule(session, rule=_found(session.get(models.AlertRule, rule_id), "rule", rule_id))
@@ -94,20 +97,20 @@ def create_channel(body: ChannelIn, session: SessionDep) -> ChannelOut:
 
 
 @router.get("/alert-channels/{channel_id}", response_model=ChannelOut)
-def get_channel(channel_id: int, session: SessionDep) -> ChannelOut:
+def get_channel(channel_id: RowId, session: SessionDep) -> ChannelOut:
     """One channel."""
     return _admin.channel_out(session, _found(session.get(models.AlertChannel, channel_id), "channel", channel_id))
 
 
 @router.patch("/alert-channels/{channel_id}", response_model=ChannelOut)
-def update_channel(channel_id: int, body: ChannelFields, session: SessionDep) -> ChannelOut:
+def update_channel(channel_id: RowId, body: ChannelFields, session: SessionDep) -> ChannelOut:
     """Change a channel; an SMTP password is kept unless a new one is given."""
     channel = _found(session.get(models.AlertChannel, channel_id), "channel", channel_id)
     return _admin.channel_out(session, _admin.update_channel(session, channel=channel, body=body))
 
 
 @router.delete("/alert-channels/{channel_id}", status_code=204)
-def delete_channel(channel_id: int, session: SessionDep) -> Response:
+def delete_channel(channel_id: RowId, session: SessionDep) -> Response:
     """Delete a channel and its delivery history."""
     session.delete(_found(session.get(models.AlertChannel, channel_id), "channel", channel_id))
     session.commit()
@@ -115,7 +118,7 @@ def delete_channel(channel_id: int, session: SessionDep) -> Response:
 
 
 @router.post("/alert-channels/{channel_id}/test", response_model=TestResult)
-def test_channel(channel_id: int, session: SessionDep, settings: SettingsDep) -> TestResult:
+def test_channel(channel_id: RowId, session: SessionDep, settings: SettingsDep) -> TestResult:
     """Send a test notification now and say whether it arrived (and why not)."""
     channel = _found(session.get(models.AlertChannel, channel_id), "channel", channel_id)
     delivery, _ = send_test(session, channel, base_url=settings.base_url, timeout_s=settings.alert_delivery_timeout_s)
@@ -137,7 +140,7 @@ def create_silence(body: SilenceIn, session: SessionDep) -> SilenceOut:
 
 
 @router.delete("/silences/{silence_id}", response_model=SilenceOut)
-def expire_silence(silence_id: int, session: SessionDep) -> SilenceOut:
+def expire_silence(silence_id: RowId, session: SessionDep) -> SilenceOut:
     """End a silence now."""
     silence = _found(session.get(models.AlertSilence, silence_id), "silence", silence_id)
     return _admin.silence_out(_admin.expire_silence(session, silence=silence))

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Response
 
 from ampwatch.server.db import utc
+from ampwatch.server.schemas import MAX_BIGINT, MAX_INT
 from ampwatch.server import models, store
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import AlertOut, EventOut, RunOut
@@ -58,9 +59,9 @@ def get_series(
     session: SessionDep,
     name: Annotated[list[str] | None, Query(description="Series to return; all when absent.")] = None,
     max_points: Annotated[int | None, Query(ge=4, le=1_000_000)] = None,
-    rank: Annotated[int, Query(ge=0)] = 0,
-    start_step: Annotated[int | None, Query(ge=0, description="First step to return (a zoomed chart).")] = None,
-    end_step: Annotated[int | None, Query(ge=0, description="Last step to return.")] = None,
+    rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
+    start_step: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="First step to return (a zoomed chart).")] = None,
+    end_step: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Last step to return.")] = None,
 ) -> Response:
     """`{name: {"steps": [...], "values": [...]}}`; non-finite values are "NaN", "Infinity", "-Infinity".
     With `max_points`, downsampled keeping spikes (per-bucket min and max) and every non-finite point;
@@ -80,9 +81,9 @@ def get_heatmap(
     session: SessionDep,
     prefix: Annotated[str, Query(min_length=1, description="Series name prefix; one row per series.")] = "grad_norm/",
     columns: Annotated[int, Query(ge=1, le=5000, description="About this many step buckets.")] = 300,
-    rank: Annotated[int, Query(ge=0)] = 0,
-    start_step: Annotated[int | None, Query(ge=0)] = None,
-    end_step: Annotated[int | None, Query(ge=0)] = None,
+    rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
+    start_step: Annotated[int | None, Query(ge=0, le=MAX_BIGINT)] = None,
+    end_step: Annotated[int | None, Query(ge=0, le=MAX_BIGINT)] = None,
 ) -> Response:
     """Per-layer series (`grad_norm/<module>`) as a grid: `{layers, steps, width, values}`, `values[layer][bucket]`
     the bucket's largest value, or "NaN"/"Infinity"/"-Infinity" when it holds one, null when empty."""

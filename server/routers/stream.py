@@ -22,8 +22,8 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server.db import utc
+from ampwatch.server.schemas import MAX_BIGINT, MAX_INT
 from ampwatch.server import models, series, store
-from ampwatch.server.deps import SessionDep
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import EventOut
 from ampwatch.server.values import to_json
@@ -51,8 +51,11 @@ class RunCursor:
         return f"{self.step}:{self.event_id}"
 
 
-def _existing_run(run_id: str, session: SessionDep) -> models.Run:
-    found = store.get_run(session, run_id=run_id)
+def _existing_run(run_id: str, request: Request) -> models.Run:
+    # A short session of its own: a request-scoped one would hold a pooled connection for the stream's
+    # whole life, and a few open pages would starve ingest.
+    with request.app.state.sessions() as session:
+        found = store.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
     return found[0]
@@ -70,9 +73,9 @@ def _parse_id(last_event_id: str | None) -> tuple[int, int] | None:
 async def stream_run(
     request: Request,
     run: Annotated[models.Run, Depends(_existing_run)],
-    after_step: Annotated[int | None, Query(ge=-1, description="Send points after this step; the run's end when absent.")] = None,
-    after_event: Annotated[int | None, Query(ge=0, description="Send events with a larger id; the newest when absent.")] = None,
-    rank: Annotated[int, Query(ge=0)] = 0,
+    after_step: Annotated[int | None, Query(ge=-1, le=MAX_BIGINT, description="Send points after this step; the run's end when absent.")] = None,
+    after_event: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Send events with a larger id; the newest when absent.")] = None,
+    rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> AsyncIterator[ServerSentEvent]:
     """`update` events `{run, points, events, reset}`: the run's state, new points as
