@@ -156,3 +156,11 @@ def test_a_long_run_shows_its_newest_events(http) -> None:  # type: ignore[no-un
     shown = http.get("/api/v1/runs/r1/events").json()
     assert shown[-1]["message"] == "the NaN that matters"
     assert [e["step"] for e in shown] == sorted(e["step"] for e in shown)
+
+
+def test_setting_a_required_rule_field_to_null_gets_422(http) -> None:  # type: ignore[no-untyped-def]
+    # Found by schemathesis: this was a NOT NULL violation, a 500.
+    rule = http.get("/api/v1/alert-rules").json()[0]
+    reply = http.patch(f"/api/v1/alert-rules/{rule['id']}", json={"severity": None})
+    assert reply.status_code == 422 and "severity cannot be null" in reply.text
+    assert http.get(f"/api/v1/alert-rules/{rule['id']}").json()["severity"] == rule["severity"]

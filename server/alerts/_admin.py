@@ -50,6 +50,10 @@ def save_rule(session: Session, *, body: RuleIn, source: str = "api") -> models.
 
 def update_rule(session: Session, *, rule: models.AlertRule, body: RuleFields) -> models.AlertRule:
     """Change some fields of a rule; the result must still be a complete rule."""
+    columns = models.AlertRule.__table__.c
+    nulls = [k for k, v in body.values().items() if v is None and k in columns and not columns[k].nullable]
+    if nulls:
+        raise ValueError(f"{', '.join(sorted(nulls))} cannot be null")
     merged = {c: getattr(rule, c) for c in RuleIn.model_fields if hasattr(rule, c) and c != "for_"} | body.values()
     RuleIn.model_validate({k: v for k, v in merged.items() if v is not None})
     for key, value in body.values().items():
