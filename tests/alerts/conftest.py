@@ -19,9 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from ampwatch.server import Settings, create_app
+from ampwatch.server import Settings
 
 
 def _free_port() -> int:
@@ -100,45 +99,16 @@ def receiver() -> Iterator[Receiver]:
     server.server_close()
 
 
-@dataclass
-class AlertServer:
-    url: str
-    app: Any
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=30)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        self.app.state.engine.dispose()
-
-
 @pytest.fixture
-def alert_server(sqlite_url: str, receiver: Receiver) -> Iterator[Callable[..., AlertServer]]:
+def alert_server(sqlite_url: str, receiver: Receiver, live_server_factory: Callable[..., Any]) -> Callable[..., Any]:
     """Start a real uvicorn server whose alerts go to `receiver` (SQLite); keyword arguments are settings."""
-    started: list[AlertServer] = []
 
-    def start(**overrides: Any) -> AlertServer:
-        port = _free_port()
+    def start(**overrides: Any) -> Any:
         values = {"database_url": sqlite_url, "alert_webhook_url": f"{receiver.url}/hook", "alert_eval_interval_s": 0.1,
-                  "host": "127.0.0.1", "port": port, **overrides}  # fmt: skip
-        app = create_app(Settings(**values))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "test server did not start"
-            time.sleep(0.02)
-        started.append(AlertServer(f"http://127.0.0.1:{port}", app, server, thread))
-        return started[-1]
+                  **overrides}  # fmt: skip
+        return live_server_factory(Settings(**values))  # the root conftest's: stopped after the test
 
-    yield start
-    for server in started:
-        server.stop()
+    return start
 
 
 class ServerProcess:
