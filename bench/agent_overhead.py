@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -48,225 +46,19 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Server, cpu_count, percentile, process_cpu_seconds, scratch_database  # noqa: E402
+from _conditions import Ampwatch, Condition, make_conditions  # noqa: E402
+from _step import Trainer, build, calibrate, time_steps  # noqa: E402
 
 TARGET_OVERHEAD = 0.02
 HOST_READ_METHODS = frozenset({
     "item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__", "cpu", "numpy", "__array__",
 })  # fmt: skip
 
-AfterStep = Callable[[int, Any, Any, Any, float], None]  # (step, scaler, loss, grad norm, scale before)
 
-
-# -- the training step ----------------------------------------------------------------------
-@dataclass
-class Variant:
-    """How one step runs: which scaler, and what is logged after it."""
-
-    scaler: Any
-    after_step: AfterStep | None = None
-    read_scale: bool = False  # the logger wants the scale before update(): a host read, as users write it
-
-
-@dataclass
-class Trainer:
-    model: Any
-    optimizer: Any
-    scaler: Any
-    x: Any
-    y: Any
-    step_index: int = 0
-
-    def step(self, variant: Variant) -> None:
-        import torch
-
-        scaler = variant.scaler
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.cross_entropy(self.model(self.x), self.y)
-        scale_before = scaler.get_scale() if variant.read_scale else 0.0
-        scaler.scale(loss).backward()
-        scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        scaler.step(self.optimizer)
-        scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        if variant.after_step is not None:
-            variant.after_step(self.step_index, scaler, loss, norm, scale_before)
-        self.step_index += 1
-
-    @property
-    def plain(self) -> Variant:
-        return Variant(self.scaler)
-
-
-def build(hidden: int, batch: int, seed: int = 0) -> Trainer:
-    """A 3-layer MLP trainer (64 -> hidden -> hidden -> 10)."""
-    import torch
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.GELU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
-        torch.nn.Linear(hidden, 10),
-    )  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return Trainer(model, optimizer, torch.amp.GradScaler("cpu"), torch.randn(batch, 64), torch.randint(0, 10, (batch,)))
-
-
-def time_steps(trainer: Trainer, variant: Variant, steps: int) -> float:
-    """Mean wall seconds per step over `steps` consecutive steps."""
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.step(variant)
-    return (time.perf_counter() - start) / steps
-
-
-def calibrate(target_s: float, batch: int) -> tuple[int, float]:
-    """The MLP width (8..256) whose fastest step time is closest to `target_s`, by bisection."""
-    lo, hi = 8, 256
-    best = (lo, float("inf"))
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        trainer = build(mid, batch)
-        time_steps(trainer, trainer.plain, 30)
-        step_s = min(time_steps(trainer, trainer.plain, 40) for _ in range(5))  # min: other load only slows
-        if abs(step_s - target_s) < abs(best[1] - target_s):
-            best = (mid, step_s)
-        lo, hi = (mid + 4, hi) if step_s < target_s else (lo, mid - 4)
-    return best
-
-
-# -- conditions -----------------------------------------------------------------------------
-class Condition:
-    """Something that logs from the loop: `start` gives the step variant, `stop` ends it."""
-
-    name = "none"
-    note = ""
-
-    def start(self, trainer: Trainer) -> Variant:
-        return trainer.plain
-
-    def stop(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Ampwatch(Condition):
-    """A run watching its own GradScaler (on the shared model and optimizer); finished at `stop`."""
-
-    def __init__(self, name: str, server_url: str, log_loss: bool = False, disabled: bool = False) -> None:
-        self.name, self.server_url, self.log_loss, self.disabled = name, server_url, log_loss, disabled
-        self.run: Any = None
-        self.run_ids: list[str] = []
-
-    def start(self, trainer: Trainer) -> Variant:
-        import ampwatch
-        import torch
-
-        scaler = torch.amp.GradScaler("cpu")
-        with _env(AMPWATCH_MODE="disabled" if self.disabled else "online"):
-            self.run = ampwatch.init(project="bench", name=f"overhead-{self.name}", url=self.server_url)
-        self.run.watch(model=trainer.model, optimizer=trainer.optimizer, scaler=scaler)
-        run = self.run
-        after = (lambda step, scaler, loss, norm, scale_before: run.log({"loss": loss})) if self.log_loss else None
-        return Variant(scaler, after)
-
-    def stop(self) -> None:
-        self.run.finish()  # unhooks the scaler and delivers what is left
-        self.run_ids.append(self.run.id)
-
-
-class TensorBoard(Condition):
-    name = "tensorboard"
-
-    def __init__(self, logdir: str) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(logdir)
-
-    def start(self, trainer: Trainer) -> Variant:
-        writer = self.writer
-
-        def after(step: int, scaler: Any, loss: Any, norm: Any, scale_before: float) -> None:
-            scale_after = scaler.get_scale()
-            writer.add_scalar("loss", loss.item(), step)
-            writer.add_scalar("scale", scale_before, step)
-            writer.add_scalar("skipped", float(scale_after < scale_before), step)
-            writer.add_scalar("grad_norm", norm.item(), step)
-
-        return Variant(trainer.scaler, after, read_scale=True)
-
-    def stop(self) -> None:
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class Wandb(Condition):
-    name = "wandb"
-    note = "wandb's own service process is not counted in 'background'"
-
-    def __init__(self, directory: str) -> None:
-        import wandb
-
-        os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(project="ampwatch-bench", mode="offline", dir=directory)
-
-    def start(self, trainer: Trainer) -> Variant:
-        run = self.run
-
-        def after(step: int, scaler: Any, loss: Any, norm: Any, scale_before: float) -> None:
-            scale_after = scaler.get_scale()
-            values = {"loss": loss.item(), "scale": scale_before, "skipped": float(scale_after < scale_before),
-                      "grad_norm": norm.item()}  # fmt: skip
-            run.log(values, step=step)
-
-        return Variant(trainer.scaler, after, read_scale=True)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def make_conditions(names: list[str], server_url: str, tmp: str) -> tuple[list[Condition], list[str]]:
-    """The conditions that can run here, and notes on those that cannot."""
-    conditions: list[Condition] = [Condition()]
-    notes: list[str] = []
-    for name in names:
-        if name == "none":
-            continue
-        if name in ("ampwatch", "ampwatch+log", "ampwatch-off"):
-            conditions.append(Ampwatch(name, server_url, log_loss=name == "ampwatch+log", disabled=name == "ampwatch-off"))
-        elif name in ("tensorboard", "wandb"):
-            if importlib.util.find_spec(name) is None:
-                notes.append(f"{name} row skipped: the {name} package is not installed (pip install {name})")
-                continue
-            try:
-                conditions.append(TensorBoard(os.path.join(tmp, "tb")) if name == "tensorboard" else Wandb(os.path.join(tmp, "wandb")))
-            except Exception as error:  # a broken optional install is a note, not a failed benchmark
-                notes.append(f"{name} row skipped: it failed to start ({error!r})")
-        else:
-            notes.append(f"unknown condition {name!r} ignored")
-    return conditions, notes
 
 
 # -- measuring ------------------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""What the agent-overhead benchmark compares: ampwatch, TensorBoard and wandb logging from the loop."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from typing import Any, Iterator
+
+from _step import Trainer, Variant
+
+# -- conditions -----------------------------------------------------------------------------
+class Condition:
+    """Something that logs from the loop: `start` gives the step variant, `stop` ends it."""
+
+    name = "none"
+    note = ""
+
+    def start(self, trainer: Trainer) -> Variant:
+        return trainer.plain
+
+    def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Ampwatch(Condition):
+    """A run watching its own GradScaler (on the shared model and optimizer); finished at `stop`."""
+
+    def __init__(self, name: str, server_url: str, log_loss: bool = False, disabled: bool = False) -> None:
+        self.name, self.server_url, self.log_loss, self.disabled = name, server_url, log_loss, disabled
+        self.run: Any = None
+        self.run_ids: list[str] = []
+
+    def start(self, trainer: Trainer) -> Variant:
+        import ampwatch
+        import torch
+
+        scaler = torch.amp.GradScaler("cpu")
+        with _env(AMPWATCH_MODE="disabled" if self.disabled else "online"):
+            self.run = ampwatch.init(project="bench", name=f"overhead-{self.name}", url=self.server_url)
+        self.run.watch(model=trainer.model, optimizer=trainer.optimizer, scaler=scaler)
+        run = self.run
+        after = (lambda step, scaler, loss, norm, scale_before: run.log({"loss": loss})) if self.log_loss else None
+        return Variant(scaler, after)
+
+    def stop(self) -> None:
+        self.run.finish()  # unhooks the scaler and delivers what is left
+        self.run_ids.append(self.run.id)
+
+
+class TensorBoard(Condition):
+    name = "tensorboard"
+
+    def __init__(self, logdir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(logdir)
+
+    def start(self, trainer: Trainer) -> Variant:
+        writer = self.writer
+
+        def after(step: int, scaler: Any, loss: Any, norm: Any, scale_before: float) -> None:
+            scale_after = scaler.get_scale()
+            writer.add_scalar("loss", loss.item(), step)
+            writer.add_scalar("scale", scale_before, step)
+            writer.add_scalar("skipped", float(scale_after < scale_before), step)
+            writer.add_scalar("grad_norm", norm.item(), step)
+
+        return Variant(trainer.scaler, after, read_scale=True)
+
+    def stop(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Wandb(Condition):
+    name = "wandb"
+    note = "wandb's own service process is not counted in 'background'"
+
+    def __init__(self, directory: str) -> None:
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(project="ampwatch-bench", mode="offline", dir=directory)
+
+    def start(self, trainer: Trainer) -> Variant:
+        run = self.run
+
+        def after(step: int, scaler: Any, loss: Any, norm: Any, scale_before: float) -> None:
+            scale_after = scaler.get_scale()
+            values = {"loss": loss.item(), "scale": scale_before, "skipped": float(scale_after < scale_before),
+                      "grad_norm": norm.item()}  # fmt: skip
+            run.log(values, step=step)
+
+        return Variant(trainer.scaler, after, read_scale=True)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def make_conditions(names: list[str], server_url: str, tmp: str) -> tuple[list[Condition], list[str]]:
+    """The conditions that can run here, and notes on those that cannot."""
+    conditions: list[Condition] = [Condition()]
+    notes: list[str] = []
+    for name in names:
+        if name == "none":
+            continue
+        if name in ("ampwatch", "ampwatch+log", "ampwatch-off"):
+            conditions.append(Ampwatch(name, server_url, log_loss=name == "ampwatch+log", disabled=name == "ampwatch-off"))
+        elif name in ("tensorboard", "wandb"):
+            if importlib.util.find_spec(name) is None:
+                notes.append(f"{name} row skipped: the {name} package is not installed (pip install {name})")
+                continue
+            try:
+                conditions.append(TensorBoard(os.path.join(tmp, "tb")) if name == "tensorboard" else Wandb(os.path.join(tmp, "wandb")))
+            except Exception as error:  # a broken optional install is a note, not a failed benchmark
+                notes.append(f"{name} row skipped: it failed to start ({error!r})")
+        else:
+            notes.append(f"unknown condition {name!r} ignored")
+    return conditions, notes
