@@ -14,6 +14,8 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument("--host", help="address to bind (default 127.0.0.1, or AMPWATCH_HOST)")
     server.add_argument("--port", type=int, help="port (default 8600, or AMPWATCH_PORT)")
     server.add_argument("--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)")
+    server.add_argument("--insecure", action="store_true", default=None,
+                        help="allow a non-loopback address without any access token (or AMPWATCH_INSECURE=1)")  # fmt: skip
 
     demo = commands.add_parser("demo", help="start a server and a small CPU training that goes unstable on purpose")
     demo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -27,6 +29,19 @@ def _parser() -> argparse.ArgumentParser:
     db_commands = db.add_subparsers(dest="db_command", required=True, metavar="DB_COMMAND")
     upgrade = db_commands.add_parser("upgrade", help="apply migrations to the latest schema")
     upgrade.add_argument("--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)")
+
+    token = commands.add_parser("token", help="manage access tokens (stored hashed in the database)")
+    token_commands = token.add_subparsers(dest="token_command", required=True, metavar="TOKEN_COMMAND")
+    create = token_commands.add_parser("create", help="create a token and print it (it is shown only once)")
+    create.add_argument("--role", choices=("ingest", "read", "admin"), required=True,
+                        help="ingest: agents send data; read: dashboard and read API; admin: everything")  # fmt: skip
+    create.add_argument("--project", help="limit an ingest token to one project")
+    create.add_argument("--name", default="", help="a label to recognise it by")
+    token_commands.add_parser("list", help="list tokens (never their secrets)")
+    revoke = token_commands.add_parser("revoke", help="revoke a token by its id")
+    revoke.add_argument("id", type=int, help="the token's id, as `ampwatch token list` shows it")
+    for sub in (create, token_commands.choices["list"], revoke):
+        sub.add_argument("--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)")
 
     sync = commands.add_parser("sync", help="upload runs left in the spool by offline mode or an unreachable server")
     sync.add_argument("dir", nargs="?", help="spool folder (default AMPWATCH_SPOOL_DIR, or ~/.cache/ampwatch/spool)")

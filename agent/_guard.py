@@ -14,11 +14,16 @@ def guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except Exception:
-        key = getattr(fn, "__qualname__", repr(fn))
-        if key not in _reported:
-            _reported.add(key)
-            log.exception("ampwatch: internal error in %s (training continues)", key)
+        report(fn)
         return None
+
+
+def report(fn: Callable[..., Any]) -> None:
+    """Log the exception being handled, once per function (for hot paths that inline `guarded`)."""
+    key = getattr(fn, "__qualname__", repr(fn))
+    if key not in _reported:
+        _reported.add(key)
+        log.exception("ampwatch: internal error in %s (training continues)", key)
 
 
 def warn_once(key: str, message: str, *args: Any) -> None:

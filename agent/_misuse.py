@@ -1,11 +1,14 @@
-"""Why GradScaler raised: each cause of a misuse told apart by a cheap signature, with its fix.
-
-Taken while the error is being caught (then it is re-raised unchanged); see AMP_NOTES.md.
+"""Misused mixed precision: why GradScaler raised (each cause told apart by a cheap signature, taken while
+the error is being caught, then re-raised unchanged), and configuration mistakes that raise nothing.
+Every finding comes with its fix; see AMP_NOTES.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+Problem = tuple[str, dict[str, Any]]  # (message with the fix, details) of an `amp_config` event
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,48 @@ SILENT_UNSCALED = (
     "loss scale (a norm of 0.2 becomes 3e-6) and the model stops learning, silently. "
     "Fix: scaler.scale(loss).backward()."
 )
+
+
+# -- configuration mistakes (amp_config) --------------------------------------------------------
+def watch_config_problems(optimizers: list[Any], scaler: Any) -> list[Problem]:
+    """What `watch()` can already tell: anomaly mode left on; HF Accelerate's fp16 on the CPU."""
+    import torch
+
+    problems: list[Problem] = []
+    if scaler is None and any(map(_accelerate_fp16_on_cpu, optimizers)):
+        problems.append(("HF Accelerate was asked for mixed_precision='fp16' on the CPU, where it builds no GradScaler and "
+                         "no fp16 autocast: this run trains in full fp32 precision. Use mixed_precision='bf16' on the CPU, "
+                         "or a GPU for fp16.", {"check": "accelerate_fp16_on_cpu", "device": "cpu"}))  # fmt: skip
+    if torch.is_anomaly_enabled():
+        problems.append(("Anomaly detection (torch.autograd.detect_anomaly / set_detect_anomaly) is on: training runs "
+                         "2-2.6x slower and a normal GradScaler skip becomes a crash. Turn it off outside debugging.",
+                         {"check": "anomaly_mode"}))  # fmt: skip
+    return problems
+
+
+def forward_config_problem(module: Any, scaler: Any) -> Problem | None:
+    """What the first forward's autocast state tells: a scaler under bf16, autocast on the wrong device, or none."""
+    import torch
+
+    device = next((p.device.type for p in module.parameters()), "cpu")
+    scaler_on = scaler is not None and scaler.is_enabled()
+    on = {d for d in ("cuda", "cpu", "xpu", "mps") if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d)}
+    if scaler_on and device in on and torch.get_autocast_dtype(device) == torch.bfloat16:
+        return ("GradScaler is enabled with bf16 autocast: bf16 has fp32's range and needs no loss scaling; the "
+                "scaler only adds work and skips. Build it with enabled=False under bf16 (as nanoGPT does).",
+                {"check": "scaler_with_bf16", "device": device})  # fmt: skip
+    if on and device not in on:
+        return (f"autocast is on for {', '.join(sorted(on))} but the model runs on {device}: its forward runs in "
+                f"full precision. Use torch.autocast('{device}', ...).", {"check": "autocast_device", "device": device})  # fmt: skip
+    if scaler_on and device not in on:
+        return (f"GradScaler is enabled but the forward runs without autocast on {device}: there is nothing "
+                "to scale. Wrap the forward in torch.autocast, or disable the scaler.",
+                {"check": "scaler_without_autocast", "device": device})  # fmt: skip
+    return None
+
+
+def _accelerate_fp16_on_cpu(optimizer: Any) -> bool:
+    """An Accelerate optimizer whose Accelerator was asked for fp16 on the CPU (it then silently trains in fp32)."""
+    state = getattr(optimizer, "accelerator_state", None)
+    device = getattr(state, "device", None)
+    return getattr(state, "mixed_precision", None) == "fp16" and getattr(device, "type", None) == "cpu" and getattr(optimizer, "scaler", 0) is None

@@ -34,10 +34,7 @@ class OriginProbe:
         self.forward: list[tuple[str, Any]] = []
         self.backward: list[tuple[str, Any]] = []
         self.steps_left = 0
-
-    @property
-    def armed(self) -> bool:
-        return bool(self._handles)
+        self.armed = False  # a plain attribute: the recorder reads it every step
 
     def arm(self, steps: int) -> None:
         """Hook every leaf module (and the model's input) for the next `steps` iterations."""
@@ -45,6 +42,7 @@ class OriginProbe:
             self.steps_left = steps
             return
         self.steps_left = steps
+        self.armed = True
         self._handles.append(self._model.register_forward_pre_hook(self._on_input))
         for name, module in self._model.named_modules():
             if name and not any(True for _ in module.children()):
@@ -55,6 +53,7 @@ class OriginProbe:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.armed = False
         self.forward.clear()
         self.backward.clear()
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from ampwatch._spool import Spool
-from ampwatch._transport import Transport
+from ampwatch._transport import Response, Transport
 
 log = logging.getLogger("ampwatch")
 IN_MEMORY = 64  # batches kept in memory besides the spool; the rest are read back from disk
@@ -76,7 +76,7 @@ class Outbox:
                 self._registered = False
                 continue
             if not reply.ok and reply.retryable:
-                self._backoff(reply.retry_after_s)
+                self._backoff(reply)
                 return False
             if not reply.ok:
                 log.error("ampwatch: batch %d rejected (%d): %s", seq, reply.status, reply.body[:500])
@@ -103,12 +103,18 @@ class Outbox:
             return True
         if not reply.retryable:
             log.error("ampwatch: %s %s rejected (%d): %s", method, path, reply.status, reply.body[:500])
-        self._backoff(reply.retry_after_s)
+        self._backoff(reply)
         return False
 
-    def _backoff(self, retry_after_s: float | None) -> None:
+    def _backoff(self, reply: Response) -> None:
         self._failures += 1
-        if self._failures == 1:
+        if self._failures == 1 and reply.refused:
+            log.error(
+                "ampwatch: the server refused this run's data (%d: %s). It is kept on disk and retried: set AMPWATCH_TOKEN "
+                "to an ingest token (`ampwatch token create --role ingest` on the server), or upload it later with "
+                "`ampwatch sync --token TOKEN`", reply.status, reply.body[:300],
+            )  # fmt: skip
+        elif self._failures == 1:
             log.warning("ampwatch: the server is unreachable or busy; batches are kept and retried")
         delay = min(30.0, 0.25 * 2 ** min(self._failures, 8)) * random.uniform(0.5, 1.0)
-        self.retry_at = time.monotonic() + (retry_after_s if retry_after_s is not None else delay)
+        self.retry_at = time.monotonic() + (reply.retry_after_s if reply.retry_after_s is not None else delay)

@@ -11,8 +11,10 @@ import os
 import platform
 import re
 import secrets
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -27,6 +29,9 @@ from ampwatch._worker import EVENT, STATUS, VALUES, Worker
 
 log = logging.getLogger("ampwatch")
 _UNFINISHED: "weakref.WeakSet[Run]" = weakref.WeakSet()
+# A forked child (os.fork, a multiprocessing worker) that exits normally runs the inherited atexit hook:
+# the runs it inherited are its parent's, which trains on, so the child must not finish them.
+os.register_at_fork(after_in_child=_UNFINISHED.clear)
 MAX_NAME = 200  # the server's limit on project, run and series names
 MAX_STEP = 2**63
 
@@ -49,25 +54,27 @@ class Run:
         self._settings = settings
         self._finished = False
         self._worker: Worker | None = None
+        if not disabled:
+            doc = {
+                "project": self.project,
+                "name": self.name,
+                "config": _jsonable(config or {}),
+                "environment": _environment(self.world_size),
+            }
+            self._worker = Worker(settings, self.id, doc, self.rank)
         self._recorder = Recorder(
-            self._record,
+            self._worker.record if self._worker is not None else _discard,  # per step: no hop through the Run
             rank=self.rank,
             layer_interval=settings.layer_norm_interval,
             param_interval=settings.param_check_interval,
         )
-        if settings.mode == "disabled":
+        if self._worker is None:
             self.url = None
             return
-        doc = {
-            "project": self.project,
-            "name": self.name,
-            "config": _jsonable(config or {}),
-            "environment": _environment(self.world_size),
-        }
-        self._worker = Worker(settings, self.id, doc, self.rank)
         self._worker.diagnosis = Diagnosis(self._recorder, self.rank)
         self._worker.start()
         _UNFINISHED.add(self)
+        _install_sigterm_handler()
 
     def __repr__(self) -> str:
         return f"<ampwatch.Run {self.project}/{self.name} id={self.id}>"
@@ -118,8 +125,12 @@ class Run:
                 names.append(name)
                 floats.append(float(value))
             elif getattr(value, "numel", None) is not None and value.numel() == 1:
-                # A copy (asynchronous on a GPU): the tensor is read later, and accumulators change in place.
-                self._record((VALUES, step, (name,), value.detach().clone()))
+                # Read later, off this thread: a tensor without autograd history may be an accumulator that
+                # changes in place, and a GPU tensor may be a CUDA graph's static output that the next replay
+                # overwrites, so those are copied (asynchronously on a GPU); a CPU forward's results are not.
+                fresh = getattr(value, "grad_fn", None) is not None and value.device.type == "cpu"
+                value = value.detach() if fresh else value.detach().clone()
+                self._record((VALUES, step, (name,), value))
                 self._recorder.user_logged(step, (name,))
             else:
                 warn_once("log-" + name, "ampwatch: %r is not a number or a 1-element tensor; ignored", name)
@@ -139,6 +150,10 @@ class Run:
         delivered = self._worker is None or self._worker.close(self._settings.finish_timeout_s)
         if not delivered and self._settings.mode == "online":  # offline runs deliver nothing, by design
             log.warning("ampwatch: could not deliver everything to %s before finish()", self._settings.url)
+
+
+def _discard(entry: tuple) -> None:
+    """Where a disabled run's records go."""
 
 
 def init(
@@ -166,23 +181,66 @@ def _finish_at_exit() -> None:
 
 
 def _is_failure(exc: BaseException | None) -> bool:
-    """Ctrl-C and a clean `sys.exit()` end a run; anything else escaping the loop crashed it."""
-    if exc is None or isinstance(exc, KeyboardInterrupt):
+    """A clean `sys.exit()` ends a run; anything else escaping the loop, Ctrl-C included, cut it short."""
+    if exc is None:
         return False
     return not (isinstance(exc, SystemExit) and exc.code in (0, None))
 
 
+class Terminated(BaseException):
+    """What a run records as its crash when the process is killed by SIGTERM (never raised)."""
+
+
+_sigterm: dict[str, Any] = {"previous": None, "pid": 0}  # the handler SIGTERM had before ours; where ours is installed
+
+
+def _install_sigterm_handler() -> None:
+    """On the first run, from the main thread only: SIGTERM marks the open runs crashed and flushes them,
+    then is handed on. A handler the user installed first is chained (and then decides the run's fate)."""
+    if _sigterm["pid"] == os.getpid() or threading.current_thread() is not threading.main_thread():
+        return
+    if os.getpid() == 1:  # a container's init: the kernel ignores SIGTERM's default action there, so must we
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is None or previous == signal.SIG_IGN:  # a handler outside Python (cannot be chained), or ignored
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError, RuntimeError):  # not the main interpreter, or no signals here
+        return
+    if previous is not _on_sigterm:  # a forked child installs again: it must not chain to itself
+        _sigterm["previous"] = previous
+    _sigterm["pid"] = os.getpid()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Runs in the main thread between two bytecodes of the training loop."""
+    previous = _sigterm["previous"]
+    if callable(previous):  # the user's handler: it may checkpoint and carry on, or exit (then `with`/atexit finish)
+        previous(signum, frame)
+        return
+    if _sigterm["pid"] == os.getpid():  # not in a forked child: its copies of the runs are not its own
+        for run in list(_UNFINISHED):
+            guarded(run._finish, "crashed", Terminated(f"the process received SIGTERM (signal {signum}) and was terminated"))
+    # Die as the process would have without ampwatch: the default action, by the same signal.
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def _crash_event(step: int, rank: int, exc: BaseException) -> dict[str, Any]:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return {
-        "step": step,
-        "rank": rank,
-        "type": "run_crashed",
-        "severity": "critical",
-        "message": f"The training loop raised {type(exc).__name__}: {exc}"[:2000],
-        "details": {"exception": type(exc).__name__, "traceback": text[-20000:]},
-        "time": time.time(),
-    }
+    if isinstance(exc, Terminated):
+        message = f"Terminated at step {step}: {exc} (a scheduler's preemption or time limit, or a kill)."
+        details: dict[str, Any] = {"exception": "SIGTERM", "signal": "SIGTERM"}
+    elif isinstance(exc, KeyboardInterrupt):
+        message = f"Interrupted at step {step}: KeyboardInterrupt (Ctrl-C or SIGINT)."
+        details = {"exception": "KeyboardInterrupt", "signal": "SIGINT"}
+    else:
+        message = f"The training loop raised {type(exc).__name__}: {exc}"
+        details = {"exception": type(exc).__name__}
+    if exc.__traceback__ is not None:
+        details["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:]
+    return {"step": step, "rank": rank, "type": "run_crashed", "severity": "critical", "message": message[:2000],
+            "details": details, "time": time.time()}  # fmt: skip
 
 
 def _rank_and_world_size() -> tuple[int, int]:

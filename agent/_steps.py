@@ -1,45 +1,47 @@
 """One optimizer step as the training thread leaves it, and its decoding on the sender thread.
 
 The training thread keeps references, not results: the detached loss, GradScaler's own found_inf
-tensors, the per-parameter gradient norms of one `_foreach_norm`. The sender thread copies them to
-the host and does all the arithmetic: sums, total and per-layer norms, the unscaling, and the loss
-scale, which it shadows from found_inf with GradScaler's own update rule, re-anchored from a copy of
-the device scale every `ANCHOR_EVERY` steps and whenever something outside `update()` changed it.
+tensors, the per-parameter gradient norms of one `_foreach_norm`. It hands them over as one plain
+tuple per step (see `STEP_FIELDS`), the cheapest record Python can build. The sender thread copies
+them to the host and does all the arithmetic: sums, total and per-layer norms, the unscaling, and the
+loss scale, which it shadows from found_inf with GradScaler's own update rule, re-anchored from a copy
+of the device scale every `ANCHOR_EVERY` steps and whenever something outside `update()` changed it.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Iterator
+from typing import Any
 
 ANCHOR_EVERY = 256
+Groups = list[tuple[list[Any], bool, "tuple[str, ...] | None"]]  # (per-parameter norms, of scaled grads, modules)
+
+# A step record: (kind, step, losses, found, groups, total, anchor, rule, lr, params)
+#   losses  detached tensors passed to scaler.scale() (summed), or None when the user logged `loss`
+#   found   GradScaler's found_inf tensors (empty without a scaler)
+#   groups  per optimizer: the `_foreach_norm` of its gradients, whether they were still scaled, and
+#           the module of each parameter on per-layer steps (else None)
+#   total   False when the user logged `grad_norm` at this step (their value wins; layers are still ours)
+#   anchor  copies of the scale and growth tracker before update(), or None
+#   rule    (growth factor, backoff factor, growth interval) of the scaler, or None
+#   lr      the first parameter group's float learning rate, or None
+#   params  per-parameter norms of the parameters (a periodic finiteness check), or None
+STEP_FIELDS = ("kind", "step", "losses", "found", "groups", "total", "anchor", "rule", "lr", "params")
 
 
-class StepRecord:
-    """What the training thread saw during one iteration (tensors are read later, on the sender)."""
-
-    __slots__ = ("losses", "found", "groups", "anchor", "rule", "lr", "params")
-
-    def __init__(self) -> None:
-        self.losses: list[Any] = []  # detached tensors passed to scaler.scale()
-        self.found: list[Any] = []  # GradScaler's found_inf tensors (empty without a scaler)
-        self.groups: list[tuple[list[Any], bool, tuple[str, ...] | None]] = []  # (norms, scaled, modules)
-        self.anchor: tuple[Any, Any] | None = None  # copies of the scale and growth tracker before update()
-        self.rule: tuple[float, float, int] = (2.0, 0.5, 2000)  # growth, backoff, interval
-        self.lr: float | None = None
-        self.params: list[Any] | None = None  # per-parameter norms of the parameters (periodic check)
-
-    def tensors(self) -> Iterator[Any]:
-        """Every tensor, in the order `StepDecoder.decode` consumes them."""
-        yield from self.losses
-        yield from self.found
-        for norms, _, _ in self.groups:
-            yield from norms
-        if self.anchor is not None:
-            yield from self.anchor
-        if self.params is not None:
-            yield from self.params
+def step_tensors(record: tuple, out: list[Any]) -> None:
+    """Append every tensor of a step record to `out`, in the order `StepDecoder.decode` consumes them."""
+    _, _, losses, found, groups, _, anchor, _, _, params = record
+    if losses:
+        out.extend(losses)
+    out.extend(found)
+    for norms, _, _ in groups:
+        out.extend(norms)
+    if anchor is not None:
+        out.extend(anchor)
+    if params is not None:
+        out.extend(params)
 
 
 def _f32(value: float) -> float:
@@ -54,29 +56,40 @@ class StepDecoder:
         self._scale: float | None = None
         self._tracker = 0
 
-    def decode(self, record: StepRecord, host: Iterator[float]) -> dict[str, float]:
-        """The standard series of one step from its record and its tensors' host values."""
+    def decode(self, record: tuple, host: list[Any], at: int) -> tuple[dict[str, float], int]:
+        """The standard series of one step, from its record and its tensors' host values from `host[at]` on;
+        and where the next record's values start."""
+        _, _, losses, found, groups, total, anchor, rule, lr, params = record
         values: dict[str, float] = {}
-        losses = [next(host) for _ in record.losses]
-        found = [next(host) for _ in record.found]
-        groups = [([next(host) for _ in norms], scaled, modules) for norms, scaled, modules in record.groups]
-        if record.anchor is not None:
-            self._scale, self._tracker = next(host), int(next(host))
-        params = [next(host) for _ in record.params] if record.params is not None else None
         if losses:
-            values["loss"] = sum(losses)  # not fsum: it raises on inf + -inf, where a sum is NaN
+            n = len(losses)
+            values["loss"] = float(host[at]) if n == 1 else float(sum(host[at : at + n]))  # not fsum: inf + -inf is NaN
+            at += n
+        skipped = False
+        if found:
+            n = len(found)
+            skipped = any(host[at : at + n])
+            at += n
+        norms_at = at
+        for norms, _, _ in groups:
+            at += len(norms)
+        if anchor is not None:
+            self._scale, self._tracker = float(host[at]), int(host[at + 1])
+            at += 2
         scale = self._scale if found else None
         if scale is not None:
             values["scale"] = scale
-            values["skipped"] = 1.0 if any(f != 0 for f in found) else 0.0
-            self._advance(values["skipped"] == 1.0, record.rule)
+            values["skipped"] = 1.0 if skipped else 0.0
+            self._advance(skipped, rule)
         if groups:
-            values.update(_norms(groups, scale))
-        if record.lr is not None:
-            values["lr"] = record.lr
+            _norms(groups, host, norms_at, scale, total, values)
+        if lr is not None:
+            values["lr"] = lr
         if params is not None:
-            values["param_norm"] = math.sqrt(sum(p * p for p in params))
-        return values
+            n = len(params)
+            values["param_norm"] = math.sqrt(sum(p * p for p in host[at : at + n]))
+            at += n
+        return values, at
 
     def _advance(self, skipped: bool, rule: tuple[float, float, int]) -> None:
         growth, backoff, interval = rule
@@ -88,17 +101,22 @@ class StepDecoder:
                 self._scale, self._tracker = _f32(self._scale * growth), 0  # type: ignore[operator]
 
 
-def _norms(groups: list[tuple[list[float], bool, tuple[str, ...] | None]], scale: float | None) -> dict[str, float]:
+def _norms(groups: Groups, host: list[Any], at: int, scale: float | None, total_wanted: bool, out: dict[str, float]) -> None:
     """Total unscaled gradient norm, and per-module norms where the record asked for them."""
-    out: dict[str, float] = {}
     total = 0.0
     layers: dict[str, float] = {}
     for norms, scaled, modules in groups:
-        divisor = scale if scaled and scale else 1.0
-        squares = [(n / divisor) * (n / divisor) for n in norms]  # never raises: overflow is inf
+        n = len(norms)
+        values = host[at : at + n]
+        at += n
+        if scaled and scale:
+            values = [v / scale for v in values]
+        squares = [v * v for v in values]  # never raises: overflow is inf
         total += sum(squares)
-        for module, square in zip(modules or (), squares):
-            layers[module] = layers.get(module, 0.0) + square
-    out["grad_norm"] = math.sqrt(total) if total == total else math.nan
-    out.update({f"grad_norm/{m}": math.sqrt(s) if s == s else math.nan for m, s in layers.items()})
-    return out
+        if modules is not None:
+            for module, square in zip(modules, squares):
+                layers[module] = layers.get(module, 0.0) + square
+    if total_wanted:
+        out["grad_norm"] = math.sqrt(total) if total == total else math.nan
+    for module, square in layers.items():
+        out["grad_norm/" + module] = math.sqrt(square) if square == square else math.nan

@@ -31,9 +31,14 @@ class Response:
         return 200 <= self.status < 300
 
     @property
+    def refused(self) -> bool:
+        """The server wants a (different) token: kept and retried, since a token can be created later."""
+        return self.status in (401, 403)
+
+    @property
     def retryable(self) -> bool:
-        """Unreachable, overloaded or failing servers are retried; other 4xx are permanent."""
-        return self.status == 0 or self.status in (408, 425, 429) or self.status >= 500
+        """Unreachable, overloaded or failing servers, and missing tokens, are retried; other 4xx are permanent."""
+        return self.status == 0 or self.status in (408, 425, 429) or self.status >= 500 or self.refused
 
 
 class Transport:

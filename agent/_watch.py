@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 from ampwatch import _scaler
 from ampwatch._guard import guarded
-from ampwatch._misuse import SILENT_UNSCALED, Signature, classify
+from ampwatch._misuse import SILENT_UNSCALED, Signature, classify, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe
-from ampwatch._steps import ANCHOR_EVERY, StepRecord
+from ampwatch._steps import ANCHOR_EVERY
 from ampwatch._worker import EVENT, ORIGIN, STEP
 
 log = logging.getLogger("ampwatch")
@@ -24,7 +24,11 @@ ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite eve
 
 
 class Recorder:
-    """Per-run step state: the step counter and what the current iteration has seen so far."""
+    """Per-run step state: the step counter and what the current iteration has seen so far.
+
+    The methods the scaler wrappers call (`on_scale`, `on_unscaled`, `on_clipped`, `before_step`,
+    `before_update`) run every step on the training thread: they keep references and build one tuple.
+    """
 
     def __init__(self, record: Callable[[tuple], None], *, rank: int = 0, layer_interval: int = 25, param_interval: int = 50) -> None:
         self._record = record
@@ -34,11 +38,25 @@ class Recorder:
         self.param_interval = param_interval
         self.arm_request = False  # set by the sender thread's diagnosis
         self.disarm_request = False
-        self._current = StepRecord()
-        self._normed: set[int] = set()
         self.reanchor = True  # the scale must be copied from the device at the next update()
+        # the current iteration
+        self._losses: list[Any] = []
+        self._groups: list[Any] = []
+        self._normed: set[int] = set()
+        self._scale_calls = 0
+        self._anchor: tuple[Any, Any] | None = None
+        self._rule: tuple[float, float, int] | None = None
+        # what the user logged under standard names
         self._user_step = -1
         self._user_names: set[str] = set()
+        self._norm_logged_at = -2  # the last step the user logged `grad_norm` at
+        self._clip_trusted = False  # the last clip_grad_norm_ covered the optimizer's parameters: reuse its norm
+        self._unscaled: Any = None  # the optimizer between its unscale_ and step
+        self._deferred: Any = None  # the optimizer whose norm waits for clip_grad_norm_
+        self._param_ids_of: tuple[Any, int, set[int]] | None = None
+        # what is watched
+        self._tensor: type = type(None)  # torch.Tensor and torch._foreach_norm once watching
+        self._foreach_norm: Callable[[list[Any]], list[Any]] | None = None
         self._hooks: list[Any] = []
         self._scaler: Any = None
         self._optimizers: list[Any] = []
@@ -47,11 +65,10 @@ class Recorder:
         self._layer_names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._probe: OriginProbe | None = None
         self._arming = 0
-        self._scale_calls = 0
         self._ever_scaled = False
         self._silent_reported = False
         self._last_optimizer: Any = None
-        self._stage_before = "READY"
+        self._stage_before: Any = None
         self._first_forward_hook: Any = None
         self._last_error = 0
 
@@ -60,18 +77,20 @@ class Recorder:
         """A standard name the user logs at a step replaces the agent's own value there."""
         if step != self._user_step:
             self._user_step, self._user_names = step, set()
-        self._user_names.update(n for n in names if n in STANDARD)
-
-    def _mine(self, name: str) -> bool:
-        return self._user_step != self.step or name not in self._user_names
+        for name in names:
+            if name in STANDARD:
+                self._user_names.add(name)
+                if name == "grad_norm":
+                    self._norm_logged_at = max(self._norm_logged_at, step)
 
     # -- attaching ------------------------------------------------------------------------
     def watch(self, model: Any, optimizer: Any, scaler: Any) -> None:
         """Hook the scaler when it is enabled, else count steps through the optimizer."""
         import torch
 
-        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
-        self._optimizers = optimizers = [_unwrap(o) for o in optimizers]
+        self._tensor, self._foreach_norm = torch.Tensor, torch._foreach_norm
+        wrapped = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
+        self._optimizers = optimizers = [_unwrap(o) for o in wrapped]
         if model is not None:
             self._model = model
             self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in model.named_parameters()}
@@ -80,13 +99,13 @@ class Recorder:
         if scaler is not None:
             _scaler.attach(scaler, self)
             self._scaler = scaler
+            if scaler.is_enabled():
+                _scaler.listen_to_clipping(self)
         if optimizers and (scaler is None or not scaler.is_enabled()):
             self._hooks.append(optimizers[0].register_step_pre_hook(self._before_optimizer_step))
             self._hooks.append(optimizers[0].register_step_post_hook(self._after_optimizer_step))
-        if torch.is_anomaly_enabled():
-            self._config("Anomaly detection (torch.autograd.detect_anomaly / set_detect_anomaly) is on: training runs "
-                         "2-2.6x slower and a normal GradScaler skip becomes a crash. Turn it off outside debugging.",
-                         {"check": "anomaly_mode"})  # fmt: skip
+        for problem in watch_config_problems(wrapped, scaler):
+            self._config(*problem)
 
     def unwatch(self) -> None:
         """Remove every hook; the scaler is its own class again."""
@@ -98,6 +117,7 @@ class Recorder:
             self._probe.disarm()
         if self._scaler is not None:
             _scaler.detach(self._scaler, self)
+        _scaler.stop_listening(self)
 
     def _first_forward(self, module: Any, args: Any) -> None:
         """Configuration checks that need the forward's autocast state; runs once."""
@@ -107,47 +127,78 @@ class Recorder:
         guarded(self._check_forward_config, module)
 
     def _check_forward_config(self, module: Any) -> None:
-        import torch
+        problem = forward_config_problem(module, self._scaler)
+        if problem is not None:
+            self._config(*problem)
 
-        device = next((p.device.type for p in module.parameters()), "cpu")
-        scaler_on = self._scaler is not None and self._scaler.is_enabled()
-        on = {d for d in ("cuda", "cpu", "xpu", "mps") if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d)}
-        if scaler_on and device in on and torch.get_autocast_dtype(device) == torch.bfloat16:
-            self._config("GradScaler is enabled with bf16 autocast: bf16 has fp32's range and needs no loss scaling; the "
-                         "scaler only adds work and skips. Build it with enabled=False under bf16 (as nanoGPT does).",
-                         {"check": "scaler_with_bf16", "device": device})  # fmt: skip
-        elif on and device not in on:
-            self._config(f"autocast is on for {', '.join(sorted(on))} but the model runs on {device}: its forward runs in "
-                         f"full precision. Use torch.autocast('{device}', ...).", {"check": "autocast_device", "device": device})  # fmt: skip
-        elif scaler_on and device not in on:
-            self._config(f"GradScaler is enabled but the forward runs without autocast on {device}: there is nothing "
-                         "to scale. Wrap the forward in torch.autocast, or disable the scaler.",
-                         {"check": "scaler_without_autocast", "device": device})  # fmt: skip
-
-    # -- scaler path ----------------------------------------------------------------------
+    # -- scaler path (every step: keep it lean) ----------------------------------------------
     def on_scale(self, outputs: Any) -> None:
         """The loss is the tensor handed to `scaler.scale()`, summed over micro-batches."""
         self._scale_calls += 1
         self._ever_scaled = True
-        if getattr(outputs, "numel", None) is not None and outputs.numel() == 1:
-            self._current.losses.append(outputs.detach())
+        if isinstance(outputs, self._tensor) and outputs.numel() == 1:
+            self._losses.append(outputs.detach())
 
-    def on_unscaled(self, optimizer: Any) -> None:
-        """Right after `unscale_` the gradients are true and not yet clipped: take their norm."""
-        self._take_norm(optimizer, None)
+    def on_unscaled(self, optimizer: Any, scale: Any = None) -> None:
+        """Per-parameter gradient norms, one op: right after `unscale_` (true, not yet clipped gradients), or
+        in a fused step with the device `scale` they are still multiplied by. The rest is the sender's work."""
+        key = id(optimizer)
+        if key in self._normed:
+            return
+        self._normed.add(key)
+        self._unscaled = optimizer if scale is None else None
+        step = self.step
+        if self._model is not None and step % self.layer_interval == 0:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            modules = self._modules(params)
+        elif self._norm_logged_at >= step - 1:
+            return  # the user logs the norm: theirs is recorded, none is computed here
+        elif self._clip_trusted and scale is None:
+            self._deferred = optimizer  # clip_grad_norm_ is about to compute it: take its result
+            return
+        else:
+            grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+            modules = None
+        if grads:
+            self._groups.append((self._foreach_norm(grads), scale is not None, modules))
+
+    def on_clipped(self, parameters: Any, args: tuple, kwargs: dict[str, Any], total: Any) -> None:
+        """`clip_grad_norm_` returned `total`: after this run's `unscale_` and over its optimizer's parameters,
+        that is the step's gradient norm (and the next steps' norm is left to it too)."""
+        optimizer = self._unscaled
+        if optimizer is None:  # not between this run's unscale_ and step
+            return
+        norm_type = args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0)
+        clipped = [parameters] if hasattr(parameters, "grad") else parameters
+        own = self._param_ids(optimizer)
+        # The same parameters (ids are distinct, so equal counts and inclusion mean the same set), 2-norm.
+        self._clip_trusted = norm_type == 2.0 and len(clipped) == len(own) and all(map(own.__contains__, map(id, clipped)))
+        if self._deferred is optimizer:
+            if self._clip_trusted:
+                self._deferred = None
+                self._groups.append(([total], False, None))
+            elif not own.isdisjoint(map(id, clipped)):
+                self._deferred = None  # another clip changed these gradients: this step's norm is lost
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
         """Remember the stage for diagnosis; fused optimizers unscale in their kernel: norm of grads / scale."""
+        if self._deferred is optimizer:  # no clip came after all: the gradients are as unscale_ left them
+            self._deferred = None
+            self._clip_trusted = False
+            self._normed.discard(id(optimizer))
+            self.on_unscaled(optimizer)
+        self._unscaled = None
         state = scaler._per_optimizer_states.get(id(optimizer))
-        self._stage_before = state["stage"].name if state else "READY"
+        self._stage_before = state["stage"] if state else None
         self._last_optimizer = optimizer
-        if not scaler.is_enabled():
+        if not scaler._enabled:
             return
         if self._scale_calls == 0 and self._ever_scaled and not self._silent_reported and _grads(optimizer):
             self._silent_reported = True
             self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            self._take_norm(optimizer, scaler._scale)
+            self.on_unscaled(optimizer, scaler._scale)
 
     def on_error(self, optimizer: Any, error: BaseException) -> None:
         """GradScaler raised: record the likely cause and its fix (the error itself propagates)."""
@@ -157,9 +208,10 @@ class Recorder:
         self._last_error = id(error)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         model = self._model
+        stage = self._stage_before
         signature = Signature(
             message=str(error),
-            stage=self._stage_before,
+            stage=stage.name if stage is not None else "READY",
             params_with_grad=sum(p.grad is not None for p in params),
             replaced_params=_replaced(params, model) if model is not None else None,
             model_has_grads=any(p.grad is not None for p in model.parameters()) if model is not None else None,
@@ -172,70 +224,61 @@ class Recorder:
                        "params_with_grad": signature.params_with_grad, "replaced_params": signature.replaced_params}  # fmt: skip
             self._misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
 
-    def before_update(self, scaler: Any) -> None:
-        """Keep found_inf (update() discards it), and copy the scale when the shadow needs an anchor."""
-        record = self._current
-        record.found = []
-        if not scaler.is_enabled() or scaler._scale is None:
-            return
-        record.found = [t for state in scaler._per_optimizer_states.values() for t in state["found_inf_per_device"].values()]
-        record.rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
-        if record.found and (self.reanchor or self.step % ANCHOR_EVERY == 0):
-            record.anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
-            self.reanchor = False
-
-    def after_update(self) -> None:
-        """The iteration is over: record it at its step and start the next."""
-        if self._current.found:
-            self._finish_step()
+    def before_update(self, scaler: Any, scale_set_by_hand: bool = False) -> None:
+        """The iteration ends: keep found_inf (update() discards it), copy the scale when the shadow needs an
+        anchor, and record the step."""
+        if scaler._enabled and scaler._scale is not None:
+            found = [t for state in scaler._per_optimizer_states.values() for t in state["found_inf_per_device"].values()]
+            if found:
+                if self.reanchor or self.step % ANCHOR_EVERY == 0:
+                    self._anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
+                    self.reanchor = False
+                self._rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
+                self._finish_step(found)
+        if scale_set_by_hand:
+            self.reanchor = True
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # A closure (Lightning, LBFGS) computes the gradients inside step(): take the norm after it.
         if (args[0] if args else kwargs.get("closure")) is None:
-            guarded(self._take_norm, optimizer, None)
+            guarded(self.on_unscaled, optimizer)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        guarded(self._take_norm, optimizer, None)  # no-op unless step() ran a closure
-        guarded(self._record_optimizer_step)
-
-    def _record_optimizer_step(self) -> None:
-        self._current.found = []
-        self._finish_step()
+        guarded(self.on_unscaled, optimizer)  # no-op unless step() ran a closure
+        self._rule = None
+        guarded(self._finish_step, [])
 
     # -- shared ---------------------------------------------------------------------------
-    def _finish_step(self) -> None:
+    def _finish_step(self, found: list[Any]) -> None:
         """Record this iteration at its step (what the user logged under a standard name wins)."""
-        record = self._current
-        if not self._mine("loss"):
-            record.losses = []
-        if not self._mine("grad_norm"):
-            record.groups = []
-        if self._optimizers and (self.step % self.param_interval == 0 or self._probe_armed()):
-            import torch
-
-            record.params = torch._foreach_norm([p.detach() for o in self._optimizers for g in o.param_groups for p in g["params"]])
-        lr = self._optimizers[0].param_groups[0].get("lr") if self._optimizers else None
-        record.lr = lr if isinstance(lr, float) and self._mine("lr") else None
-        self._record((STEP, self.step, record))
-        self._probe_step()
-        self.step += 1
-        self._current = StepRecord()
+        step = self.step
+        user = self._user_names if self._user_step == step else ()
+        optimizers = self._optimizers
+        params = lr = None
+        if optimizers:
+            if step % self.param_interval == 0 or (self._probe is not None and self._probe.armed):
+                params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
+            lr = optimizers[0].param_groups[0].get("lr")
+            if lr.__class__ is not float or "lr" in user:
+                lr = None
+        losses = self._losses if "loss" not in user else None
+        self._record((STEP, step, losses, found, self._groups, "grad_norm" not in user, self._anchor, self._rule, lr, params))
+        self.step = step + 1
+        self._losses, self._groups, self._anchor, self._scale_calls = [], [], None, 0
+        self._unscaled = self._deferred = None
         self._normed.clear()
-        self._scale_calls = 0
+        if self._probe is not None and (self._probe.armed or self.arm_request):
+            self._probe_step(step)
 
-    def _take_norm(self, optimizer: Any, scale: Any) -> None:
-        """Per-parameter gradient norms: one op here, everything else on the sender thread."""
-        if id(optimizer) in self._normed:
-            return
-        self._normed.add(id(optimizer))
-        params = _grads(optimizer)
-        if not params:
-            return
-        import torch
-
-        modules = self._modules(params) if self._model is not None and self.step % self.layer_interval == 0 else None
-        self._current.groups.append((torch._foreach_norm([p.grad for p in params]), scale is not None, modules))
+    def _param_ids(self, optimizer: Any) -> set[int]:
+        """The ids of the optimizer's parameters, cached per parameter-group list and length (a stale cache
+        can only make a clip look foreign, and the agent then computes the norm itself)."""
+        groups = optimizer.param_groups
+        cached = self._param_ids_of
+        if cached is None or cached[0] is not groups or cached[1] != len(groups):
+            cached = self._param_ids_of = (groups, len(groups), {id(p) for group in groups for p in group["params"]})
+        return cached[2]
 
     def _modules(self, params: list[Any]) -> tuple[str, ...]:
         """The module of each parameter, cached per parameter set."""
@@ -248,28 +291,24 @@ class Recorder:
             self._layer_names[key] = tuple(self._module_of.get(id(p), "(unnamed)") for p in params)
         return self._layer_names[key]
 
-    def _probe_armed(self) -> bool:
-        return self._probe is not None and self._probe.armed
-
-    def _probe_step(self) -> None:
+    def _probe_step(self, step: int) -> None:
+        """Hand over the armed probe's flags for `step`; arm or disarm it as the diagnosis asked."""
         probe = self._probe
-        if probe is None:
-            return
-        if probe.armed:
+        if probe.armed:  # type: ignore[union-attr]
             import torch
 
-            fwd_names, fwd, bwd_names, bwd = probe.take()
+            fwd_names, fwd, bwd_names, bwd = probe.take()  # type: ignore[union-attr]
             if fwd or bwd:
                 flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
-                self._record((ORIGIN, self.step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
-            probe.steps_left -= 1
-            if probe.steps_left <= 0 or self.disarm_request:
-                probe.disarm()
+                self._record((ORIGIN, step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
+            probe.steps_left -= 1  # type: ignore[union-attr]
+            if probe.steps_left <= 0 or self.disarm_request:  # type: ignore[union-attr]
+                probe.disarm()  # type: ignore[union-attr]
                 self.disarm_request = False
-        if self.arm_request and not probe.armed:
+        if self.arm_request and not probe.armed:  # type: ignore[union-attr]
             self.arm_request = False
             self._arming += 1
-            probe.arm(ARM_STEPS)
+            probe.arm(ARM_STEPS)  # type: ignore[union-attr]
 
     def _config(self, message: str, details: dict[str, Any]) -> None:
         self._record((EVENT, self.step, self._event("amp_config", "warning", message, details)))

@@ -1,8 +1,9 @@
 """The background sender: turns records from the training thread into batches and delivers them.
 
 The training thread only appends tuples to a deque (atomic under the GIL, never blocks). This thread
-wakes every `flush_interval_s`, moves device scalars to the host in one copy, and sends batches in
-order. Failures are retried with backoff; the training loop never waits on any of it.
+wakes every `flush_interval_s`, reads the records' tensors (CPU values directly, device scalars in one
+non-blocking copy per device), and sends batches in order. Failures are retried with backoff; the
+training loop never waits on any of it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ampwatch._host import to_host
 from ampwatch._outbox import Outbox
 from ampwatch._settings import AgentSettings
 from ampwatch._spool import Spool, default_root
-from ampwatch._steps import StepDecoder
+from ampwatch._steps import StepDecoder, step_tensors
 from ampwatch._transport import Transport, encode_value
 
 log = logging.getLogger("ampwatch")
@@ -64,6 +65,7 @@ class Worker:
         spool = Spool.create(default_root(), run_id, rank, registration, settings.spool_max_bytes)
         self.outbox = Outbox(transport, run_id, run_doc, spool)
         self.records: collections.deque[tuple] = collections.deque()
+        self._max_records = settings.max_pending_records
         self.diagnosis: Diagnoser | None = None
         self.dropped = 0
         self._wake = threading.Event()
@@ -81,7 +83,7 @@ class Worker:
         """Append a record without blocking; past the cap, count it as dropped."""
         if self._thread is None:
             self._start()
-        if len(self.records) >= self._settings.max_pending_records:
+        if len(self.records) >= self._max_records:
             self.dropped += 1
             if self.dropped == 1:
                 log.warning("ampwatch: the record buffer is full, dropping records (counted)")
@@ -161,39 +163,49 @@ class Worker:
             return
         tensors: list[Any] = []
         for e in entries:
-            if e[0] == VALUES and not isinstance(e[3], tuple):
+            kind = e[0]
+            if kind == STEP:
+                step_tensors(e, tensors)
+            elif kind == VALUES and e[3].__class__ is not tuple:
                 tensors.append(e[3])
-            elif e[0] == STEP:
-                tensors.extend(e[2].tensors())
-            elif e[0] == ORIGIN:
+            elif kind == ORIGIN:
                 tensors.extend(t for t in (e[4], e[6]) if t is not None)
         host = to_host(tensors)
+        at = 0
         points: dict[str, tuple[list[int], list[Any]]] = {}
         events: list[dict[str, Any]] = []
         status = None
         count = 0
+        decode, diagnosis = self._decoder.decode, self.diagnosis
         for entry in entries:
             kind = entry[0]
-            if kind in (VALUES, STEP):
+            if kind == STEP or kind == VALUES:
+                step = entry[1]
                 if kind == STEP:
-                    step, named = entry[1], self._decoder.decode(entry[2], host)
+                    named, at = decode(entry, host, at)
+                elif entry[3].__class__ is tuple:
+                    named = dict(zip(entry[2], entry[3]))
                 else:
-                    _, step, names, value = entry
-                    values = value if isinstance(value, tuple) else [next(host) for _ in names]
-                    named = {n: float(v) for n, v in zip(names, values)}
+                    named = {entry[2][0]: float(host[at])}
+                    at += 1
                 for name, v in named.items():
-                    steps, vals = points.setdefault(name, ([], []))
-                    steps.append(step)
-                    vals.append(encode_value(v))
+                    series = points.get(name)
+                    if series is None:
+                        series = points[name] = ([], [])
+                    series[0].append(step)
+                    series[1].append(encode_value(v))
                 count += len(named)
-                if self.diagnosis is not None:
-                    events.extend(self.diagnosis.observe(step, named))
+                if diagnosis is not None:
+                    events.extend(diagnosis.observe(step, named))
             elif kind == ORIGIN:
                 _, step, arming, fwd_names, fwd, bwd_names, bwd = entry
-                forward = [(n, next(host)) for n in fwd_names] if fwd is not None else []
-                backward = [(n, next(host)) for n in bwd_names] if bwd is not None else []
-                if self.diagnosis is not None:
-                    events.extend(self.diagnosis.origin(step, arming, forward, backward))
+                forward = backward = []
+                if fwd is not None:
+                    forward, at = list(zip(fwd_names, host[at : at + len(fwd_names)])), at + len(fwd_names)
+                if bwd is not None:
+                    backward, at = list(zip(bwd_names, host[at : at + len(bwd_names)])), at + len(bwd_names)
+                if diagnosis is not None:
+                    events.extend(diagnosis.origin(step, arming, forward, backward))
             elif kind == EVENT:
                 events.append(entry[2])
             elif kind == STATUS:

@@ -39,7 +39,7 @@ class AmpwatchCallback(Callback):
         super().__init__()
         self.run = run
         self.finish = finish
-        self._scaled = False  # True when the precision plugin routes the loss through an enabled GradScaler
+        self._feed = False  # True when the agent cannot see loss and norms by itself: no enabled GradScaler
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Optimizers and the precision plugin exist from here on (not yet in `setup`)."""
@@ -47,12 +47,12 @@ class AmpwatchCallback(Callback):
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """Without a scaler the agent cannot see the loss: hand it the one Lightning backpropagates."""
-        if not self._scaled:
+        if self._feed:
             guarded(self.run._recorder.on_scale, loss)  # summed over accumulated micro-batches, as with a scaler
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """After the closure's backward, before Lightning clips: the gradient norm as the model made it."""
-        if not self._scaled:  # with a scaler the norm is taken at unscale_ (or in a fused step)
+        if self._feed:  # with a scaler the norm is taken at unscale_ (or in a fused step)
             guarded(self.run._recorder.on_unscaled, optimizer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
@@ -60,10 +60,11 @@ class AmpwatchCallback(Callback):
             self.run.finish()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.finish:  # crashed, with the traceback; Ctrl-C counts as finished, as in `with ampwatch.init()`
+        if self.finish:  # crashed, with the traceback (Ctrl-C too), as in `with ampwatch.init()`
             self.run.__exit__(type(exception), exception, exception.__traceback__)
 
     def _watch(self, trainer: Any, pl_module: Any) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self._scaled = scaler is not None and scaler.is_enabled()
+        recording = self.run._worker is not None  # a disabled run hooks nothing and is fed nothing
+        self._feed = recording and not (scaler is not None and scaler.is_enabled())
         self.run.watch(model=pl_module, optimizer=list(trainer.optimizers) or None, scaler=scaler)

@@ -7,7 +7,7 @@ import importlib.util
 import os
 from typing import Any, Iterator
 
-from _step import Trainer, Variant
+from _step import ORIGINAL_CLIP_GRAD_NORM, Trainer, Variant
 
 # -- conditions -----------------------------------------------------------------------------
 class Condition:
@@ -29,8 +29,9 @@ class Condition:
 class Ampwatch(Condition):
     """A run watching its own GradScaler (on the shared model and optimizer); finished at `stop`."""
 
-    def __init__(self, name: str, server_url: str, log_loss: bool = False, disabled: bool = False) -> None:
+    def __init__(self, name: str, server_url: str, log_loss: bool = False, disabled: bool = False, own_norm: bool = False) -> None:
         self.name, self.server_url, self.log_loss, self.disabled = name, server_url, log_loss, disabled
+        self.own_norm = own_norm  # the loop calls a clip_grad_norm_ imported before watch(): the agent takes its own norm
         self.run: Any = None
         self.run_ids: list[str] = []
 
@@ -44,7 +45,7 @@ class Ampwatch(Condition):
         self.run.watch(model=trainer.model, optimizer=trainer.optimizer, scaler=scaler)
         run = self.run
         after = (lambda step, scaler, loss, norm, scale_before: run.log({"loss": loss})) if self.log_loss else None
-        return Variant(scaler, after)
+        return Variant(scaler, after, clip=ORIGINAL_CLIP_GRAD_NORM if self.own_norm else None)
 
     def stop(self) -> None:
         self.run.finish()  # unhooks the scaler and delivers what is left
@@ -124,8 +125,9 @@ def make_conditions(names: list[str], server_url: str, tmp: str) -> tuple[list[C
     for name in names:
         if name == "none":
             continue
-        if name in ("ampwatch", "ampwatch+log", "ampwatch-off"):
-            conditions.append(Ampwatch(name, server_url, log_loss=name == "ampwatch+log", disabled=name == "ampwatch-off"))
+        if name in ("ampwatch", "ampwatch+log", "ampwatch-off", "ampwatch-own-norm"):
+            conditions.append(Ampwatch(name, server_url, log_loss=name == "ampwatch+log", disabled=name == "ampwatch-off",
+                                       own_norm=name == "ampwatch-own-norm"))  # fmt: skip
         elif name in ("tensorboard", "wandb"):
             if importlib.util.find_spec(name) is None:
                 notes.append(f"{name} row skipped: the {name} package is not installed (pip install {name})")

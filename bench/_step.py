@@ -17,6 +17,9 @@ class Variant:
     scaler: Any
     after_step: AfterStep | None = None
     read_scale: bool = False  # the logger wants the scale before update(): a host read, as users write it
+    # None: `torch.nn.utils.clip_grad_norm_` as the loop finds it at each step (ampwatch wraps it while it watches);
+    # the plain step pins the original, so a pair's `none` half never pays for a wrapper installed for the other.
+    clip: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -37,7 +40,7 @@ class Trainer:
         scale_before = scaler.get_scale() if variant.read_scale else 0.0
         scaler.scale(loss).backward()
         scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        norm = (variant.clip or torch.nn.utils.clip_grad_norm_)(self.model.parameters(), 1.0)
         scaler.step(self.optimizer)
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -47,7 +50,16 @@ class Trainer:
 
     @property
     def plain(self) -> Variant:
-        return Variant(self.scaler)
+        return Variant(self.scaler, clip=ORIGINAL_CLIP_GRAD_NORM)
+
+
+def _original_clip() -> Callable[..., Any]:
+    import torch
+
+    return torch.nn.utils.clip_grad_norm_
+
+
+ORIGINAL_CLIP_GRAD_NORM = _original_clip()  # read before any run watches a scaler
 
 
 def build(hidden: int, batch: int, seed: int = 0) -> Trainer:

@@ -7,7 +7,12 @@ step takes about `--target-ms` here. Conditions:
   none          the plain loop
   ampwatch      `ampwatch.init(...)` + `run.watch(model, optimizer, scaler)`, sending to a real
                 `ampwatch server` started by this script (SQLite in a temporary folder)
-  ampwatch+log  the same plus `run.log({"loss": loss})` with the loss tensor every step
+                (the loop clips with `torch.nn.utils.clip_grad_norm_`, so the agent records the norm
+                that call returns instead of computing a second one)
+  ampwatch-own-norm  the same, with a `clip_grad_norm_` imported before `watch()`: the agent cannot
+                see the clip and takes its own `_foreach_norm` after `unscale_` (as for a loop that
+                does not clip)
+  ampwatch+log  the same as `ampwatch` plus `run.log({"loss": loss})` with the loss tensor every step
   ampwatch-off  AMPWATCH_MODE=disabled + `run.watch(...)`: what the hooks cost with nothing sent
   tensorboard   `SummaryWriter.add_scalar` of loss, scale, skipped, grad_norm (if tensorboard is installed)
   wandb         `wandb.log` of the same values, offline (if wandb is installed)
@@ -19,7 +24,8 @@ Measurements (all on one model and optimizer, so no condition gets a luckier mem
                 over thousands of adjacent pairs: drift and other processes cancel, so this is the
                 training thread's own cost to a fraction of a percent, even on a busy 2-core machine.
                 (Hooks the agent puts on the model itself would run in both halves of a pair and
-                cancel out here; the sustained column still sees them.)
+                cancel out here; the sustained column still sees them. The `clip_grad_norm_` wrapper
+                it installs while watching does not: the `none` half calls the original function.)
   background    CPU time of the process's other threads (the agent's sender, the tensorboard writer)
                 per logged step, final flush included. On 2 cores it competes with training only for
                 the GIL, so on-thread + background is a ceiling on the real cost.
@@ -241,7 +247,7 @@ CPU step counters (no device sync on a GPU)."""
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--conditions", default="none,ampwatch,ampwatch+log,ampwatch-off,tensorboard,wandb",
+    parser.add_argument("--conditions", default="none,ampwatch,ampwatch-own-norm,ampwatch+log,ampwatch-off,tensorboard,wandb",
                         help="comma-separated (default: all; missing packages are skipped with a note)")  # fmt: skip
     parser.add_argument("--target-ms", type=float, default=1.0, help="calibrate the MLP width to this step time (default 1.0)")
     parser.add_argument("--hidden", type=int, help="MLP width; skips calibration")

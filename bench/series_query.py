@@ -1,7 +1,8 @@
 """Series-query latency (10k / 100k / 1M points, SQLite and Postgres) and SSE end-to-end latency.
 
 Series: one run with a 10k-, a 100k- and a 1M-step series (a noisy loss curve with a few NaN, ±Infinity and
-spikes), loaded straight into a fresh database migrated by the server's own code. "Server time" is what
+spikes), loaded straight into a fresh database migrated by the server's own code, with the per-block
+rollups (`point_blocks`) that ingest keeps built by the server's own `rollups.rebuild_blocks`. "Server time" is what
 `GET /runs/{id}/series` spends in-process: the SQL downsampling (`store.read_series`) plus JSON encoding,
 measured with the same functions the endpoint calls. Then the same requests over HTTP to a real
 `ampwatch server`, for the wall time a browser sees.
@@ -52,7 +53,7 @@ _FILL = {  # n points 0..n-1 of one series: a decaying noisy curve; NaN every 97
 
 def load(db_url: str, backend: str) -> tuple[Any, str]:
     """A migrated database holding run `bench` with series `s10000`, `s100000`, `s1000000`."""
-    from ampwatch.server import db, store
+    from ampwatch.server import db, rollups, store
     from ampwatch.server.schemas import RunIn
 
     engine = db.make_engine(db_url)
@@ -64,10 +65,12 @@ def load(db_url: str, backend: str) -> tuple[Any, str]:
             session.execute(text("INSERT INTO series (run_id, name) VALUES ('bench', :name)"), {"name": f"s{n}"})
             sid = session.execute(text("SELECT id FROM series WHERE name = :name"), {"name": f"s{n}"}).scalar()
             session.execute(text(_FILL[backend]), {"sid": sid, "n": n})
+            rollups.rebuild_blocks(session, series_id=sid, rank=0)  # what ingest keeps up to date, batch by batch
         session.commit()
     if backend == "postgres":
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.execute(text("VACUUM ANALYZE points"))
+            conn.execute(text("VACUUM ANALYZE point_blocks"))
     return engine, "bench"
 
 

@@ -9,10 +9,11 @@ import anyio
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 
 from ampwatch import __version__
-from ampwatch.server import alerts, db
-from ampwatch.server.errors import validation_error
+from ampwatch.server import alerts, auth, db
+from ampwatch.server.errors import database_unavailable, validation_error
 from ampwatch.server.limits import BodyLimit
 from ampwatch.server.routers import alerts as alerts_api
 from ampwatch.server.routers import ingest, read, stream
@@ -46,14 +47,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessions = sessions
     app.state.alerts = service
+    app.state.tokens = auth.Tokens(sessions)
     app.include_router(ingest.router)
     app.include_router(read.router)
     app.include_router(stream.router)
     app.include_router(alerts_api.router)
+    app.include_router(auth.router)
     app.include_router(alerts_pages.router)  # before web.router: its /static/{name} would shadow /static/alerts.js
     app.include_router(web.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(auth.Guard, tokens=app.state.tokens, settings=settings)  # outermost: refuse before reading bodies
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(OperationalError, database_unavailable)  # a lost connection or held lock: 503, agents retry
+    auth.document(app)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import uvicorn
 
+from ampwatch.server import auth
 from ampwatch.server.app import create_app
 from ampwatch.server.settings import Settings
 
@@ -28,7 +29,12 @@ def run_demo(settings: Settings, *, steps: int, step_delay_s: float, serve_after
     except ImportError:
         print("ampwatch demo trains a small model with PyTorch, which is not installed: pip install torch", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=3))
+    app = create_app(settings)
+    problem = auth.exposure_problem(settings, app.state.tokens)
+    if problem:
+        print(f"ampwatch demo: {problem}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=3))
     thread = threading.Thread(target=server.run, name="ampwatch-demo-server", daemon=True)
     thread.start()
     while not server.started:

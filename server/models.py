@@ -225,3 +225,52 @@ class RunLiveness(Base):
     detected: Mapped[str | None] = mapped_column(String(16))  # crashed | stalled, when the server decided it
     evaluated_at: Mapped[datetime | None]  # runs.last_seen_at as of the last windowed evaluation
     lease_until: Mapped[datetime | None]  # a process is evaluating this run until then
+
+
+class ApiToken(Base):
+    """A bearer token: `ingest` (agents, optionally one project), `read` (dashboard and read API) or `admin`.
+
+    Only a SHA-256 of the secret is stored: tokens are 256-bit random, so a slow hash would add nothing.
+    """
+
+    __tablename__ = "api_tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    role: Mapped[str] = mapped_column(String(16))
+    project: Mapped[str | None] = mapped_column(String(200))
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+# -- live dashboard: rollups of long series and the per-run feed of stored points -----------------------
+BLOCK_STEPS = 64  # steps per rollup block: a block is steps [block * 64, block * 64 + 63]
+
+
+class PointBlock(Base):
+    """The finite extremes of one block of BLOCK_STEPS steps of a series, kept at ingest in the points'
+    transaction, so that a long series is charted from a few thousand rows instead of a million points.
+    A block whose points are all NaN or ±Infinity has no row (those points are read through their own index)."""
+
+    __tablename__ = "point_blocks"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+    series_id: Mapped[int] = mapped_column(ForeignKey("series.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    block: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    min_step: Mapped[int] = mapped_column(BigInteger)  # the earliest step holding the block's least finite value
+    min_value: Mapped[float] = mapped_column(Double)
+    max_step: Mapped[int] = mapped_column(BigInteger)
+    max_value: Mapped[float] = mapped_column(Double)
+    last_step: Mapped[int] = mapped_column(BigInteger)  # the block's last finite point: a write at or before it may replace one
+
+
+class PointFeed(Base):
+    """One row per stored batch that had points, numbered per run in commit order (the number is taken under
+    the run row's lock, just before commit): a live stream sends the steps of the rows it has not seen."""
+
+    __tablename__ = "point_feed"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    position: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)

@@ -102,6 +102,7 @@ class RunOut(BaseModel):
     environment: dict[str, Any]
     url: str
     series: list[str] = []
+    ranks: list[int] = Field([], description="The ranks that sent batches (GET /runs/{id} only).")
 
 
 class EventOut(BaseModel):

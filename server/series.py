@@ -1,10 +1,11 @@
 """Series reads done in SQL: exact points, per-bucket extremes of long series, non-finite points, heatmaps.
 
-A long series is charted from per-bucket extremes found by the database: for every bucket of steps one
-correlated subquery walks that slice of the `(series_id, rank, step)` primary key and returns the step
-of its maximum, another the step of its minimum. No sort, no temporary table, and only the chosen points
-cross into Python. Non-finite points come from the partial index `ix_points_nonfinite`, so they are all
-kept without reading the series a third time.
+A long series is charted from per-bucket extremes. When a bucket spans at least a block of BLOCK_STEPS
+steps, the extremes come from `point_blocks`, the finite minimum and maximum of every block kept at ingest
+(`update_blocks`): a 1M-step series is about 16 000 rows. Narrower buckets (a zoomed chart) are read from the
+points themselves: for every bucket one correlated subquery walks that slice of the `(series_id, rank, step)`
+primary key and returns the step of its maximum, another the step of its minimum. Either way non-finite
+points come from the partial index `ix_points_nonfinite`, so every one of them is kept.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from sqlalchemy import Engine, bindparam, text
 from sqlalchemy.orm import Session
 
+from ampwatch.server.models import BLOCK_STEPS
 from ampwatch.server.values import to_json_cells
 
 Points = tuple[list[int], list[float | None]]
@@ -85,6 +87,18 @@ def read_series(
 def _downsample(session: Session, series_id: int, rank: int, lo: int, hi: int, max_points: int) -> Points:
     buckets = max(1, (max_points - 2) // 2)
     width = -(-(hi - lo + 1) // buckets)
+    if width >= BLOCK_STEPS:
+        kept = _from_blocks(session, series_id, rank, lo, hi, buckets)
+        kept.update(_values_at(session, series_id, rank, _ends(session, series_id, rank, lo, hi)))
+    else:
+        kept = _from_points(session, series_id, rank, lo, hi, width)
+    kept.update(nonfinite(session, series_ids=[series_id], rank=rank, lo=lo, hi=hi).get(series_id, {}))
+    order = sorted(kept)
+    return order, [kept[s] for s in order]
+
+
+def _from_points(session: Session, series_id: int, rank: int, lo: int, hi: int, width: int) -> dict[int, float | None]:
+    """Each bucket's extremes, the first and the last point, read from the points (buckets of `width` from `lo`)."""
     params = {"sid": series_id, "rank": rank, "lo": lo, "hi": hi, "w": width}
     chosen = _extremes(session, params)
     chosen.update(_ends(session, series_id, rank, lo, hi))
@@ -93,9 +107,48 @@ def _downsample(session: Session, series_id: int, rank: int, lo: int, hi: int, m
     for step in [s for s, v in kept.items() if v is not None and math.isinf(v)]:
         first = lo + (step - lo) // width * width
         kept.update(_finite_extremes(session, series_id, rank, first, min(hi, first + width - 1)))
-    kept.update(nonfinite(session, series_ids=[series_id], rank=rank, lo=lo, hi=hi).get(series_id, {}))
-    order = sorted(kept)
-    return order, [kept[s] for s in order]
+    return kept
+
+
+def block_buckets(lo: int, hi: int, buckets: int) -> list[tuple[int, int]]:
+    """The buckets charted from blocks: consecutive whole blocks (the range's own ends cut the first and the
+    last), as even as whole blocks allow, at most `buckets` of them; (first step, last step) each."""
+    first, count = lo // BLOCK_STEPS, hi // BLOCK_STEPS - lo // BLOCK_STEPS + 1
+    k = min(buckets, count)
+    starts = [first + -(-j * count // k) for j in range(k)] + [first + count]
+    return [(max(lo, a * BLOCK_STEPS), min(hi, b * BLOCK_STEPS - 1)) for a, b in zip(starts, starts[1:])]
+
+
+def _from_blocks(session: Session, series_id: int, rank: int, lo: int, hi: int, buckets: int) -> dict[int, float | None]:
+    """Each bucket's finite extremes from `point_blocks`; the blocks the range cuts are read from the points."""
+    first, count = lo // BLOCK_STEPS, hi // BLOCK_STEPS - lo // BLOCK_STEPS + 1
+    k = min(buckets, count)
+    best: dict[int, list[Any]] = {}  # bucket -> [min step, min value, max step, max value]
+
+    def fold(block: int, step: int, value: float) -> None:
+        cell = best.setdefault((block - first) * k // count, [step, value, step, value])
+        if value < cell[1]:
+            cell[0], cell[1] = step, value
+        if value > cell[3]:
+            cell[2], cell[3] = step, value
+
+    inner = (-(-lo // BLOCK_STEPS), (hi + 1) // BLOCK_STEPS - 1)  # blocks wholly inside [lo, hi]
+    rows = session.execute(_BLOCKS, {"sid": series_id, "rank": rank, "lo": inner[0], "hi": inner[1]})
+    for block, min_step, min_value, max_step, max_value in rows:
+        fold(block, min_step, min_value)
+        fold(block, max_step, max_value)
+    edges = {(lo, min(hi, (first + 1) * BLOCK_STEPS - 1)), (max(lo, (hi // BLOCK_STEPS) * BLOCK_STEPS), hi)}
+    for a, b in edges:
+        if a // BLOCK_STEPS < inner[0] or b // BLOCK_STEPS > inner[1]:
+            for step, value in _finite_extremes(session, series_id, rank, a, b).items():
+                fold(step // BLOCK_STEPS, step, value)  # type: ignore[arg-type]
+    return {s: v for cell in best.values() for s, v in ((cell[0], cell[1]), (cell[2], cell[3]))}
+
+
+_BLOCKS = text(
+    "SELECT block, min_step, min_value, max_step, max_value FROM point_blocks"
+    " WHERE series_id = :sid AND rank = :rank AND block >= :lo AND block <= :hi"
+)
 
 
 def _extremes(session: Session, params: dict[str, int]) -> set[int]:
@@ -164,13 +217,13 @@ def nonfinite(
     return out
 
 
-def points_from(session: Session, *, run_id: str, rank: int, step: int, limit: int) -> list[tuple[str, int, float | None]]:
-    """(series name, step, value) of every point of the run at `step` or later, in step order, at most `limit`:
-    one primary-key range per series, so a live stream pays for what is new only."""
+def points_between(session: Session, *, run_id: str, rank: int, lo: int, hi: int, limit: int) -> list[tuple[str, int, float | None]]:
+    """(series name, step, value) of every point of the run with lo <= step <= hi, in step order, at most
+    `limit`: one primary-key range per series, so a live stream pays for what is new only."""
     rows = session.execute(text(
         "SELECT s.name, p.step, p.value FROM series s JOIN points p ON p.series_id = s.id"
-        " WHERE s.run_id = :run AND p.rank = :rank AND p.step >= :step ORDER BY p.step, s.name LIMIT :limit"
-    ), {"run": run_id, "rank": rank, "step": step, "limit": limit})  # fmt: skip
+        " WHERE s.run_id = :run AND p.rank = :rank AND p.step >= :lo AND p.step <= :hi ORDER BY p.step, s.name LIMIT :limit"
+    ), {"run": run_id, "rank": rank, "lo": lo, "hi": hi, "limit": limit})  # fmt: skip
     return [(n, st, v) for n, st, v in rows]
 
 
@@ -195,7 +248,9 @@ def grid(
     session: Session, *, layers: list[tuple[str, int]], rank: int, columns: int, start: int | None, end: int | None
 ) -> dict[str, Any]:
     """(label, series id) pairs as a layer × step grid of about `columns` buckets: per cell the largest value,
-    or the non-finite one ('NaN' before 'Infinity' before '-Infinity'); null where a layer has no point."""
+    or the non-finite one ('NaN' before 'Infinity' before '-Infinity'); null where a layer has no point.
+    Cells as wide as a block or wider are whole blocks, read from `point_blocks` (the grid's `steps` and
+    `width` say where each cell starts and how wide it is)."""
     spans = [s for s in (bounds(session, series_id=i, rank=rank) for _, i in layers) if s]
     lo = max([min(s[0] for s in spans)] + ([start] if start is not None else [])) if spans else 0
     hi = min([max(s[1] for s in spans)] + ([end] if end is not None else [])) if spans else -1
@@ -203,13 +258,32 @@ def grid(
         return {"layers": [], "steps": [], "width": 1, "values": []}
     width = max(1, -(-(hi - lo + 1) // columns))
     ids = [i for _, i in layers]
-    cells: dict[int, list[float | None]] = bucket_max(session, series_ids=ids, rank=rank, lo=lo, hi=hi, width=width)
+    if width >= BLOCK_STEPS:
+        width = -(-width // BLOCK_STEPS) * BLOCK_STEPS
+        lo, hi = lo // BLOCK_STEPS * BLOCK_STEPS, hi // BLOCK_STEPS * BLOCK_STEPS + BLOCK_STEPS - 1
+        cells = _block_max(session, ids, rank, lo, hi, width)
+    else:
+        cells = bucket_max(session, series_ids=ids, rank=rank, lo=lo, hi=hi, width=width)
     for sid, points in nonfinite(session, series_ids=ids, rank=rank, lo=lo, hi=hi).items():
         for step, value in points.items():
             row, k = cells[sid], (step - lo) // width
             row[k] = _worse(row[k], value)
     return {"layers": [name for name, _ in layers], "steps": list(range(lo, hi + 1, width)), "width": width,
             "values": [to_json_cells(cells[i]) for i in ids]}  # fmt: skip
+
+
+def _block_max(session: Session, ids: list[int], rank: int, lo: int, hi: int, width: int) -> dict[int, list[float | None]]:
+    """Per series, the largest finite value of each cell of `width` steps (whole blocks) from `lo`."""
+    query = text(
+        "SELECT series_id, block, max_value FROM point_blocks WHERE series_id IN :ids AND rank = :rank"
+        " AND block >= :lo AND block <= :hi"
+    ).bindparams(bindparam("ids", expanding=True))
+    out: dict[int, list[float | None]] = {i: [None] * -(-(hi - lo + 1) // width) for i in ids}
+    params = {"ids": ids, "rank": rank, "lo": lo // BLOCK_STEPS, "hi": hi // BLOCK_STEPS}
+    for sid, block, value in session.execute(query, params):
+        row, k = out[sid], (block * BLOCK_STEPS - lo) // width
+        row[k] = value if row[k] is None or value > row[k] else row[k]  # type: ignore[operator]
+    return out
 
 
 def _worse(cell: float | None, value: float | None) -> float:
@@ -220,3 +294,4 @@ def _worse(cell: float | None, value: float | None) -> float:
 
 def _badness(value: float) -> int:
     return 3 if math.isnan(value) else 2 if value == math.inf else 1 if value == -math.inf else 0
+

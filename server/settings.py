@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -14,6 +16,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8600
     public_url: str | None = None
+    insecure: bool = False  # allow a non-loopback address with no access token configured
     max_body_bytes: int = 32 * 1024 * 1024
     max_batch_points: int = 1_000_000
     # Alerts. Empty strings mean "not set" (an environment variable can be set to nothing).
@@ -21,6 +24,8 @@ class Settings(BaseSettings):
     alert_rules_file: str = ""
     alert_eval_interval_s: float = 1.0
     alert_delivery_timeout_s: float = 10.0
+    alert_url_scope: Literal["private", "public", "loopback"] = "private"
+    alert_group_wait_s: float = 0.0
     heartbeat_timeout_s: float = 60.0
     stall_min_s: float = 300.0
     stall_factor: float = 20.0

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from ampwatch.server import alerts, models, series
+from ampwatch.server import alerts, models, rollups, series
 from ampwatch.server.db import insert as _insert
 from ampwatch.server.db import now
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
@@ -54,6 +54,11 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     if session.execute(claim.on_conflict_do_nothing().returning(models.Batch.seq)).first() is None:
         session.rollback()
         return BatchOut(stored=False, points=0)
+    # The run as of now, locked until commit: read before the claim, it may predate a batch committed
+    # meanwhile by another rank or server process, and would move last_step back or soften health.
+    # FOR NO KEY UPDATE: compatible with the key-share lock the batch's foreign key took, so two batches of a
+    # run queue here instead of deadlocking. The lock also orders the point feed (see _append_feed).
+    session.refresh(run, with_for_update={"key_share": True})
     count = _store_points(session, run_id, batch)
     events = _store_events(session, run_id, batch, stamp)
     steps = [max(s.steps) for s in batch.points.values() if s.steps] + [e.step for e in batch.events]
@@ -65,6 +70,8 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     if batch.status is not None:
         run.status = batch.status
         run.finished_at = stamp if batch.status != "running" else None
+    if count:
+        _append_feed(session, run_id, batch)
     # Event rules fire in this transaction: the alert and its queued notifications commit with the batch.
     alerts.on_batch(session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp)
     session.commit()
@@ -72,33 +79,32 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
 
 
 def _store_points(session: Session, run_id: str, batch: BatchIn) -> int:
-    """Upsert the batch's points in one statement. The same (series, rank, step) sent again replaces
-    the value: a user's log overrides the agent's. Written below the ORM, whose per-row work would
-    cost more than the database's (bench/ingest.py)."""
+    """Upsert the batch's points in one statement and keep their blocks' rollups right. The same
+    (series, rank, step) sent again replaces the value: a user's log overrides the agent's. Written below
+    the ORM, whose per-row work would cost more than the database's (bench/ingest.py)."""
     if not batch.points:
         return 0
     ids = _series_ids(session, run_id, list(batch.points))
+    written = {ids[name]: (points.steps, [to_db(v) for v in points.values]) for name, points in batch.points.items()}
     connection = session.connection()
     if connection.dialect.name == "postgresql":
         columns: tuple[list[Any], ...] = ([], [], [])
-        for name, points in batch.points.items():
-            steps, values = points.steps, points.values
+        for sid, (steps, values) in written.items():
             if len(set(steps)) < len(steps):  # one statement may touch a row once: the last value wins
                 last = dict(zip(steps, values))
                 steps, values = list(last), list(last.values())
-            columns[0].extend([ids[name]] * len(steps))
+            columns[0].extend([sid] * len(steps))
             columns[1].extend(steps)
-            columns[2].extend(to_db(v) for v in values)
+            columns[2].extend(values)
         connection.exec_driver_sql(_PG_UPSERT, (columns[0], [batch.rank] * len(columns[0]), columns[1], columns[2]))
-        return len(columns[0])
-    rank = batch.rank
-    rows = [
-        (ids[name], rank, step, to_db(value))
-        for name, points in batch.points.items()
-        for step, value in zip(points.steps, points.values)
-    ]
-    connection.exec_driver_sql(_SQLITE_UPSERT, rows)
-    return len(rows)
+        count = len(columns[0])
+    else:
+        rank = batch.rank
+        rows = [(sid, rank, step, value) for sid, (steps, values) in written.items() for step, value in zip(steps, values)]
+        connection.exec_driver_sql(_SQLITE_UPSERT, rows)
+        count = len(rows)
+    rollups.update_blocks(session, rank=batch.rank, written=written)
+    return count
 
 
 _UPSERT = "ON CONFLICT (series_id, rank, step) DO UPDATE SET value = excluded.value"
@@ -107,6 +113,35 @@ _PG_UPSERT = (
     "INSERT INTO points (series_id, rank, step, value) "
     f"SELECT * FROM unnest(%s::integer[], %s::integer[], %s::bigint[], %s::float8[]) {_UPSERT}"
 )
+
+
+def _append_feed(session: Session, run_id: str, batch: BatchIn) -> None:
+    """Number the batch in the run's point feed under the run row's lock (ingest_batch holds it until commit;
+    SQLite has one writer anyway), so another batch of this run takes the next number only after this one
+    committed, and a live stream reading the feed in order misses nothing (see routers/stream.py)."""
+    steps = [s for p in batch.points.values() for s in (min(p.steps), max(p.steps)) if p.steps]
+    session.execute(_FEED, {"run": run_id, "rank": batch.rank, "first": min(steps), "last": max(steps)})
+
+
+_FEED = text(
+    "INSERT INTO point_feed (run_id, position, rank, first_step, last_step)"
+    " SELECT CAST(:run AS VARCHAR(64)), coalesce(max(position), 0) + 1, :rank, :first, :last FROM point_feed WHERE run_id = :run"
+)
+
+
+def run_ranks(session: Session, *, run_id: str) -> list[int]:
+    """The ranks the run has sent batches from, in order: one primary-key seek per rank."""
+    rows = session.execute(text(
+        "WITH RECURSIVE r(rank) AS (SELECT min(rank) FROM batches WHERE run_id = :run"
+        " UNION ALL SELECT (SELECT min(rank) FROM batches WHERE run_id = :run AND rank > r.rank) FROM r WHERE r.rank IS NOT NULL)"
+        " SELECT rank FROM r WHERE rank IS NOT NULL"
+    ), {"run": run_id})  # fmt: skip
+    return [r[0] for r in rows]
+
+
+def feed_position(session: Session, *, run_id: str) -> int:
+    """The run's last point-feed position, 0 before its first points (where a live stream starts)."""
+    return session.scalar(select(func.max(models.PointFeed.position)).where(models.PointFeed.run_id == run_id)) or 0
 
 
 def _series_ids(session: Session, run_id: str, names: list[str]) -> dict[str, int]:
@@ -258,10 +293,10 @@ def count_events(session: Session, *, run_id: str) -> dict[str, int]:
 
 
 def list_alerts(session: Session, *, run_id: str | None = None, state: str | None = None) -> list[models.Alert]:
-    """Alerts, newest first, optionally of one run and one state."""
+    """Alerts, newest first, optionally of one run and one state (without one: firing and resolved)."""
     query = select(models.Alert).order_by(models.Alert.started_at.desc())
     if run_id is not None:
         query = query.where(models.Alert.run_id == run_id)
-    if state is not None:
-        query = query.where(models.Alert.state == state)
+    # PRODUCT.md's alerts are firing or resolved; pending ones (waiting out a rule's `for`) only when asked for.
+    query = query.where(models.Alert.state == state) if state is not None else query.where(models.Alert.state != "pending")
     return list(session.scalars(query))

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,6 +23,12 @@ from fastapi import FastAPI
 
 from ampwatch.server import Settings, create_app
 
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+REQUIRE_BROWSER = bool(os.environ.get("AMPWATCH_REQUIRE_BROWSER"))  # read at import: `_agent_env` clears AMPWATCH_*
 PG_ADMIN_URL = os.environ.get("AMPWATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -166,3 +178,74 @@ def wait_for() -> Callable[..., object]:
         raise AssertionError(f"timed out waiting for {what}")
 
     return wait
+
+
+class ServerProcess:
+    """`ampwatch server` as a real process (the CLI), for tests that kill, restart or run several servers."""
+
+    def __init__(self, db_url: str, log: Path, port: int | None = None, env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [sys.executable, "-m", "ampwatch._cli", "server", "--port", str(self.port), "--db", db_url]
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the server exited:\n{self.log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handler runs, open transactions die with the process."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def server_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+    """Start `ampwatch server` processes (`port=` to restart one where it was, settings as AMPWATCH_* keywords);
+    whatever still runs is stopped at the end."""
+    started: list[ServerProcess] = []
+    logs = tmp_path_factory.mktemp("server-logs")
+
+    def start(db_url: str, port: int | None = None, **env: str) -> ServerProcess:
+        started.append(ServerProcess(db_url, logs / f"server-{len(started)}.log", port, env))
+        started[-1].wait_ready()
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium per test module: Debian's `chromium` (Playwright cannot download its own here).
+    Without it the test skips, or fails when AMPWATCH_REQUIRE_BROWSER is set (CI)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+    if sync_playwright is None or not os.path.exists(CHROMIUM):
+        message = f"needs Python Playwright and Chromium at {CHROMIUM} (pip install playwright; apt-get install -y chromium)"
+        pytest.fail(f"{message} (AMPWATCH_REQUIRE_BROWSER is set)") if REQUIRE_BROWSER else pytest.skip(message)
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()

@@ -263,3 +263,30 @@ def test_dataloader_workers_forked_mid_run_start_no_sender_and_exit_cleanly(sqli
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "loss"}).json()
     assert run_doc["status"] == "finished"
     assert data["loss"]["steps"] == list(range(16))  # each step once: no child sent anything
+
+
+_FORKING_SCRIPT = """
+import os, sys, time, urllib.request, json
+import ampwatch
+run = ampwatch.init("guest", "forks", url=sys.argv[1])
+run.log({"loss": 1.0}, step=0)
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a child that ends normally: atexit hooks run here
+os.waitpid(child, 0)
+time.sleep(0.5)
+status = json.load(urllib.request.urlopen(sys.argv[1] + "/api/v1/runs/" + run.id))["status"]
+run.log({"loss": 0.5}, step=1)
+run.finish()
+print(status, run.id)
+"""
+
+
+def test_a_forked_child_that_exits_normally_does_not_finish_its_parents_run(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    done = subprocess.run([sys.executable, "-c", _FORKING_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    status_after_child_exit, run_id = done.stdout.split()
+    assert status_after_child_exit == "running"
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run_id}").json()["status"] == "finished"
+        assert http.get(f"/api/v1/runs/{run_id}/series", params={"name": "loss"}).json()["loss"]["steps"] == [0, 1]

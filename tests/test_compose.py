@@ -224,7 +224,8 @@ def test_compose_publishes_the_exposed_port_and_checks_health_like_the_image() -
     server = _compose()["services"]["server"]
     port = _flag(_server_command(_compose()), "--port")
     assert _instructions("EXPOSE") == [port]
-    assert f"{SERVER_PORT}:{port}" in [str(mapping) for mapping in server["ports"]]
+    # Loopback only: an open (token-less, AMPWATCH_INSECURE) server must not be published to the network.
+    assert f"127.0.0.1:{SERVER_PORT}:{port}" in [str(mapping) for mapping in server["ports"]]
     image_check, compose_check = _image_healthcheck(), server["healthcheck"]["test"]
     assert compose_check == ["CMD", *image_check]
     assert image_check[0] == "python" and f"127.0.0.1:{port}/healthz" in image_check[-1]

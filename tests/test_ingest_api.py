@@ -164,3 +164,12 @@ def test_setting_a_required_rule_field_to_null_gets_422(http) -> None:  # type: 
     reply = http.patch(f"/api/v1/alert-rules/{rule['id']}", json={"severity": None})
     assert reply.status_code == 422 and "severity cannot be null" in reply.text
     assert http.get(f"/api/v1/alert-rules/{rule['id']}").json()["severity"] == rule["severity"]
+
+
+def test_a_run_lists_the_ranks_that_sent_batches(http) -> None:  # type: ignore[no-untyped-def]
+    assert http.get("/api/v1/runs/r1").json()["ranks"] == []
+    for rank in (3, 0, 3, 1):
+        http.post("/api/v1/runs/r1/batches", json={**GOOD, "rank": rank, "seq": 1 + rank})
+    assert http.get("/api/v1/runs/r1").json()["ranks"] == [0, 1, 3]
+    rank_3 = http.get("/api/v1/runs/r1/series", params={"name": "loss", "rank": 3}).json()["loss"]
+    assert rank_3 == {"steps": [0, 1, 2], "values": [1.0, "NaN", 0.5]}

@@ -215,6 +215,11 @@ def test_accelerate_loop_records_every_optimizer_step_through_the_wrapped_optimi
     else:  # fp16 where Accelerate builds a scaler (GPUs): its scale is recorded too
         assert data["scale"]["values"] == scales
     assert _run_info(sqlite_server, run.id)["status"] == "finished"
+    with sqlite_server.client() as http:
+        checks = [e["details"].get("check") for e in http.get(f"/api/v1/runs/{run.id}/events").json() if e["type"] == "amp_config"]
+    # Accelerate turns fp16 on the CPU into plain fp32 without a word: the agent says it.
+    fp32_in_disguise = mixed_precision == "fp16" and accelerator.scaler is None
+    assert checks == (["accelerate_fp16_on_cpu"] if fp32_in_disguise else [])
 
 
 # -- PyTorch Lightning -----------------------------------------------------------------------------

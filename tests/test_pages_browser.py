@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -19,13 +18,6 @@ import uvicorn
 from ampwatch.server import Settings, create_app
 from ampwatch.server.demo import NAN_STEP_FRACTION, train
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
-# Read at import: the autouse `_agent_env` fixture clears AMPWATCH_* variables before each test.
-REQUIRE_BROWSER = bool(os.environ.get("AMPWATCH_REQUIRE_BROWSER"))
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 STEPS = 100
 NAN_STEP = int(STEPS * NAN_STEP_FRACTION)
@@ -35,30 +27,11 @@ HOSTILE_SERIES = "<b>bold</b><img src=x onerror=window.__pwned=3>"  # Plotly wou
 CHARTS = ("chart-loss", "chart-scale", "chart-grad_norm", "chart-lr")
 
 
-def _unavailable(message: str) -> None:
-    if REQUIRE_BROWSER:
-        pytest.fail(f"{message} (AMPWATCH_REQUIRE_BROWSER is set)")
-    pytest.skip(message)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """One headless Chromium for the module: Debian's `chromium`, since Playwright cannot download its own here."""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _unavailable("Python Playwright is not installed: pip install playwright")
-    if not os.path.exists(CHROMIUM):
-        _unavailable(f"no Chromium at {CHROMIUM}: apt-get install -y chromium")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
 @contextmanager
 def _context_page(browser: Any, **options: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1400, "height": 900}, **options)
+    # Playwright's wait_for_function compiles its predicate with eval, which the pages' CSP forbids;
+    # tests/test_security_browser.py loads the pages with the CSP enforced.
+    context = browser.new_context(viewport={"width": 1400, "height": 900}, bypass_csp=True, **options)
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(f"page error: {error}"))
@@ -366,3 +339,72 @@ def test_hostile_run_project_and_series_names_render_inert_on_every_page(sqlite_
     page.goto(f"{url}/compare?" + urlencode({"run": "xss-1", "series": HOSTILE_SERIES}))
     page.wait_for_selector("#compare-chart[data-traces='1']", timeout=10_000)
     _assert_inert(page)
+
+
+def test_late_points_and_layer_norms_arrive_live_in_place(sqlite_server: Any, page: Any) -> None:
+    url = sqlite_server.url
+    _register(url, "late-1", "live", "late points")
+    steps = list(range(10))
+    layers = {f"grad_norm/blocks.{i}": {"steps": steps, "values": [0.1 * (i + 1)] * 10} for i in range(3)}
+    _post(url, "late-1", 1, {"loss": {"steps": steps, "values": [1.0] * 10}, **layers})
+    _open_run(page, url, "late-1")
+    page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
+    assert _chart(page, "chart-layers")["columns"] == 10
+    reads = len([u for u in page.requests if "/series" in u or "/heatmap" in u])
+    more = list(range(10, 20))
+    grown = {f"grad_norm/blocks.{i}": {"steps": more, "values": [0.1 * (i + 1)] * 10} for i in range(3)}
+    grown["grad_norm/blocks.1"]["values"][5] = "NaN"  # step 15
+    _post(url, "late-1", 2, {"loss": {"steps": more, "values": [0.5] * 10}, **grown})
+    page.wait_for_function("document.getElementById('chart-layers').dataset.columns === '20'", timeout=10_000)
+    # A spool replayed after an outage: steps far behind the page's last one, one value replaced by NaN.
+    _post(url, "late-1", 3, {"loss": {"steps": [3, 4], "values": ["NaN", 0.75]}})
+    page.wait_for_function("document.getElementById('chart-loss').dataset.nonfinite === '1'", timeout=10_000)
+    _shot(page, "run-late-points.png")
+    loss = _chart(page, "chart-loss")
+    assert loss["traces"][0]["x"] == list(range(20)) and loss["traces"][0]["y"][3:5] == [None, 0.75]
+    heat = _chart(page, "chart-layers")
+    assert heat["traces"][0]["x"][-1] == 19 and any(t["meta"] == "nonfinite" and t["x"] == [15] for t in heat["traces"])
+    assert len([u for u in page.requests if "/series" in u or "/heatmap" in u]) == reads, "all of it came over the stream"
+
+
+def test_rank_picker_charts_and_streams_the_chosen_rank(sqlite_server: Any, page: Any) -> None:
+    url = sqlite_server.url
+    _register(url, "ddp-1", "ddp", "two ranks")
+    for rank, values in ((0, [1.0, 1.5]), (1, [5.0, 6.0])):
+        body = {"seq": 1, "rank": rank, "points": {"loss": {"steps": [0, 1], "values": values}}}
+        assert httpx.post(f"{url}/api/v1/runs/ddp-1/batches", json=body, timeout=10).json()["stored"]
+    _open_run(page, url, "ddp-1")
+    assert page.locator("#rank option").all_inner_texts() == ["0", "1"]
+    assert _chart(page, "chart-loss")["traces"][0]["y"] == [1.0, 1.5]
+    page.select_option("#rank", "1")
+    page.wait_for_url("**/runs/ddp-1?rank=1", timeout=10_000)
+    page.wait_for_selector("#charts[data-loaded='true'][data-live='open']", timeout=15_000)
+    assert _chart(page, "chart-loss")["traces"][0]["y"] == [5.0, 6.0]
+    for rank, value in ((0, 2.0), (1, 7.0)):
+        body = {"seq": 2, "rank": rank, "points": {"loss": {"steps": [2], "values": [value]}}}
+        assert httpx.post(f"{url}/api/v1/runs/ddp-1/batches", json=body, timeout=10).json()["stored"]
+    page.wait_for_function("document.getElementById('chart-loss').dataset.points === '3'", timeout=10_000)
+    time.sleep(0.5)  # rank 0's point, were it streamed here, would have come by now
+    _shot(page, "run-rank-1.png")
+    assert _chart(page, "chart-loss")["traces"][0]["y"] == [5.0, 6.0, 7.0]
+    assert page.locator("#rank").input_value() == "1"
+    assert httpx.get(f"{url}/api/v1/runs/ddp-1", timeout=10).json()["ranks"] == [0, 1]
+
+
+def test_zooming_the_compare_chart_reads_every_run_at_full_resolution(sqlite_server: Any, page: Any) -> None:
+    url, n = sqlite_server.url, 20_000
+    for i in range(2):
+        _register(url, f"zoom-{i}", "cmp", f"long {i}")
+        _post(url, f"zoom-{i}", 1, {"loss": {"steps": list(range(n)), "values": [1.0 + i + (s % 89) / 89 for s in range(n)]}})
+    page.goto(f"{url}/compare?" + urlencode([("run", "zoom-0"), ("run", "zoom-1"), ("series", "loss")]))
+    page.wait_for_selector("#compare-chart[data-traces='2']", timeout=10_000)
+    assert int(page.locator("#compare-chart").get_attribute("data-points") or 0) <= 2 * 2000
+    page.evaluate("Plotly.relayout(document.getElementById('compare-chart'), {'xaxis.range': [12000, 12100]})")
+    page.wait_for_function("document.getElementById('compare-chart').dataset.view === '12000,12100'", timeout=10_000)
+    _shot(page, "compare-zoomed.png")
+    chart = _chart(page, "compare-chart")
+    assert chart["range"] == [12000, 12100]
+    for trace in [t for t in chart["traces"] if t["meta"] is None]:
+        assert set(range(12000, 12101)) <= set(trace["x"]), f"{trace['name']}: the zoomed range at full resolution"
+    page.evaluate("Plotly.relayout(document.getElementById('compare-chart'), {'xaxis.autorange': true})")
+    page.wait_for_function("Number(document.getElementById('compare-chart').dataset.view.split(',')[1]) > 19000", timeout=10_000)

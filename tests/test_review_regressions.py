@@ -83,3 +83,43 @@ def test_a_pickled_watched_scaler_loads_without_ampwatch() -> None:
     run.finish()
     assert b"ampwatch" not in data
     assert pickle.loads(data).state_dict()["scale"] == 128.0
+
+
+
+def test_a_batch_that_read_the_run_before_another_committed_does_not_move_it_back(live_server) -> None:  # type: ignore[no-untyped-def]
+    """Batch A (step 100, a warning) reads the run, then is held up just before it writes; meanwhile batch B
+    of another rank (step 399, critical) commits. A must not put last_step back to 100 or health to warning."""
+    import threading
+    import time
+
+    from sqlalchemy import event
+
+    held = threading.Event()
+
+    def hold_first_claim(_conn, _cursor, statement: str, *_args) -> None:  # type: ignore[no-untyped-def]
+        if statement.lstrip().upper().startswith("INSERT INTO BATCHES") and not held.is_set():
+            held.set()
+            time.sleep(1.0)  # the real interleaving of two ranks' requests, made certain
+
+    engine = live_server.app.state.engine
+    event.listen(engine, "before_cursor_execute", hold_first_claim)
+
+    def post(client, rank: int, step: int, severity: str) -> int:  # type: ignore[no-untyped-def]
+        body = {"rank": rank, "seq": 1, "points": {"loss": {"steps": [step], "values": [1.0]}},
+                "events": [{"step": step, "type": "grad_spike", "severity": severity, "message": "x"}]}  # fmt: skip
+        return client.post("/api/v1/runs/race/batches", json=body).status_code
+
+    try:
+        with live_server.client() as client, live_server.client() as other:
+            assert client.put("/api/v1/runs/race", json={"project": "p", "name": "race"}).status_code == 200
+            statuses: list[int] = []
+            first = threading.Thread(target=lambda: statuses.append(post(client, 0, 100, "warning")))
+            first.start()
+            assert held.wait(10)
+            assert post(other, 1, 399, "critical") == 200
+            first.join(30)
+            final = other.get("/api/v1/runs/race").json()
+            assert statuses == [200]
+    finally:
+        event.remove(engine, "before_cursor_execute", hold_first_claim)
+    assert (final["last_step"], final["health"]) == (399, "critical")

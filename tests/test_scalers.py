@@ -4,6 +4,8 @@ torch.cuda.amp.GradScaler, a disabled scaler, state_dict round trips mid-run."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -80,3 +82,49 @@ def test_state_dict_round_trip_mid_run_keeps_scaling_and_recording(sqlite_server
     with sqlite_server.client() as http:
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "scale"}).json()
     assert data["scale"]["values"] == [512.0, 512.0, 512.0, 64.0, 64.0, 64.0]
+
+
+def _clipping_loop(run: ampwatch.Run, steps: int, clip: Any, params_to_clip: Callable[[torch.nn.Module], Any]) -> list[float]:
+    """An AMP loop that clips after unscale_; returns the true (pre-clip) gradient norm of every step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    norms = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        clip(params_to_clip(model), 1e-3)  # clips every step: a norm read after it would be 1e-3
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return norms
+
+
+@pytest.mark.parametrize("how", ["module attribute", "imported before watch", "a subset"])
+def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(sqlite_server, monkeypatch, how: str) -> None:  # type: ignore[no-untyped-def]
+    """`torch.nn.utils.clip_grad_norm_(model.parameters())` hands its result to the agent, which then skips its
+    own norm; a function imported earlier, or a clip of some parameters only, leaves the agent to compute it."""
+    calls = []
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or foreach_norm(*a, **k))  # counts clip's and ours
+    original = torch.nn.utils.clip_grad_norm_
+    clip = (lambda params, max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm)) if how != "imported before watch" else original
+    subset = how == "a subset"
+    with ampwatch.init("scalers", f"clip-{how}", url=sqlite_server.url) as run:
+        expected = _clipping_loop(run, 60, clip, (lambda m: m[2].parameters()) if subset else (lambda m: m.parameters()))
+        reused = torch.nn.utils.clip_grad_norm_ is not original
+    assert reused  # the wrapper is in place while the run watches a scaler...
+    assert torch.nn.utils.clip_grad_norm_ is original  # ...and gone after finish()
+    with sqlite_server.client() as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()
+    assert data["grad_norm"]["steps"] == list(range(60))
+    assert data["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
+    assert min(expected) > 1e-2  # so a norm of the clipped gradients would fail the comparison
+    # Per step, one norm is this test's and one the clip's; the agent adds its own only where it cannot reuse the
+    # clip's, and on its per-layer and parameter-check steps (0, 25, 50 and 0, 50 here) whatever happens.
+    assert len(calls) == 2 * 60 + (5 if how == "module attribute" else 60 + 2)

@@ -51,7 +51,10 @@ def test_a_lone_nan_spike_dip_and_infinities_survive_any_max_points(http) -> Non
 
 
 def test_each_bucket_keeps_its_true_minimum_and_maximum(http) -> None:  # type: ignore[no-untyped-def]
-    max_points = 402
+    from ampwatch.server.models import BLOCK_STEPS
+
+    max_points = 802  # buckets of 50 steps, narrower than a block: read from the points (rollups: the test below)
+    assert -(-N // ((max_points - 2) // 2)) < BLOCK_STEPS
     got = _get(http, max_points=max_points)
     kept = dict(zip(got["steps"], got["values"]))
     width = -(-N // ((max_points - 2) // 2))
@@ -109,3 +112,106 @@ def test_a_long_range_read_in_two_halves_at_once_gives_the_same_points(http, mon
     whole = [_get(http, max_points=m) for m in (4, 101, 2_000)]
     monkeypatch.setattr(series, "PARALLEL_STEPS", 1_000)  # the server runs in this process
     assert [_get(http, max_points=m) for m in (4, 101, 2_000)] == whole
+
+
+def test_a_coarse_chart_read_from_block_rollups_keeps_every_bucket_true_extremes(http) -> None:  # type: ignore[no-untyped-def]
+    from ampwatch.server.models import BLOCK_STEPS
+    from ampwatch.server.series import block_buckets
+
+    truth = _values()
+    for max_points, start, end in ((42, 0, N - 1), (30, 1_001, 17_777), (9, 127, 12_800)):
+        buckets = (max_points - 2) // 2
+        assert -(-(end - start + 1) // buckets) >= BLOCK_STEPS, "this case is charted from the rollups"
+        got = _get(http, max_points=max_points, start_step=start, end_step=end)
+        kept = dict(zip(got["steps"], got["values"]))
+        assert (got["steps"][0], got["steps"][-1]) == (start, end) and len(_finite(got["values"])) <= max_points
+        assert all(truth[s] == v for s, v in kept.items()), "every returned point is a real point"
+        assert {s for s in range(start, end + 1) if isinstance(truth[s], str)} <= set(kept), "every non-finite point is kept"
+        edges = block_buckets(start, end, buckets)
+        assert edges[0][0] == start and edges[-1][1] == end and len(edges) <= buckets
+        assert all(b[0] == a[1] + 1 for a, b in zip(edges, edges[1:])), "the buckets tile the range"
+        for lo, hi in edges:
+            bucket = [v for v in truth[lo : hi + 1] if not isinstance(v, str)]
+            shown = [kept[s] for s in range(lo, hi + 1) if s in kept and not isinstance(kept[s], str)]
+            assert max(shown) == max(bucket) and min(shown) == min(bucket), (max_points, lo, hi)
+
+
+def _blocks_now(live_server, series_name: str) -> dict[int, tuple[Any, ...]]:  # type: ignore[no-untyped-def]
+    from sqlalchemy import text
+
+    with live_server.app.state.sessions() as session:
+        rows = session.execute(text(
+            "SELECT b.block, b.min_step, b.min_value, b.max_step, b.max_value, b.last_step FROM point_blocks b"
+            " JOIN series s ON s.id = b.series_id WHERE s.name = :name AND b.rank = 0"
+        ), {"name": series_name}).all()  # fmt: skip
+    return {r[0]: tuple(r[1:]) for r in rows}
+
+
+def _blocks_of(points: dict[int, Any]) -> dict[int, tuple[Any, ...]]:
+    """The rollups the points call for: per block of finite values, (min step, min, max step, max, last step)."""
+    from ampwatch.server.models import BLOCK_STEPS
+
+    out: dict[int, tuple[Any, ...]] = {}
+    for block in sorted({s // BLOCK_STEPS for s in points}):
+        finite = [(v, s) for s, v in points.items() if s // BLOCK_STEPS == block and not isinstance(v, str)]
+        if finite:
+            low, high = min(finite), min(finite, key=lambda p: (-p[0], p[1]))
+            out[block] = (low[1], low[0], high[1], high[0], max(s for _, s in finite))
+    return out
+
+
+def test_rollups_stay_exact_through_out_of_order_replayed_and_overwriting_batches(live_server) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(7)
+    truth: dict[int, Any] = {}
+    with live_server.client() as http:
+        http.put("/api/v1/runs/r2", json={"project": "p", "name": "messy"})
+        chunks = [list(range(a, min(a + 300, 4_000))) for a in range(0, 4_000, 300)]
+        rng.shuffle(chunks)  # out of order: later steps first, then the gaps before them
+        seq = 0
+        for steps in chunks:
+            values: list[Any] = [round(rng.random(), 6) for _ in steps]
+            if 1_000 in steps:
+                values[steps.index(1_000)] = 500.0  # a spike...
+            if 2_050 in steps:
+                values[steps.index(2_050)] = "Infinity"
+            seq += 1
+            body = {"seq": seq, "points": {"gn": {"steps": steps, "values": values}}}
+            assert http.post("/api/v1/runs/r2/batches", json=body).json()["stored"]
+            assert not http.post("/api/v1/runs/r2/batches", json=body).json()["stored"], "a replay is not stored again"
+            truth.update(zip(steps, values))
+        overwrite = {1_000: 0.25, 1_001: "NaN", 2_050: 0.5, 3_999: -3.0, 3_998: 0.1}  # the spike is taken back
+        body = {"seq": seq + 1, "points": {"gn": {"steps": list(overwrite) + [2_050], "values": list(overwrite.values()) + [0.75]}}}
+        assert http.post("/api/v1/runs/r2/batches", json=body).json()["stored"]
+        truth.update(overwrite)
+        truth[2_050] = 0.75  # a step given twice in one batch keeps its last value
+        all_nan = {"seq": seq + 2, "points": {"gn": {"steps": list(range(4_096, 4_224)), "values": ["NaN"] * 128}}}
+        assert http.post("/api/v1/runs/r2/batches", json=all_nan).json()["stored"]
+        truth.update(dict.fromkeys(range(4_096, 4_224), "NaN"))
+        assert _blocks_now(live_server, "gn") == _blocks_of(truth)
+        got = http.get("/api/v1/runs/r2/series", params={"name": "gn", "max_points": 12}).json()["gn"]
+    assert 500.0 not in got["values"], "a replaced spike is gone from the chart"
+    finite = [v for v in truth.values() if not isinstance(v, str)]
+    assert max(finite) in got["values"] and min(finite) == -3.0 and -3.0 in got["values"]
+    assert got["values"].count("NaN") == 129  # 1_001 and the all-NaN block
+
+
+def test_a_coarse_heatmap_is_read_from_the_rollups_in_whole_blocks(http) -> None:  # type: ignore[no-untyped-def]
+    from ampwatch.server.models import BLOCK_STEPS
+
+    rng = random.Random(3)
+    steps = list(range(0, 2_560, 5))  # every 5 steps, as the agent records per-layer norms every N steps
+    truth = {m: [round(rng.lognormvariate(0, 1), 6) for _ in steps] for m in ("a", "b")}
+    truth["a"][40], truth["b"][300], truth["b"][301] = "NaN", "Infinity", 1e9  # steps 200, 1500, 1505
+    points = {f"grad_norm/{m}": {"steps": steps, "values": v} for m, v in truth.items()}
+    assert http.post("/api/v1/runs/r1/batches", json={"seq": 9, "points": points}).json()["stored"]
+    for params in ({"columns": 5}, {"columns": 2, "start_step": 300, "end_step": 1_500}):
+        grid = http.get("/api/v1/runs/r1/heatmap", params=params).json()
+        width, first = grid["width"], grid["steps"][0]
+        assert width % BLOCK_STEPS == 0 and first % BLOCK_STEPS == 0 and first <= params.get("start_step", 0)
+        assert grid["steps"] == list(range(first, first + width * len(grid["steps"]), width))
+        assert grid["steps"][-1] + width > params.get("end_step", 2_555), "the cells cover the range"
+        for row, m in zip(grid["values"], ("a", "b")):
+            for k, cell in enumerate(row):
+                inside = [v for s, v in zip(steps, truth[m]) if first + k * width <= s < first + (k + 1) * width]
+                bad = [v for v in inside if isinstance(v, str)]
+                assert cell == (bad[0] if bad else max(inside)), (params, m, k)

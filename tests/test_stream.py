@@ -85,14 +85,14 @@ def test_a_point_posted_after_the_stream_opened_arrives_with_its_event(http) -> 
     last = updates[-1]["data"]
     assert [e["message"] for e in last["events"]] == ["NaN loss at step 4"]
     assert (last["run"]["last_step"], last["run"]["health"]) == (4, "critical")
-    assert updates[-1]["id"] == f"4:{last['events'][0]['id']}"
+    assert updates[-1]["id"].startswith("2/")  # the second stored batch with points
 
 
 def test_a_reconnecting_client_resumes_from_last_event_id_and_gets_what_it_missed(http) -> None:  # type: ignore[no-untyped-def]
     with sse(http, "/api/v1/runs/r1/stream", params={"after_step": -1}) as stream:
         _post(http, 1, {"loss": {"steps": [0, 1], "values": [3.0, 2.0]}})
         last_id = stream.until(lambda d: 1 in d["points"].get("loss", {}).get("steps", []))[-1]["id"]
-    assert last_id.startswith("1:")
+    assert last_id.startswith("1/")
     # While nobody listens: a late point at the cursor's own step (another series), and newer points.
     _post(http, 2, {"lr": {"steps": [1], "values": [0.1]}, "loss": {"steps": [2, 3], "values": [1.0, "Infinity"]}})
     with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 100}, headers={"Last-Event-ID": last_id}) as stream:
@@ -154,3 +154,107 @@ def test_many_open_streams_do_not_starve_other_requests(sqlite_server) -> None: 
             assert reply.status_code == 200
             posted = http.post("/api/v1/runs/busy/batches", json={"seq": 1, "points": {"x": {"steps": [0], "values": [1.0]}}}, timeout=5)
             assert posted.status_code == 200
+
+
+def test_points_written_far_behind_the_stream_arrive_live(http) -> None:  # type: ignore[no-untyped-def]
+    _post(http, 1, {"loss": {"steps": list(range(100)), "values": [1.0] * 100}})
+    with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 99}) as stream:
+        _post(http, 2, {"loss": {"steps": [100, 101], "values": [0.9, 0.8]}})
+        stream.until(lambda d: 101 in d["points"].get("loss", {}).get("steps", []))
+        # A spool replayed after an outage: old steps, a series the stream never saw, a value replaced.
+        _post(http, 3, {"loss": {"steps": [10, 11], "values": [5.0, "NaN"]}, "lr": {"steps": [10, 11], "values": [0.1, 0.2]}})
+        _post(http, 1, {"loss": {"steps": [3], "values": [7.0]}}, rank=1)  # a slower rank, behind rank 0
+        late = stream.until(lambda d: 10 in d["points"].get("loss", {}).get("steps", []))
+    assert _merged(late, "loss") == {10: 5.0, 11: "NaN"}
+    assert _merged(late, "lr") == {10: 0.1, 11: 0.2}
+    with sse(http, "/api/v1/runs/r1/stream", params={"after_position": 4, "rank": 1}) as stream:
+        _post(http, 2, {"loss": {"steps": [2], "values": [6.0]}}, rank=1)
+        assert _merged(stream.until(lambda d: bool(d["points"])), "loss") == {2: 6.0}
+
+
+def test_a_batch_committing_late_is_streamed_and_numbered_after_the_one_before_it(live_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from ampwatch.server import store
+
+    held, release = threading.Event(), threading.Event()
+    on_batch = store.alerts.on_batch
+
+    def slow_on_batch(session, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("new_step") == 50:  # batch A stalls before its commit, holding its feed position
+            held.set()
+            release.wait(10)
+        return on_batch(session, **kwargs)
+
+    monkeypatch.setattr(store.alerts, "on_batch", slow_on_batch)  # the server runs in this process
+    with live_server.client() as http:
+        http.put("/api/v1/runs/r1", json={"project": "p", "name": "race"})
+        with sse(http, "/api/v1/runs/r1/stream", params={"after_step": -1}) as stream:
+            a = threading.Thread(target=_post, args=(live_server.client(), 1, {"loss": {"steps": [50], "values": [5.0]}}))
+            a.start()
+            assert held.wait(10)
+            b = threading.Thread(target=_post, args=(live_server.client(), 2, {"loss": {"steps": [60], "values": [6.0]}}))
+            b.start()
+            b.join(1.0)
+            assert b.is_alive(), "batch B waits for A's commit"
+            release.set()
+            a.join(10)
+            b.join(10)
+            updates = stream.until(_all_of({50, 60}))
+    assert _merged(updates, "loss") == {50: 5.0, 60: 6.0}
+
+
+def _all_of(steps: set[int]) -> Any:
+    """A predicate that holds once every one of `steps` came in the updates seen so far."""
+    seen: set[int] = set()
+
+    def check(data: dict[str, Any]) -> bool:
+        seen.update(data["points"].get("loss", {}).get("steps", []))
+        return steps <= seen
+
+    return check
+
+
+def test_an_event_committed_after_a_newer_one_is_still_streamed(pg_url: str, live_server_factory) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import create_engine, text
+
+    from ampwatch.server import Settings
+
+    server = live_server_factory(Settings(database_url=pg_url))
+    insert = text(
+        "INSERT INTO events (run_id, step, rank, type, severity, message, details, time)"
+        " VALUES ('r1', :step, 0, 'grad_spike', 'warning', :m, '{}', now()) RETURNING id"
+    )
+    engine = create_engine(pg_url)
+    with server.client() as http:
+        http.put("/api/v1/runs/r1", json={"project": "p", "name": "events"})
+        with sse(http, "/api/v1/runs/r1/stream") as stream, engine.connect() as slow, engine.connect() as fast:
+            slow_id = slow.execute(insert, {"step": 1, "m": "slow"}).scalar()  # its transaction stays open
+            fast_id = fast.execute(insert, {"step": 2, "m": "fast"}).scalar()
+            fast.commit()
+            stream.until(lambda d: [e["id"] for e in d["events"]] == [fast_id])
+            slow.commit()
+            late = stream.until(lambda d: bool(d["events"]))
+    engine.dispose()
+    assert slow_id < fast_id
+    assert [(e["id"], e["message"]) for e in late[-1]["data"]["events"]] == [(slow_id, "slow")]
+
+
+def test_a_batch_stored_while_a_stream_opens_is_not_missed(live_server, http, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The request loads the run (last step 99); batch 2 commits before the stream reads its feed position.
+    Its steps must be in the stream's catch-up range or after its position, not fall between the two."""
+    from ampwatch.server import store
+
+    _post(http, 1, {"loss": {"steps": list(range(100)), "values": [1.0] * 100}})
+    feed_position = store.feed_position
+
+    def batch_lands_first(session, **kwargs):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(store, "feed_position", feed_position)  # once
+        with live_server.client() as other:  # the server runs in this process: this is another request
+            _post(other, 2, {"loss": {"steps": [100, 101], "values": [0.9, 0.8]}})
+        return feed_position(session, **kwargs)
+
+    monkeypatch.setattr(store, "feed_position", batch_lands_first)
+    with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 99}) as stream:
+        seen = stream.until(lambda d: 101 in d["points"].get("loss", {}).get("steps", []), timeout_s=8)
+    assert _merged(seen, "loss") == {100: 0.9, 101: 0.8}

@@ -1,13 +1,14 @@
 """The alerts pages: `/alerts` (firing and pending alerts, recent resolutions, silences) and `/alerts/rules`
-(rules and channels, with enable/disable, a "send test" button and a form for a new channel). Plain HTML
-forms that redirect back (post/redirect/get), so the pages work with JavaScript off; `/static/alerts.js`
-is the run page's browser notification."""
+(rules and channels: add, enable/disable, delete, "send test"). Plain HTML forms that redirect back
+(post/redirect/get), so the pages work with JavaScript off; a refused form is shown again with what was
+typed and why. `/static/alerts.js` is the run page's browser notification."""
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 from urllib.parse import parse_qsl, urlencode
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -19,9 +20,10 @@ from ampwatch.server import models
 from ampwatch.server.alerts import _admin, _board
 from ampwatch.server.alerts._db import now
 from ampwatch.server.alerts._deliver import send_test
-from ampwatch.server.alerts.schemas import ChannelIn, SilenceIn
+from ampwatch.server.alerts._targets import TargetError, scope_of
+from ampwatch.server.alerts.schemas import Aggregation, ChannelIn, Op, RuleIn, SilenceIn, explain
 from ampwatch.server.deps import SessionDep, SettingsDep
-from ampwatch.server.schemas import MAX_INT
+from ampwatch.server.schemas import MAX_INT, EventType
 from ampwatch.web.pages import templates
 
 RowId = Annotated[int, PathParam(ge=1, le=MAX_INT)]  # larger ids cannot exist: 404 without a query
@@ -32,7 +34,10 @@ _SCRIPT = Path(str(resources.files("ampwatch.web") / "static" / "alerts.js"))
 
 async def _form(request: Request) -> dict[str, str]:
     # Parsed here rather than with FastAPI's Form(), which needs python-multipart for plain urlencoded forms.
-    return dict(parse_qsl((await request.body()).decode(errors="replace"), max_num_fields=20))
+    try:
+        return dict(parse_qsl((await request.body()).decode(errors="replace"), max_num_fields=30))
+    except ValueError as error:  # more fields than any of these forms has
+        raise HTTPException(422, str(error)) from error
 
 
 Fields = Annotated[dict[str, str], Depends(_form)]
@@ -69,58 +74,133 @@ def silence_form(session: SessionDep, form: Fields) -> RedirectResponse:
 @router.post("/alerts/silences/{silence_id}/end")
 def end_silence_form(silence_id: RowId, session: SessionDep) -> RedirectResponse:
     """End a silence now."""
-    silence = session.get(models.AlertSilence, silence_id)
-    if silence is None:
-        raise HTTPException(404, f"no silence with id {silence_id}")
+    silence = _get(session, models.AlertSilence, silence_id)
     _admin.expire_silence(session, silence=silence)
     return _back("/alerts", f"silence #{silence_id} ended")
 
 
+# -- rules and channels -------------------------------------------------------------------
+# Fresh forms; a refused form comes back with what was typed (never a password) and the reason.
+_BLANK: dict[str, dict[str, str]] = {
+    "threshold": {"severity": "warning", "aggregation": "mean", "op": ">", "window_steps": "50"},
+    "event_rate": {"severity": "warning", "event_type": "skipped_step", "op": ">=", "window_steps": "100"},
+    "hook": {"kind": "webhook", "min_severity": "warning"},
+    "email": {"smtp_starttls": "on", "min_severity": "warning"},
+}
+_RULE_FIELDS = {"threshold": ("series", "aggregation", "op", "threshold", "window_steps", "ignore_steps"),
+                "event_rate": ("event_type", "op", "threshold", "window_steps")}  # fmt: skip
+
+
+def _rules_page(request: Request, session: Any, *, msg: str | None = None, failed: str | None = None,
+                typed: dict[str, str] | None = None, error: str | None = None) -> Any:  # fmt: skip
+    forms = {**_BLANK, **({failed: typed or {}} if failed else {})}
+    context = {
+        "rules": [(r, _board.condition(r)) for r in _admin.list_rules(session)],
+        "channels": [_admin.channel_out(session, c) for c in _admin.list_channels(session)],
+        "msg": msg, "forms": forms, "failed": failed, "error": error,
+        "event_types": get_args(EventType), "aggregations": get_args(Aggregation), "ops": get_args(Op),
+    }  # fmt: skip
+    return templates.TemplateResponse(request, "alert_rules.html", context, status_code=422 if failed else 200)
+
+
 @router.get("/alerts/rules", response_class=HTMLResponse)
 def rules_page(request: Request, session: SessionDep, msg: str | None = None) -> Any:
-    """Rules in plain words and channels with their latest delivery."""
-    rules = [(r, _board.condition(r)) for r in _admin.list_rules(session)]
-    channels = [_admin.channel_out(session, c) for c in _admin.list_channels(session)]
-    return templates.TemplateResponse(request, "alert_rules.html", {"rules": rules, "channels": channels, "msg": msg})
+    """Rules in plain words and channels with their latest delivery, with forms to add, change and remove them."""
+    return _rules_page(request, session, msg=msg)
+
+
+@router.post("/alerts/rules")
+def add_rule_form(request: Request, session: SessionDep, form: Fields) -> Any:
+    """Add a series-threshold or event-rate rule; a refused one comes back filled in, with the reason."""
+    kind = form.get("kind", "")
+    if kind not in _RULE_FIELDS:
+        return _back("/alerts/rules", "rule not added: the page adds threshold and event_rate rules")
+    wanted = ("name", "severity", "project", "for", *_RULE_FIELDS[kind])
+    data: dict[str, Any] = {k: form[k].strip() for k in wanted if form.get(k, "").strip()}
+    try:
+        rule = _admin.save_rule(session, body=RuleIn.model_validate({**data, "kind": kind, "per_rank": "per_rank" in form}))
+    except (ValidationError, _admin.Conflict) as error:
+        return _rules_page(request, session, failed=kind, typed=form, error=f"Rule not added. {explain(error)}")
+    return _back("/alerts/rules", f"rule {rule.name} added: {_board.condition(rule)}")
 
 
 @router.post("/alerts/rules/{rule_id}/toggle")
 def toggle_rule_form(rule_id: RowId, session: SessionDep) -> RedirectResponse:
     """Enable a disabled rule, disable an enabled one."""
-    rule = session.get(models.AlertRule, rule_id)
-    if rule is None:
-        raise HTTPException(404, f"no rule with id {rule_id}")
-    rule.enabled = not rule.enabled
-    rule.updated_at = now()
+    return _toggle(session, _get(session, models.AlertRule, rule_id), "rule")
+
+
+def _toggle(session: Any, row: models.AlertRule | models.AlertChannel, what: str) -> RedirectResponse:
+    row.enabled = not row.enabled
+    row.updated_at = now()
     session.commit()
-    return _back("/alerts/rules", f"rule {rule.name} {'enabled' if rule.enabled else 'disabled'}")
+    return _back("/alerts/rules", f"{what} {row.name} {'enabled' if row.enabled else 'disabled'}")
+
+
+@router.post("/alerts/rules/{rule_id}/delete")
+def delete_rule_form(rule_id: RowId, session: SessionDep) -> RedirectResponse:
+    """Delete a user rule; built-in rules can only be disabled."""
+    rule = _get(session, models.AlertRule, rule_id)
+    try:
+        _admin.delete_rule(session, rule=rule)
+    except _admin.Conflict:
+        return _back("/alerts/rules", f"rule {rule.name} is built in: it can be disabled, not deleted")
+    return _back("/alerts/rules", f"rule {rule.name} deleted")
 
 
 @router.post("/alerts/channels")
-def add_channel_form(session: SessionDep, form: Fields) -> RedirectResponse:
-    """Add a webhook or Slack channel (e-mail channels need SMTP settings: use the API or the config file)."""
-    name = form.get("name", "")
-    if form.get("kind") not in ("webhook", "slack"):
-        return _back("/alerts/rules", "channel not added: the page adds webhook and slack channels")
+def add_channel_form(request: Request, session: SessionDep, settings: SettingsDep, form: Fields) -> Any:
+    """Add a webhook, Slack or e-mail channel; a refused one comes back filled in (but for the password)."""
+    which = "email" if form.get("kind") == "email" else "hook"
+    common = {k: form[k].strip() for k in ("name", "project", "min_severity") if form.get(k, "").strip()}
+    if which == "email":
+        smtp = {k: form[f"smtp_{k}"].strip() for k in ("host", "port", "username", "from") if form.get(f"smtp_{k}", "").strip()}
+        smtp |= {"password": form.get("smtp_password") or None, "starttls": "smtp_starttls" in form, "ssl": "smtp_ssl" in form}
+        data = {**common, "kind": "email", "to": [a for a in re.split(r"[\s,;]+", form.get("to", "")) if a], "smtp": smtp}
+    else:
+        data = {**common, "kind": form.get("kind", ""), "url": form.get("url", "").strip()}
     try:
-        _admin.save_channel(session, body=ChannelIn.model_validate(
-            {"name": name, "kind": form["kind"], "url": form.get("url"), "min_severity": form.get("min_severity", "warning")}))  # fmt: skip
-    except ValidationError as error:
-        return _back("/alerts/rules", f"channel not added: {error.errors()[0]['msg']}")
-    except _admin.Conflict as error:
-        return _back("/alerts/rules", f"channel not added: {error}")
-    return _back("/alerts/rules", f"channel {name} added")
+        body = ChannelIn.model_validate(data)
+        _admin.check_destination(body, scope_of(settings))
+        channel = _admin.save_channel(session, body=body)
+    except (ValidationError, TargetError, _admin.Conflict) as error:
+        typed = {k: v for k, v in form.items() if k != "smtp_password"}
+        again = " (enter the password again)" if form.get("smtp_password") else ""
+        return _rules_page(request, session, failed=which, typed=typed, error=f"Channel not added{again}. {explain(error)}")
+    return _back("/alerts/rules", f"channel {channel.name} added")
+
+
+@router.post("/alerts/channels/{channel_id}/toggle")
+def toggle_channel_form(channel_id: RowId, session: SessionDep) -> RedirectResponse:
+    """Disable a channel (it gets no notifications, nothing queued for it is sent), or enable it again."""
+    return _toggle(session, _get(session, models.AlertChannel, channel_id), "channel")
+
+
+@router.post("/alerts/channels/{channel_id}/delete")
+def delete_channel_form(channel_id: RowId, session: SessionDep) -> RedirectResponse:
+    """Delete a channel and its delivery history."""
+    channel = _get(session, models.AlertChannel, channel_id)
+    name = channel.name
+    session.delete(channel)
+    session.commit()
+    return _back("/alerts/rules", f"channel {name} deleted")
 
 
 @router.post("/alerts/channels/{channel_id}/test")
 def test_channel_form(channel_id: RowId, session: SessionDep, settings: SettingsDep) -> RedirectResponse:
     """Send a test notification and say how it went."""
-    channel = session.get(models.AlertChannel, channel_id)
-    if channel is None:
-        raise HTTPException(404, f"no channel with id {channel_id}")
-    delivery, _ = send_test(session, channel, base_url=settings.base_url, timeout_s=settings.alert_delivery_timeout_s)
+    channel = _get(session, models.AlertChannel, channel_id)
+    delivery, _ = send_test(session, channel, base_url=settings.base_url, timeout_s=settings.alert_delivery_timeout_s,
+                            scope=scope_of(settings))  # fmt: skip
     outcome = "delivered" if delivery.status == "delivered" else f"failed: {delivery.error}"
     return _back("/alerts/rules", f"test to {channel.name}: {outcome}")
+
+
+def _get(session: Any, model: Any, row_id: int) -> Any:
+    row = session.get(model, row_id)
+    if row is None:
+        raise HTTPException(404, f"no {model.__tablename__.removeprefix('alert_').rstrip('s')} with id {row_id}")
+    return row
 
 
 @router.get("/static/alerts.js")

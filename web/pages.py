@@ -15,6 +15,7 @@ from fastapi.templating import Jinja2Templates
 
 from ampwatch.server import store
 from ampwatch.server.deps import SessionDep
+from ampwatch.server.schemas import MAX_INT
 from ampwatch.web import formats
 
 router = APIRouter(include_in_schema=False)
@@ -65,8 +66,8 @@ def _sort_links(project: str | None, status: str | None, q: str | None, sort: st
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
-def run_page(request: Request, run_id: str, session: SessionDep) -> Any:
-    """One run: header, runtime, charts (drawn by run.js), the event timeline, configuration and environment."""
+def run_page(request: Request, run_id: str, session: SessionDep, rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0) -> Any:
+    """One run: header, runtime, charts of one rank (drawn by run.js), the event timeline, configuration and environment."""
     found = store.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
@@ -75,7 +76,9 @@ def run_page(request: Request, run_id: str, session: SessionDep) -> Any:
     context = {
         "run": run, "project": project, "events": events, "counts": store.count_events(session, run_id=run_id),
         "series": store.series_names(session, run_id=run_id), "runtime": formats.runtime(run.environment, run.config),
-        "last_event_id": store.last_event_id(session, run_id=run_id),
+        # Read before run.js reads the series: the stream sends every batch stored after this, none is missed.
+        "feed": store.feed_position(session, run_id=run_id), "last_event_id": store.last_event_id(session, run_id=run_id),
+        "rank": rank, "ranks": sorted(set(store.run_ranks(session, run_id=run_id)) | {rank}),
     }  # fmt: skip
     return templates.TemplateResponse(request, "run.html", context)
 

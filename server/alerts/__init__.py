@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from ampwatch.server.alerts._admin import configure_env_webhook
@@ -17,6 +18,7 @@ from ampwatch.server.alerts._config import ConfigError, load_config_file
 from ampwatch.server.alerts._ingest import on_batch
 from ampwatch.server.alerts._rules import seed_builtins
 from ampwatch.server.alerts._service import AlertService
+from ampwatch.server.alerts.schemas import explain
 from ampwatch.server.settings import Settings
 
 __all__ = ["AlertService", "ConfigError", "on_batch", "prepare"]
@@ -25,6 +27,9 @@ __all__ = ["AlertService", "ConfigError", "on_batch", "prepare"]
 def prepare(session: Session, settings: Settings) -> None:
     """Built-in rules, the `AMPWATCH_ALERT_WEBHOOK_URL` channel, and `AMPWATCH_ALERT_RULES_FILE`; idempotent."""
     seed_builtins(session)
-    configure_env_webhook(session, settings.alert_webhook_url.strip())
+    try:
+        configure_env_webhook(session, settings.alert_webhook_url.strip())
+    except ValidationError as error:  # explained without the URL, which may hold a token
+        raise ConfigError(f"AMPWATCH_ALERT_WEBHOOK_URL: {explain(error)}") from None
     if settings.alert_rules_file.strip():
         load_config_file(session, settings.alert_rules_file.strip())

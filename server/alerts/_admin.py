@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server import models
 from ampwatch.server.alerts._db import now, utc
 from ampwatch.server.alerts._rules import DEFAULTS
+from ampwatch.server.alerts._targets import check_host, mask_url
 from ampwatch.server.alerts.schemas import (
     AlertDetailOut, ChannelFields, ChannelIn, ChannelOut, DeliveryOut, FlipOut, RuleFields, RuleIn, RuleOut,
     SilenceIn, SilenceOut,
@@ -98,6 +99,15 @@ def save_channel(session: Session, *, body: ChannelIn, source: str = "api") -> m
     return channel
 
 
+def check_destination(body: ChannelFields, scope: str) -> None:
+    """Refuse (`TargetError`) a URL or SMTP host that `scope` rules out without a DNS lookup; names are
+    checked again, resolved, at every send."""
+    if body.url is not None:
+        check_host(urlsplit(body.url).hostname or "", scope)
+    if body.smtp is not None:
+        check_host(body.smtp.host, scope)
+
+
 def update_channel(session: Session, *, channel: models.AlertChannel, body: ChannelFields) -> models.AlertChannel:
     """Change some settings of a channel (an SMTP password is kept unless a new one is given)."""
     _apply_channel(channel, body)
@@ -115,7 +125,7 @@ def _apply_channel(channel: models.AlertChannel, body: ChannelFields) -> None:
         smtp = body.smtp.model_dump(exclude={"password", "sender"}) | {"from": body.smtp.sender}
         channel.config = smtp
         if body.smtp.password is not None:
-            channel.secret = body.smtp.password
+            channel.secret = body.smtp.password.get_secret_value()
     for name in ("project", "min_severity", "enabled"):
         if name in fields and (getattr(body, name) is not None or name == "project"):
             setattr(channel, name, getattr(body, name))
@@ -131,27 +141,12 @@ def channel_out(session: Session, channel: models.AlertChannel) -> ChannelOut:
         smtp = {k: v for k, v in (channel.config or {}).items() if k != "password"} | {"password_set": bool(channel.secret)}
     return ChannelOut(
         id=channel.id, name=channel.name, kind=channel.kind, project=channel.project, min_severity=channel.min_severity,
-        url=mask_url(channel.target, channel.kind) if channel.kind != "email" else None,
+        url=mask_url(channel.target) if channel.kind != "email" else None,
         to=channel.target.split(",") if channel.kind == "email" else None, smtp=smtp, enabled=channel.enabled,
         source=channel.source,
         last_delivery={"status": last.status, "error": last.error, "response_status": last.response_status,
                        "at": utc(last.finished_at)} if last and last.finished_at else None,
     )  # fmt: skip
-
-
-def mask_url(url: str, kind: str) -> str:
-    """A URL safe to show: no password, no query values, and a Slack webhook's token path hidden."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:***@{host}" if parts.password else (f"{parts.username}@{host}" if parts.username else host)
-    if parts.port:
-        netloc += f":{parts.port}"
-    path = parts.path
-    if kind == "slack":
-        segments = path.strip("/").split("/")
-        path = "/" + "/".join(segments[:1] + ["***"] * (len(segments) > 1))
-    query = "&".join(f"{p.split('=')[0]}=***" for p in parts.query.split("&") if p)
-    return urlunsplit((parts.scheme, netloc, path, query, ""))
 
 
 def configure_env_webhook(session: Session, url: str) -> None:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from ampwatch.server.alerts._admin import Conflict, save_channel, save_rule
-from ampwatch.server.alerts.schemas import ChannelIn, RuleIn
+from ampwatch.server.alerts.schemas import ChannelIn, RuleIn, explain
 
 
 class ConfigError(ValueError):
@@ -30,8 +30,8 @@ def load_config_file(session: Session, path: str) -> tuple[int, int]:
     try:
         rules = [RuleIn.model_validate(r) for r in document.get("rules") or []]
         channels = [ChannelIn.model_validate(c) for c in document.get("channels") or []]
-    except ValidationError as error:
-        raise ConfigError(f"{path}: {error}") from error
+    except ValidationError as error:  # explained without the values given: the file may hold passwords
+        raise ConfigError(f"{path}: {explain(error)}") from None
     try:
         for rule in rules:
             save_rule(session, body=rule, source="file")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
@@ -88,3 +88,16 @@ def series_tail(session: Session, *, run_id: str, name: str, rank: int, after: i
     P = models.Point
     query = select(P.step, P.value).where(P.series_id == series_id, P.rank == rank, P.step > after)
     return [(s, v) for s, v in session.execute(query.order_by(P.step.desc()).limit(limit))]
+
+
+def series_ranks(session: Session, *, run_id: str, name: str, limit: int = 1024) -> list[int]:
+    """The ranks that have points in a series: one index seek per rank (no scan of a long series)."""
+    series_id = session.scalar(select(models.Series.id).where(models.Series.run_id == run_id, models.Series.name == name))
+    ranks: list[int] = []
+    P = models.Point
+    while series_id is not None and len(ranks) < limit:
+        rank = session.scalar(select(func.min(P.rank)).where(P.series_id == series_id, P.rank > (ranks[-1] if ranks else -1)))
+        if rank is None:
+            break
+        ranks.append(rank)
+    return ranks

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import random
 from datetime import datetime, timedelta
+from typing import Any
 
 import httpx
 from sqlalchemy import select, update
@@ -14,51 +15,75 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server import models
 from ampwatch.server.alerts._channels import Outcome, send
-from ampwatch.server.alerts._db import WAKE, now
-from ampwatch.server.alerts._messages import Notice, notice_for_flip, test_notice
+from ampwatch.server.alerts._db import WAKE, now, utc
+from ampwatch.server.alerts._messages import Notice, grouped, notice_for_flip, test_notice
 
 log = logging.getLogger("ampwatch.alerts")
 D = models.AlertDelivery
 MAX_ATTEMPTS = 8
 STALE_S = 300.0  # a 'sending' row older than this lost its process: try again
+_GROUP_MAX = 20  # alerts in one message at most
 
 
-def claim_due(session: Session, *, stamp: datetime, limit: int) -> list[int]:
-    """Claim up to `limit` due deliveries for this process; each is claimed by exactly one process."""
-    due = session.scalars(select(D.id).where(D.status == "queued", D.due_at <= stamp).order_by(D.due_at).limit(limit)).all()
-    mine = []
-    for delivery_id in due:
+def claim_due(session: Session, *, stamp: datetime, limit: int, group_wait_s: float = 0.0) -> list[list[int]]:
+    """Claim up to `limit` groups of due deliveries for this process; each row is claimed by exactly one
+    process. A group is one channel's notifications about one run: one message. A group goes out once its
+    first notification has waited `group_wait_s` (Alertmanager's group_wait), with whatever joined it since."""
+    F, A = models.AlertFlip, models.Alert
+    waited = stamp - timedelta(seconds=group_wait_s)
+    query = (select(D.id, D.channel_id, A.run_id, F.old_state, F.new_state, D.attempt, D.due_at)
+             .outerjoin(F, F.id == D.flip_id).outerjoin(A, A.id == F.alert_id)
+             .where(D.status == "queued", D.due_at <= stamp).order_by(D.due_at, D.id).limit(limit * _GROUP_MAX * 4))  # fmt: skip
+    rows = session.execute(query).all()
+    keyed = [(_group_key(r), r) for r in rows]
+    ready = {key for key, r in keyed if r.attempt > 1 or utc(r.due_at) <= waited}
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for key, row in keyed:
+        if key not in ready or (key not in groups and len(groups) >= limit) or len(groups.get(key, ())) >= _GROUP_MAX:
+            continue
         done = session.execute(
-            update(D).where(D.id == delivery_id, D.status == "queued").values(status="sending", claimed_at=stamp)
+            update(D).where(D.id == row.id, D.status == "queued").values(status="sending", claimed_at=stamp)
             .execution_options(synchronize_session=False)
         )  # fmt: skip
         if done.rowcount == 1:
-            mine.append(delivery_id)
+            groups.setdefault(key, []).append(row.id)
     session.commit()
-    return mine
+    return list(groups.values())
+
+
+def _group_key(row: Any) -> tuple[Any, ...]:
+    kind = "reminder" if row.old_state == row.new_state == "firing" else row.new_state
+    return (row.channel_id, row.run_id, kind) if row.run_id is not None else (row.id,)
 
 
 def attempt(
-    sessions: sessionmaker[Session], delivery_id: int, *, base_url: str, timeout_s: float, http: httpx.Client | None = None
+    sessions: sessionmaker[Session], delivery_ids: list[int], *, base_url: str, timeout_s: float, scope: str = "private",
+    http: httpx.Client | None = None,
 ) -> Outcome:
-    """Send one claimed delivery and record what happened."""
+    """Send claimed deliveries (one channel, one run) as one message and record what happened on each."""
     with sessions() as session:
-        delivery = session.get(D, delivery_id)
-        channel = session.get(models.AlertChannel, delivery.channel_id) if delivery else None
-        if delivery is None or channel is None:
+        deliveries = [d for d in (session.get(D, i) for i in delivery_ids) if d is not None]
+        channel = session.get(models.AlertChannel, deliveries[0].channel_id) if deliveries else None
+        if channel is None:
             return Outcome(False, error="the delivery or its channel was deleted")
-        flip = session.get(models.AlertFlip, delivery.flip_id) if delivery.flip_id is not None else None
-        notice = notice_for_flip(session, flip, base_url) if flip else test_notice(channel, base_url)
-    outcome = send(channel, notice, timeout_s=timeout_s, http=http)
+        flips = [session.get(models.AlertFlip, d.flip_id) for d in deliveries if d.flip_id is not None]
+        notices = [notice_for_flip(session, f, base_url) for f in flips if f is not None]
+        notice = grouped(notices) if notices else test_notice(channel, base_url)
+    if channel.enabled:
+        outcome = send(channel, notice, timeout_s=timeout_s, scope=scope, http=http)
+    else:  # disabled after this was queued (a retry, say): stop here, and say so on the row
+        outcome = Outcome(False, error="not sent: the channel is disabled")
+    jitter = random.uniform(0.8, 1.2)  # one for the group, so its retries stay together
     with sessions() as session:
-        record(session, delivery_id, outcome, stamp=now())
+        for delivery in deliveries:
+            record(session, delivery.id, outcome, stamp=now(), jitter=jitter)
         session.commit()
     if not outcome.ok:
-        log.warning("alert delivery %d (attempt to channel %r) failed: %s", delivery_id, channel.name, outcome.error)
+        log.warning("alert deliveries %s (to channel %r) failed: %s", delivery_ids, channel.name, outcome.error)
     return outcome
 
 
-def record(session: Session, delivery_id: int, outcome: Outcome, *, stamp: datetime) -> None:
+def record(session: Session, delivery_id: int, outcome: Outcome, *, stamp: datetime, jitter: float = 1.0) -> None:
     """Store the outcome on the attempt's row; queue the next attempt after a temporary failure."""
     delivery = session.get(D, delivery_id)
     assert delivery is not None
@@ -67,15 +92,15 @@ def record(session: Session, delivery_id: int, outcome: Outcome, *, stamp: datet
         delivery.status = "delivered"
     elif outcome.temporary and delivery.attempt < MAX_ATTEMPTS and delivery.flip_id is not None:
         delivery.status = "retried"
-        _requeue(session, delivery, stamp, outcome.retry_after_s)
+        _requeue(session, delivery, stamp, outcome.retry_after_s, jitter)
     else:
         delivery.status = "failed"
         if outcome.temporary and delivery.flip_id is not None:
             delivery.error = f"{outcome.error} (gave up after {delivery.attempt} attempts)"
 
 
-def _requeue(session: Session, delivery: models.AlertDelivery, stamp: datetime, retry_after_s: float | None) -> None:
-    backoff = min(600.0, 2.0 ** (delivery.attempt - 1)) * random.uniform(0.8, 1.2)
+def _requeue(session: Session, delivery: models.AlertDelivery, stamp: datetime, retry_after_s: float | None, jitter: float) -> None:
+    backoff = min(600.0, 2.0 ** (delivery.attempt - 1)) * jitter
     delay = retry_after_s if retry_after_s is not None else backoff
     session.add(D(
         flip_id=delivery.flip_id, channel_id=delivery.channel_id, attempt=delivery.attempt + 1, status="queued",
@@ -100,10 +125,12 @@ def recover_stale(session: Session, *, stamp: datetime) -> int:
     return len(stale)
 
 
-def send_test(session: Session, channel: models.AlertChannel, *, base_url: str, timeout_s: float) -> tuple[models.AlertDelivery, Notice]:
+def send_test(
+    session: Session, channel: models.AlertChannel, *, base_url: str, timeout_s: float, scope: str = "private"
+) -> tuple[models.AlertDelivery, Notice]:
     """Send a test notification now and record it as a delivery without retries."""
     notice = test_notice(channel, base_url)
-    outcome = send(channel, notice, timeout_s=timeout_s)
+    outcome = send(channel, notice, timeout_s=timeout_s, scope=scope)
     stamp = now()
     delivery = D(flip_id=None, channel_id=channel.id, attempt=1, status="delivered" if outcome.ok else "failed",
                  due_at=stamp, created_at=stamp, claimed_at=stamp, finished_at=stamp,

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server import models
 from ampwatch.server.alerts import _state
 from ampwatch.server.alerts._clearing import cleared
-from ampwatch.server.alerts._context import series_tail
+from ampwatch.server.alerts._context import series_ranks, series_tail
 from ampwatch.server.alerts._db import ACTIVE, steps, utc
 from ampwatch.server.alerts._ingest import ensure_liveness
 from ampwatch.server.alerts._rules import applies, project_of
@@ -89,43 +89,58 @@ def _upkeep(session: Session, alert: models.Alert, rule: models.AlertRule | None
 
 
 def _window(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness, project: str, stamp: datetime) -> None:
-    measured = _measure(session, rule, run, liveness)
-    if measured is None:
+    """Measure every rank. A `per_rank` rule keeps one alert per (rule, run, rank); otherwise one alert per
+    (rule, run) holds while any rank breaks the threshold (it names the rank)."""
+    measured = _measure(session, rule, run, liveness)  # {rank: (value, step)}, ranks with a full window only
+    if not measured:
         return  # not enough data to decide either way
-    value, step = measured
-    holds = not math.isnan(value) and _OPS[rule.op or ">"](value, rule.threshold if rule.threshold is not None else 0.0)
-    query = select(A).where(A.rule == rule.name, A.run_id == run.id, A.rank == -1, A.state.in_(ACTIVE))
-    alert = session.scalars(query).first()
-    if not holds:
-        if alert is not None:
+    holding = {rank: m for rank, m in measured.items() if _holds(rule, m[0])}
+    if rule.per_rank:
+        keys = {rank: (rank, m) for rank, m in holding.items()}
+    else:
+        keys = {-1: min(holding.items())} if holding else {}
+    query = select(A).where(A.rule == rule.name, A.run_id == run.id, A.state.in_(ACTIVE))
+    for alert in session.scalars(query).all():  # clear what no longer holds (or was keyed before per_rank changed)
+        if alert.rank not in keys and (not rule.per_rank or alert.rank in measured or alert.rank < 0):
+            value, step = measured.get(alert.rank, min(measured.items())[1])
             reason = f"{_what(rule)} is {value:.4g} at step {steps(step)}, no longer {rule.op} {rule.threshold:g}."
             _state.clear(session, alert, rule, step=step, reason=reason, stamp=stamp)
-        return
-    details = {"value": value, "window_steps": rule.window_steps, "threshold": rule.threshold, "type": rule.name,
-               "message": f"{_what(rule)} is {value:.4g} (threshold {rule.op} {rule.threshold:g}) at step {steps(step)}."}  # fmt: skip
-    summary = f"{_title(rule, value)} in {project}/{run.name} at step {steps(step)}"
-    alert, _ = _state.open_or_fold(session, rule=rule, run_id=run.id, rank=-1, step=step, summary=summary, details=details,
-                                   stamp=stamp, reason=details["message"], occurrence=False)  # fmt: skip
-    if alert.state == "pending" and _for_met(rule, alert, step, stamp):
-        _state.fire(session, alert, step=step, reason=f"held for {_for_text(rule)}", stamp=stamp)
+    for key, (rank, (value, step)) in keys.items():
+        where = f" (rank {rank})" if len(measured) > 1 or rank != 0 else ""
+        message = f"{_what(rule)} is {value:.4g} (threshold {rule.op} {rule.threshold:g}) at step {steps(step)}{where}."
+        details = {"value": value, "window_steps": rule.window_steps, "threshold": rule.threshold, "type": rule.name,
+                   "rank": rank, "message": message}  # fmt: skip
+        summary = f"{_title(rule, value)} in {project}/{run.name}{where} at step {steps(step)}"
+        alert, _ = _state.open_or_fold(session, rule=rule, run_id=run.id, rank=rank, step=step, summary=summary,
+                                       details=details, stamp=stamp, reason=message, occurrence=False)  # fmt: skip
+        if alert.state == "pending" and _for_met(rule, alert, step, stamp):
+            _state.fire(session, alert, step=step, reason=f"held for {_for_text(rule)}", stamp=stamp)
 
 
-def _measure(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness) -> tuple[float, int] | None:
+def _holds(rule: models.AlertRule, value: float) -> bool:
+    return not math.isnan(value) and _OPS[rule.op or ">"](value, rule.threshold if rule.threshold is not None else 0.0)
+
+
+def _measure(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness) -> dict[int, tuple[float, int]]:
     window = rule.window_steps or 1
     floor = rule.ignore_steps
     if rule.series in ("skipped", "scale") and liveness.calibrated_step is not None:
         floor = max(floor, liveness.calibrated_step)  # skips while the scale calibrates at start-up are normal
     if rule.kind == "event_rate":
         if run.last_step is None or run.last_step - floor + 1 < window:
-            return None
+            return {}
         E = models.Event
-        count = session.scalar(select(func.count()).where(
-            E.run_id == run.id, E.type == rule.event_type, E.step > run.last_step - window, E.step >= floor))  # fmt: skip
-        return float(count or 0), run.last_step
-    tail = series_tail(session, run_id=run.id, name=rule.series or "", rank=0, after=floor - 1, limit=window)
-    if len(tail) < window:
-        return None
-    return aggregate(rule.aggregation or "mean", [v for _, v in tail]), tail[0][0]
+        counts = dict(session.execute(select(E.rank, func.count()).where(
+            E.run_id == run.id, E.type == rule.event_type, E.step > run.last_step - window, E.step >= floor).group_by(E.rank)).all())  # fmt: skip
+        if not rule.per_rank:
+            return {0: (float(sum(counts.values())), run.last_step)}  # the run's rate, every rank's events together
+        return {rank: (float(counts.get(rank, 0)), run.last_step) for rank in {0, *counts}}
+    measured = {}
+    for rank in series_ranks(session, run_id=run.id, name=rule.series or ""):
+        tail = series_tail(session, run_id=run.id, name=rule.series or "", rank=rank, after=floor - 1, limit=window)
+        if len(tail) == window:
+            measured[rank] = (aggregate(rule.aggregation or "mean", [v for _, v in tail]), tail[0][0])
+    return measured
 
 
 def aggregate(how: str, values: list[float | None]) -> float:

@@ -4,7 +4,7 @@ gradient-norm trend, and links to the run page at the step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from email.message import EmailMessage
 from typing import Any
@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
-from ampwatch.server.alerts._db import pow2, steps, utc
+from ampwatch.server.alerts._db import SEVERITY_RANK, pow2, steps, utc
 from ampwatch.server.alerts._rules import project_of
 
 
@@ -27,6 +27,13 @@ class Notice:
     reminder: bool = False
     test: bool = False
     details: dict[str, Any] = field(default_factory=dict)
+    others: list[dict[str, Any]] = field(default_factory=list)  # the run's other alerts in this same message
+
+
+def grouped(notices: list[Notice]) -> Notice:
+    """One notice for several alerts of one run that are due together: the most severe leads, the rest are listed."""
+    lead, *rest = sorted(notices, key=lambda n: -SEVERITY_RANK.get(n.alert["severity"], 0))  # stable: first flip first
+    return replace(lead, others=[{**n.alert, "details": n.details} for n in rest]) if rest else lead
 
 
 def notice_for_flip(session: Session, flip: models.AlertFlip, base_url: str) -> Notice:
@@ -59,7 +66,8 @@ def test_notice(channel: models.AlertChannel, base_url: str) -> Notice:
 def text(notice: Notice) -> str:
     """The plain-text message, first line a headline."""
     head = "RESOLVED" if notice.status == "resolved" else ("STILL FIRING" if notice.reminder else "FIRING")
-    lines = [f"[{head} · {notice.alert['severity']}] {notice.alert['summary']}"]
+    more = f" (+{len(notice.others)} more)" if notice.others else ""
+    lines = [f"[{head} · {notice.alert['severity']}] {notice.alert['summary']}{more}"]
     d = notice.details
     if notice.status == "resolved":
         lines.append(notice.reason)
@@ -68,6 +76,9 @@ def text(notice: Notice) -> str:
         if d.get("latest_message") and d["latest_message"] != d["message"]:
             lines.append(f"Latest: {d['latest_message']}")
     lines += _context_lines(d, notice.alert)
+    if notice.others:
+        lines.append(f"Also {'resolved' if notice.status == 'resolved' else 'firing'}:")
+        lines += [f"- [{a['severity']}] {a['summary']}" for a in notice.others]
     if notice.test:
         lines.append("This is a test from ampwatch: the channel works.")
     lines.append(f"Run page: {notice.alert['url']}")
@@ -96,10 +107,11 @@ def _context_lines(d: dict[str, Any], alert: dict[str, Any]) -> list[str]:
 
 
 def webhook_body(notice: Notice) -> dict[str, Any]:
-    """The generic webhook JSON: status, alert, run (PRODUCT.md), plus the text and the diagnosis details."""
+    """The generic webhook JSON: status, alert, run (PRODUCT.md), plus the text and the diagnosis details;
+    `alerts` lists every alert of the run in this message (the lead `alert` first)."""
     alert = {**notice.alert, "details": notice.details}
     return {"status": notice.status, "reminder": notice.reminder, "test": notice.test, "alert": alert,
-            "run": notice.run, "reason": notice.reason, "text": text(notice)}  # fmt: skip
+            "alerts": [alert, *notice.others], "run": notice.run, "reason": notice.reason, "text": text(notice)}  # fmt: skip
 
 
 def slack_body(notice: Notice) -> dict[str, Any]:

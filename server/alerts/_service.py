@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server.alerts import _deliver, _evaluate, _liveness
 from ampwatch.server.alerts._db import WAKE, now
+from ampwatch.server.alerts._targets import scope_of
 from ampwatch.server.settings import Settings
 
 log = logging.getLogger("ampwatch.alerts")
@@ -31,6 +32,8 @@ class AlertService:
     def __init__(self, settings: Settings, sessions: sessionmaker[Session]) -> None:
         self.settings = settings
         self.sessions = sessions
+        self.scope = scope_of(settings)  # where notifications may go (AMPWATCH_ALERT_URL_SCOPE)
+        self.group_wait_s = float(getattr(settings, "alert_group_wait_s", 0.0))  # AMPWATCH_ALERT_GROUP_WAIT_S
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._busy = 0
@@ -115,17 +118,17 @@ class AlertService:
         if free <= 0 or self._pool is None:
             return
         with self.sessions() as session:
-            claimed = _deliver.claim_due(session, stamp=now(), limit=free)
-        for delivery_id in claimed:
+            claimed = _deliver.claim_due(session, stamp=now(), limit=free, group_wait_s=self.group_wait_s)
+        for group in claimed:
             with self._lock:
                 self._busy += 1
-            self._pool.submit(self._send, delivery_id)
+            self._pool.submit(self._send, group)
 
-    def _send(self, delivery_id: int) -> None:
+    def _send(self, delivery_ids: list[int]) -> None:
         try:
-            _guard(f"delivery {delivery_id}", lambda: _deliver.attempt(
-                self.sessions, delivery_id, base_url=self.settings.base_url,
-                timeout_s=self.settings.alert_delivery_timeout_s, http=self._http))  # fmt: skip
+            _guard(f"deliveries {delivery_ids}", lambda: _deliver.attempt(
+                self.sessions, delivery_ids, base_url=self.settings.base_url,
+                timeout_s=self.settings.alert_delivery_timeout_s, scope=self.scope, http=self._http))  # fmt: skip
         finally:
             with self._lock:
                 self._busy -= 1

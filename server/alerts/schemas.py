@@ -6,16 +6,33 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from ampwatch.server.alerts._targets import check_url
 from ampwatch.server.schemas import AlertOut, EventType, Severity
 
 Kind = Literal["event", "event_rate", "threshold"]
 Aggregation = Literal["mean", "max", "min", "sum", "last", "nonfinite"]
 Op = Literal[">", ">=", "<", "<="]
 RuleName = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.:-]+$")]
+_PATTERNS = {"name": "use letters, digits and _ . : - only", "to": "is not an e-mail address", "host": "is not a host name"}
 _FOR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|s|m|h)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def explain(error: ValidationError | ValueError) -> str:
+    """A validation error as a person reads it (`window_steps: Input should be a valid integer`), without
+    echoing what was given, which may be a password."""
+    if not isinstance(error, ValidationError):
+        return str(error)
+    parts = []
+    for item in error.errors():
+        field = next((str(x) for x in reversed(item["loc"]) if isinstance(x, str)), "")
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "string_pattern_mismatch" and field in _PATTERNS:
+            message = f"{item['input']!r}: {_PATTERNS[field]}"
+        parts.append(f"{field.replace('_', ' ')}: {message}" if field else message)
+    return "; ".join(parts)
 
 
 class RuleFields(BaseModel):
@@ -109,24 +126,29 @@ class Smtp(BaseModel):
     """SMTP settings of an e-mail channel. The password is write-only."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    host: Annotated[str, Field(min_length=1, max_length=255)]
+    host: Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9.:\[\]_-]+$")]
     port: Annotated[int, Field(ge=1, le=65535)] | None = None
     starttls: bool = True
     ssl: bool = False
     username: str | None = None
-    password: str | None = Field(None, description="Write-only: never returned.")
+    password: SecretStr | None = Field(None, description="Write-only: never returned.", json_schema_extra={"writeOnly": True})
     sender: str | None = Field(None, alias="from")
     ca_file: str | None = Field(None, description="A CA bundle to verify the server's certificate (a private CA).")
 
 
 class ChannelFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    url: Annotated[str, Field(pattern=r"^https?://", max_length=2000)] | None = None
+    url: Annotated[str, Field(max_length=2000, description="http(s) with a host, no user:password@ (AMPWATCH_ALERT_URL_SCOPE)")] | None = None
     to: list[Annotated[str, Field(pattern=r"^[^@\s,]+@[^@\s,]+$")]] | None = None
     smtp: Smtp | None = None
     project: str | None = None
     min_severity: Severity | None = None
     enabled: bool | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str | None) -> str | None:
+        return None if url is None else check_url(url)
 
 
 class ChannelIn(ChannelFields):
@@ -148,7 +170,7 @@ class ChannelOut(BaseModel):
     id: int
     name: str
     kind: str
-    url: str | None = Field(description="Secrets in the URL (a Slack token, a query string) are masked.")
+    url: str | None = Field(description="Scheme and host only: the path and query, where webhook secrets live, are masked.")
     to: list[str] | None
     smtp: dict[str, Any] | None = Field(description="Without the password; `password_set` says whether one is stored.")
     project: str | None
@@ -212,6 +234,7 @@ class FlipOut(BaseModel):
 
 
 class AlertDetailOut(AlertOut):
+    state: Literal["pending", "firing", "resolved"]  # a pending alert (waiting out its `for`) has details too
     rank: int | None
     step: int | None
     last_step: int | None

@@ -11,6 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from ampwatch.server import models
 from ampwatch.server.alerts import _admin
 from ampwatch.server.alerts._deliver import send_test
+from ampwatch.server.alerts._targets import TargetError, scope_of
 from ampwatch.server.alerts.schemas import (
     AlertDetailOut, ChannelFields, ChannelIn, ChannelOut, RuleFields, RuleIn, RuleOut, SilenceIn, SilenceOut, TestResult,
 )  # fmt: skip
@@ -88,8 +89,10 @@ def list_channels(session: SessionDep) -> list[ChannelOut]:
 
 
 @router.post("/alert-channels", response_model=ChannelOut, status_code=201)
-def create_channel(body: ChannelIn, session: SessionDep) -> ChannelOut:
-    """Add a webhook, Slack or e-mail channel (409 when the name is taken)."""
+def create_channel(body: ChannelIn, session: SessionDep, settings: SettingsDep) -> ChannelOut:
+    """Add a webhook, Slack or e-mail channel (409 when the name is taken; 422 for a destination that
+    `AMPWATCH_ALERT_URL_SCOPE` does not allow). Secrets are write-only."""
+    _allowed(body, settings)
     try:
         return _admin.channel_out(session, _admin.save_channel(session, body=body))
     except (_admin.Conflict, IntegrityError) as error:
@@ -103,8 +106,9 @@ def get_channel(channel_id: RowId, session: SessionDep) -> ChannelOut:
 
 
 @router.patch("/alert-channels/{channel_id}", response_model=ChannelOut)
-def update_channel(channel_id: RowId, body: ChannelFields, session: SessionDep) -> ChannelOut:
+def update_channel(channel_id: RowId, body: ChannelFields, session: SessionDep, settings: SettingsDep) -> ChannelOut:
     """Change a channel; an SMTP password is kept unless a new one is given."""
+    _allowed(body, settings)
     channel = _found(session.get(models.AlertChannel, channel_id), "channel", channel_id)
     return _admin.channel_out(session, _admin.update_channel(session, channel=channel, body=body))
 
@@ -121,9 +125,17 @@ def delete_channel(channel_id: RowId, session: SessionDep) -> Response:
 def test_channel(channel_id: RowId, session: SessionDep, settings: SettingsDep) -> TestResult:
     """Send a test notification now and say whether it arrived (and why not)."""
     channel = _found(session.get(models.AlertChannel, channel_id), "channel", channel_id)
-    delivery, _ = send_test(session, channel, base_url=settings.base_url, timeout_s=settings.alert_delivery_timeout_s)
+    delivery, _ = send_test(session, channel, base_url=settings.base_url, timeout_s=settings.alert_delivery_timeout_s,
+                            scope=scope_of(settings))  # fmt: skip
     return TestResult(ok=delivery.status == "delivered", error=delivery.error, response_status=delivery.response_status,
                       delivery_id=delivery.id)  # fmt: skip
+
+
+def _allowed(body: ChannelFields, settings: Any) -> None:
+    try:
+        _admin.check_destination(body, scope_of(settings))
+    except TargetError as error:
+        raise HTTPException(422, str(error)) from error
 
 
 # -- silences -----------------------------------------------------------------------------

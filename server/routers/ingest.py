@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path
+from fastapi import APIRouter, HTTPException, Path, Request
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from ampwatch.server import store
+from ampwatch.server import auth, db, models, store
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn, RunOut
@@ -16,19 +18,32 @@ RunId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Chose
 
 
 @router.put("/runs/{run_id}", response_model=RunOut)
-def register_run(run_id: RunId, body: RunIn, session: SessionDep, settings: SettingsDep) -> RunOut:
+def register_run(run_id: RunId, body: RunIn, request: Request, session: SessionDep, settings: SettingsDep) -> RunOut:
     """Create or refresh a run; idempotent."""
-    run = store.register_run(session, run_id=run_id, body=body)
+    _check_project(request, session, run_id, body.project)
+    run = db.retrying(session, lambda: store.register_run(session, run_id=run_id, body=body))  # idempotent
     return run_out(run, body.project, settings)
 
 
 @router.post("/runs/{run_id}/batches", response_model=BatchOut)
-def post_batch(run_id: RunId, batch: BatchIn, session: SessionDep, settings: SettingsDep) -> BatchOut:
+def post_batch(run_id: RunId, batch: BatchIn, request: Request, session: SessionDep, settings: SettingsDep) -> BatchOut:
     """Store a batch of points and events; acknowledged only after commit, stored once per (rank, seq)."""
+    _check_project(request, session, run_id)
     total = sum(len(s.steps) for s in batch.points.values())
     if total > settings.max_batch_points:
         raise HTTPException(413, f"batch has {total} points; the limit is {settings.max_batch_points}")
     try:
-        return store.ingest_batch(session, run_id=run_id, batch=batch)
+        return db.retrying(session, lambda: store.ingest_batch(session, run_id=run_id, batch=batch))  # stored once per (rank, seq)
     except store.UnknownRun:
         raise HTTPException(404, f"unknown run {run_id!r}: register it with PUT /api/v1/runs/{run_id} first")
+
+
+def _check_project(request: Request, session: Session, run_id: str, project: str | None = None) -> None:
+    """An ingest token limited to a project writes only runs of that project."""
+    allowed = auth.principal_of(request).project
+    if allowed is None:
+        return
+    owner = select(models.Project.name).join(models.Run, models.Run.project_id == models.Project.id)
+    for name in (project, session.scalar(owner.where(models.Run.id == run_id))):
+        if name is not None and name != allowed:
+            raise HTTPException(403, f"this token may only write runs of project {allowed!r}, not {name!r}")

@@ -20,13 +20,15 @@ router = APIRouter(prefix="/api/v1", tags=["read"])
 _SERIES_EXAMPLE = {"loss": {"steps": [0, 1, 2], "values": [2.31, "NaN", "Infinity"]}}
 
 
-def run_out(run: models.Run, project: str, settings: Settings, series: list[str] | None = None) -> RunOut:
+def run_out(
+    run: models.Run, project: str, settings: Settings, series: list[str] | None = None, ranks: list[int] | None = None
+) -> RunOut:
     """A run as the API shows it."""
     return RunOut(
         id=run.id, project=project, name=run.name, status=run.status, health=run.health,
         created_at=utc(run.created_at), last_seen_at=utc(run.last_seen_at),
         finished_at=utc(run.finished_at) if run.finished_at else None, last_step=run.last_step,
-        config=run.config, environment=run.environment, url=f"{settings.base_url}/runs/{run.id}", series=series or [],
+        config=run.config, environment=run.environment, url=f"{settings.base_url}/runs/{run.id}", series=series or [], ranks=ranks or [],
     )  # fmt: skip
 
 
@@ -45,9 +47,9 @@ def list_runs(session: SessionDep, settings: SettingsDep, project: str | None = 
 
 @router.get("/runs/{run_id}", response_model=RunOut)
 def get_run(run_id: str, session: SessionDep, settings: SettingsDep) -> RunOut:
-    """One run, with the names of its series."""
+    """One run, with the names of its series and the ranks it has heard from."""
     run, project = _get_run(session, run_id)
-    return run_out(run, project, settings, store.series_names(session, run_id=run_id))
+    return run_out(run, project, settings, store.series_names(session, run_id=run_id), store.run_ranks(session, run_id=run_id))
 
 
 @router.get(
@@ -109,7 +111,7 @@ def list_alerts(
     run_id: str | None = None,
     state: Annotated[str | None, Query(pattern="^(pending|firing|resolved)$")] = None,
 ) -> list[AlertOut]:
-    """Alerts, newest first."""
+    """Alerts, newest first: firing and resolved; `state=pending` lists those still waiting out a rule's `for`."""
     return [
         AlertOut(id=a.id, run_id=a.run_id, rule=a.rule, severity=a.severity, state=a.state,
                  started_at=utc(a.started_at), resolved_at=utc(a.resolved_at) if a.resolved_at else None,

@@ -1,15 +1,22 @@
 """Live updates over Server-Sent Events, polled from the database (replicas share nothing else).
 
-A run's stream sends what is new since its cursor: points by step, events by id. The SSE id is
-`"<step>:<event id>"`; a reconnecting browser sends it back as `Last-Event-ID` and the stream resumes
-there, re-reading the cursor's own step so that a late point at that step is not lost (the client keeps
-the points it already has). A run that fell too far behind gets `reset`: read the series again.
+Points follow the run's point feed (`point_feed`): every stored batch with points gets the run's next
+position, taken under the run row's lock just before commit, so positions become visible in order and a
+stream that has read up to position p has seen every batch up to p. For each new batch of its rank the
+stream sends the points of the batch's step range, whatever the steps: a spool replayed after an outage or
+a slow rank arrives as it is written. Events follow their ids; since on Postgres a lower id may commit
+after a higher one, the stream looks again at the last RESCAN_S seconds of ids and sends what it had not.
+
+The SSE id is `"<feed position>/<event id>"`; a reconnecting browser sends it back as `Last-Event-ID`
+and the stream resumes there (the client merges points by step and events by id, so a repeat is harmless).
+More than RESET_STEPS steps (or MAX_ROWS points) to send at once, the client gets `reset`: read the series again.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -19,6 +26,7 @@ from typing import Annotated, Any
 import anyio
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server.db import utc
@@ -32,23 +40,28 @@ router = APIRouter(prefix="/api/v1", tags=["stream"])
 
 POLL_S = 0.2  # how often a stream looks at the database: most of the send-to-screen latency
 LIFETIME_S = 30.0  # then the stream ends and the browser reconnects from its Last-Event-ID (shutdown never waits long)
-RESET_STEPS = 20_000  # further behind than this, the client re-reads the downsampled series instead
-MAX_ROWS = 50_000  # points per message; more are sent in the next message at once
+RESET_STEPS = 20_000  # more steps than this to send at once, the client re-reads the downsampled series instead
+MAX_ROWS = 50_000  # more points than this to send at once: the same
+RESCAN_S = 10.0  # event ids are looked at again for this long: a transaction commits well within it
+FEED_ROWS = 1000  # feed rows read per look; more are read at once in the next
 RETRY_MS = 500
 
 
 @dataclass
 class RunCursor:
-    """What one connection has sent: the highest step, the last step per series, the last event id."""
+    """What one connection has sent: the feed position, pending step ranges, and events (every id up to
+    `event_floor`, and `events_sent` above it)."""
 
-    step: int
-    event_id: int
-    sent: dict[str, int] = field(default_factory=dict)
+    position: int
+    event_floor: int
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    events_sent: set[int] = field(default_factory=set)
+    marks: deque[tuple[float, int]] = field(default_factory=deque)  # (when, highest event id seen then)
     seen: tuple[Any, ...] | None = None
 
     @property
     def id(self) -> str:
-        return f"{self.step}:{self.event_id}"
+        return f"{self.position}/{self.event_floor}"
 
 
 def _existing_run(run_id: str, request: Request) -> models.Run:
@@ -63,8 +76,8 @@ def _existing_run(run_id: str, request: Request) -> models.Run:
 
 def _parse_id(last_event_id: str | None) -> tuple[int, int] | None:
     try:
-        step, event_id = (last_event_id or "").split(":")
-        return int(step), int(event_id)
+        position, event_id = (last_event_id or "").split("/")
+        return int(position), int(event_id)
     except ValueError:
         return None
 
@@ -73,21 +86,20 @@ def _parse_id(last_event_id: str | None) -> tuple[int, int] | None:
 async def stream_run(
     request: Request,
     run: Annotated[models.Run, Depends(_existing_run)],
-    after_step: Annotated[int | None, Query(ge=-1, le=MAX_BIGINT, description="Send points after this step; the run's end when absent.")] = None,
+    after_position: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Send batches stored after this point-feed position (a page shows it as `data-feed`).")] = None,
+    after_step: Annotated[int | None, Query(ge=-1, le=MAX_BIGINT, description="Without `after_position`: also send the points after this step stored so far.")] = None,
     after_event: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Send events with a larger id; the newest when absent.")] = None,
     rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> AsyncIterator[ServerSentEvent]:
-    """`update` events `{run, points, events, reset}`: the run's state, new points as
+    """`update` events `{run, points, events, reset}`: the run's state, new (or late) points as
     `{name: {steps, values}}` (non-finite spelled out), new events. Resumes from `Last-Event-ID`."""
     sessions: sessionmaker[Session] = request.app.state.sessions
     resumed = _parse_id(last_event_id)
     if resumed is not None:
-        cursor = RunCursor(step=resumed[0], event_id=resumed[1])
+        cursor = RunCursor(position=resumed[0], event_floor=resumed[1])
     else:
-        start = after_step if after_step is not None else (run.last_step if run.last_step is not None else -1)
-        events = after_event if after_event is not None else await _run_sync(partial(_last_event_id, sessions, run.id))
-        cursor = RunCursor(step=start, event_id=events)
+        cursor = await _run_sync(partial(_start, sessions, run, after_position, after_step, after_event))
     yield ServerSentEvent(comment="ampwatch run stream", retry=RETRY_MS)
     deadline = time.monotonic() + LIFETIME_S
     while time.monotonic() < deadline:
@@ -102,9 +114,20 @@ async def _run_sync(fn: Callable[[], Any]) -> Any:
     return await anyio.to_thread.run_sync(fn)
 
 
-def _last_event_id(sessions: sessionmaker[Session], run_id: str) -> int:
+def _start(
+    sessions: sessionmaker[Session], run: models.Run, after_position: int | None, after_step: int | None, after_event: int | None
+) -> RunCursor:  # fmt: skip
+    """A new stream's cursor: the feed position (now, unless given) and the steps after `after_step` stored so far."""
     with sessions() as session:
-        return store.last_event_id(session, run_id=run_id)
+        position = after_position if after_position is not None else store.feed_position(session, run_id=run.id)
+        event_floor = after_event if after_event is not None else store.last_event_id(session, run_id=run.id)
+        # Read after the position (not the run loaded with the request): a batch committed in between is then
+        # in this range, or after the position, never in neither.
+        last_step = session.scalar(select(models.Run.last_step).where(models.Run.id == run.id))
+    cursor = RunCursor(position=position, event_floor=event_floor)
+    if after_position is None and after_step is not None and last_step is not None and last_step > after_step:
+        cursor.pending.append((after_step + 1, last_step))
+    return cursor
 
 
 def _poll_run(sessions: sessionmaker[Session], run_id: str, rank: int, cursor: RunCursor) -> tuple[dict[str, Any] | None, bool]:
@@ -114,41 +137,75 @@ def _poll_run(sessions: sessionmaker[Session], run_id: str, rank: int, cursor: R
         if run is None:
             return None, False
         state = (run.status, run.health, run.last_step, run.last_seen_at)
-        events = store.list_events(session, run_id=run_id, after_id=cursor.event_id, limit=1000)
-        if state == cursor.seen and not events:
-            return None, False
+        events = _new_events(session, run_id, cursor)
+        more = _read_feed(session, run_id, rank, cursor)
+        if state == cursor.seen and not events and not cursor.pending:
+            return None, more
         cursor.seen = state
         message: dict[str, Any] = {"run": _run_state(run), "points": {}, "events": [_event(e) for e in events], "reset": False}
-        if events:
-            cursor.event_id = events[-1].id
-        more = False
-        if run.last_step is not None and run.last_step - cursor.step > RESET_STEPS:
-            message["reset"], cursor.step, cursor.sent = True, run.last_step, {}
+        if sum(hi - lo + 1 for lo, hi in cursor.pending) > RESET_STEPS:
+            message["reset"] = True
         else:
-            message["points"], more = _new_points(session, run_id, rank, cursor)
-        return message, more or len(events) == 1000
+            message["points"], message["reset"] = _pending_points(session, run_id, rank, cursor.pending)
+        cursor.pending = []
+        return message, more
 
 
-def _new_points(session: Session, run_id: str, rank: int, cursor: RunCursor) -> tuple[dict[str, Any], bool]:
-    """Points from the cursor's step on (inclusive: a late point at that step still arrives), less those
-    this connection already sent; the client ignores the few it had from its first read."""
-    rows = series.points_from(session, run_id=run_id, rank=rank, step=max(0, cursor.step), limit=MAX_ROWS)
+def _new_events(session: Session, run_id: str, cursor: RunCursor) -> list[models.Event]:
+    """Events above the floor not sent yet; the floor rises to what was seen RESCAN_S ago."""
+    found = store.list_events(session, run_id=run_id, after_id=cursor.event_floor, limit=len(cursor.events_sent) + 1000)
+    new = [e for e in found if e.id not in cursor.events_sent]
+    cursor.events_sent.update(e.id for e in new)
+    now = time.monotonic()
+    cursor.marks.append((now, max(cursor.events_sent, default=cursor.event_floor)))
+    while cursor.marks and cursor.marks[0][0] <= now - RESCAN_S:
+        cursor.event_floor = max(cursor.event_floor, cursor.marks.popleft()[1])
+    cursor.events_sent = {i for i in cursor.events_sent if i > cursor.event_floor}
+    return new
+
+
+def _read_feed(session: Session, run_id: str, rank: int, cursor: RunCursor) -> bool:
+    """Add the step ranges of this rank's batches stored after the cursor's position; whether more wait."""
+    query = (
+        select(models.PointFeed.position, models.PointFeed.rank, models.PointFeed.first_step, models.PointFeed.last_step)
+        .where(models.PointFeed.run_id == run_id, models.PointFeed.position > cursor.position)
+        .order_by(models.PointFeed.position).limit(FEED_ROWS)
+    )  # fmt: skip
+    rows = session.execute(query).all()
+    for position, row_rank, first, last in rows:
+        if row_rank == rank:
+            cursor.pending.append((first, last))
+        cursor.position = position
+    cursor.pending = _merged(cursor.pending)
+    return len(rows) == FEED_ROWS
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _pending_points(session: Session, run_id: str, rank: int, ranges: list[tuple[int, int]]) -> tuple[dict[str, Any], bool]:
+    """({name: {steps, values}} of every point in the ranges, False), or ({}, True) when there are too many."""
     points: dict[str, dict[str, list[Any]]] = {}
-    for name, step, value in rows:
-        if step <= cursor.sent.get(name, -1):
-            continue
-        one = points.setdefault(name, {"steps": [], "values": []})
-        one["steps"].append(step)
-        one["values"].append(value)
-        cursor.sent[name] = step
+    budget = MAX_ROWS
+    for lo, hi in ranges:
+        rows = series.points_between(session, run_id=run_id, rank=rank, lo=lo, hi=hi, limit=budget + 1)
+        budget -= len(rows)
+        if budget < 0:
+            return {}, True
+        for name, step, value in rows:
+            one = points.setdefault(name, {"steps": [], "values": []})
+            one["steps"].append(step)
+            one["values"].append(value)
     for one in points.values():
         one["values"] = to_json(one["values"])
-    if rows:
-        cursor.step = max(cursor.step, rows[-1][1])
-    more = len(rows) == MAX_ROWS
-    if more:
-        cursor.seen = None  # look again at once, whatever the run row says
-    return points, more
+    return points, False
 
 
 def _run_state(run: models.Run) -> dict[str, Any]:

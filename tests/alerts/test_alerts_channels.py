@@ -113,7 +113,7 @@ def test_slack_gets_its_incoming_webhook_format_and_the_token_is_masked(alert_se
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
         made = http.post("/api/v1/alert-channels", json={"name": "slack", "kind": "slack", "url": f"{receiver.url}/slack/T0/B0/token123"})
-        assert made.json()["url"] == f"{receiver.url}/slack/***"
+        assert made.json()["url"] == f"{receiver.url}/***"  # the path may be the secret (Telegram, ntfy)
         _nan(http, "slacked")
     [body] = receiver.wait(1, path="/slack/T0/B0/token123")
     assert body["text"] == "[FIRING · critical] NaN loss in p/slacked at step 10"

@@ -37,3 +37,80 @@ def test_the_rules_page_shows_rules_in_words_toggles_them_and_tests_a_channel(al
         toggled = http.post(f"/alerts/rules/{rule_id}/toggle", follow_redirects=True)
         assert "rule loss_spike disabled" in toggled.text
         assert http.get(f"/api/v1/alert-rules/{rule_id}").json()["enabled"] is False
+
+
+def _rule(**fields: str) -> dict[str, str]:
+    return {"kind": "threshold", "name": "loss_high", "series": "loss", "aggregation": "mean", "window_steps": "5",
+            "op": ">", "threshold": "10", "for": "3 steps", "project": "p", "severity": "critical", **fields}  # fmt: skip
+
+
+def test_a_refused_rule_comes_back_filled_in_with_the_reason_and_a_good_one_is_added(alert_server) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server(alert_webhook_url="")
+    with server.client() as http:
+        bad = http.post("/alerts/rules", data=_rule(window_steps="five", threshold=""))
+        assert bad.status_code == 422
+        assert "Rule not added. window steps: Input should be a valid integer" in bad.text
+        form = re.search(r'<form method="post" action="/alerts/rules" id="add-threshold-rule">.*?</form>', bad.text, re.S).group(0)
+        for typed in ('name="name" value="loss_high"', 'name="window_steps" value="five"', 'name="for" value="3 steps"',
+                      'name="project" value="p"', '<option value="critical" selected>'):  # fmt: skip
+            assert typed in form, typed
+        assert "a threshold rule needs threshold" in http.post("/alerts/rules", data=_rule(threshold="")).text
+        assert "is not like &#39;500 steps&#39;" in http.post("/alerts/rules", data=_rule(**{"for": "soon"})).text
+        assert "&#39;loss high&#39;: use letters, digits" in http.post("/alerts/rules", data=_rule(name="loss high")).text
+        added = http.post("/alerts/rules", data=_rule(per_rank="on"), follow_redirects=True)
+        assert "rule loss_high added: mean of loss over the last 5 steps &gt; 10 for 3 steps in project p" in added.text
+        again = http.post("/alerts/rules", data=_rule())
+        assert again.status_code == 422 and "a rule named &#39;loss_high&#39; exists" in again.text
+        rate = {"kind": "event_rate", "name": "skips", "event_type": "skipped_step", "window_steps": "100", "op": ">=", "threshold": "20"}
+        assert "rule skips added" in http.post("/alerts/rules", data=rate, follow_redirects=True).text
+        rules = {r["name"]: r for r in http.get("/api/v1/alert-rules").json()}
+    made = rules["loss_high"]
+    assert (made["severity"], made["for_steps"], made["per_rank"], made["project"], made["source"]) == ("critical", 3, True, "p", "api")
+    assert (rules["skips"]["kind"], rules["skips"]["threshold"], rules["skips"]["project"]) == ("event_rate", 20.0, None)
+
+
+def test_user_rules_can_be_deleted_from_the_page_and_built_in_ones_only_disabled(alert_server) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server(alert_webhook_url="")
+    with server.client() as http:
+        assert http.post("/alerts/rules", data=_rule()).status_code == 303
+        rules = {r["name"]: r["id"] for r in http.get("/api/v1/alert-rules").json()}
+        page = http.get("/alerts/rules").text
+        assert f'action="/alerts/rules/{rules["loss_high"]}/delete"' in page
+        assert f'action="/alerts/rules/{rules["nonfinite_loss"]}/delete"' not in page  # no button for a built-in rule
+        kept = http.post(f"/alerts/rules/{rules['nonfinite_loss']}/delete", follow_redirects=True)
+        assert "rule nonfinite_loss is built in: it can be disabled, not deleted" in kept.text
+        gone = http.post(f"/alerts/rules/{rules['loss_high']}/delete", follow_redirects=True)
+        assert "rule loss_high deleted" in gone.text
+        assert {r["name"] for r in http.get("/api/v1/alert-rules").json()} == set(rules) - {"loss_high"}
+        assert http.post(f"/alerts/rules/{rules['loss_high']}/delete").status_code == 404
+
+
+def test_a_refused_channel_comes_back_filled_in_without_its_password(alert_server) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server(alert_webhook_url="")
+    mail = {"kind": "email", "name": "mail", "to": "a@example.com, nobody", "smtp_host": "127.0.0.1", "smtp_port": "2525",
+            "smtp_username": "u", "smtp_password": "hunter2-secret", "smtp_starttls": "on"}  # fmt: skip
+    with server.client() as http:
+        bad = http.post("/alerts/channels", data=mail)
+        assert bad.status_code == 422
+        assert "Channel not added (enter the password again). to: &#39;nobody&#39;: is not an e-mail address" in bad.text
+        assert 'value="a@example.com, nobody"' in bad.text and 'name="smtp_port" value="2525"' in bad.text
+        assert "hunter2-secret" not in bad.text
+        hook = http.post("/alerts/channels", data={"kind": "webhook", "name": "meta", "url": "http://169.254.169.254/latest"})
+        assert hook.status_code == 422 and "link-local" in hook.text and 'value="http://169.254.169.254/latest"' in hook.text
+        ftp = http.post("/alerts/channels", data={"kind": "slack", "name": "s", "url": "ftp://127.0.0.1/x"})
+        assert "must start with http:// or https://" in ftp.text
+        added = http.post("/alerts/channels", data={**mail, "to": "a@example.com; b@example.com"}, follow_redirects=True)
+        assert "channel mail added" in added.text and "hunter2-secret" not in added.text
+        assert "as u, password set" in added.text
+        [channel] = http.get("/api/v1/alert-channels").json()
+    assert channel["to"] == ["a@example.com", "b@example.com"]
+    assert channel["smtp"] | {"password_set": True} == channel["smtp"] and "password" not in channel["smtp"]
+    assert (channel["smtp"]["port"], channel["smtp"]["starttls"], channel["smtp"]["ssl"]) == (2525, True, False)
+
+
+def test_a_form_post_with_too_many_fields_is_a_422_not_a_500(alert_server) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server(alert_webhook_url="")
+    with server.client() as http:
+        crowded = http.post("/alerts/rules", content="&".join(f"f{i}=1" for i in range(100)),
+                            headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert crowded.status_code == 422 and "Max number of fields exceeded" in crowded.text

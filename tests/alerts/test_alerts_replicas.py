@@ -24,7 +24,7 @@ def _batch(seq: int, step: int) -> dict[str, Any]:
 
 def test_two_server_processes_on_one_postgres_notify_exactly_once(pg_url, receiver, server_processes) -> None:  # type: ignore[no-untyped-def]
     env = {"AMPWATCH_ALERT_WEBHOOK_URL": f"{receiver.url}/hook", "AMPWATCH_ALERT_EVAL_INTERVAL_S": "0.05",
-           "AMPWATCH_HEARTBEAT_TIMEOUT_S": "2"}  # fmt: skip
+           "AMPWATCH_HEARTBEAT_TIMEOUT_S": "4"}  # fmt: skip  (2 s called runs crashed before their first batch on a loaded machine)
     servers = [server_processes(pg_url, **env), server_processes(pg_url, **env)]
     run_ids = [f"replica-{i}" for i in range(RUNS)]
     for run_id in run_ids:
@@ -37,18 +37,18 @@ def test_two_server_processes_on_one_postgres_notify_exactly_once(pg_url, receiv
     with ThreadPoolExecutor(2 * RUNS) as pool:
         assert set(pool.map(post, [(r, s) for r in run_ids for s in (1, 2)])) == {200}
     # Each run: a NaN alert (ingest, both processes), a skip-rate alert (both evaluators), then a crash (both notice).
-    receiver.wait(3 * RUNS, timeout_s=40)
+    notified = receiver.notified(3 * RUNS, timeout_s=40)  # alerts due together may share one message
     with httpx.Client(base_url=servers[1].url) as http:
         for run_id in run_ids:
             alerts = http.get("/api/v1/alerts", params={"run_id": run_id}).json()
             assert sorted(a["rule"] for a in alerts) == ["nonfinite_loss", "run_crashed", "skip_rate"], run_id
             for alert in alerts:
                 detail = http.get(f"/api/v1/alerts/{alert['id']}").json()
-                assert [f["new_state"] for f in detail["flips"]] == ["firing"], detail
+                assert [f["new_state"] for f in detail["flips"]] == ["firing"], [(f["new_state"], f["reason"], alert["rule"]) for f in detail["flips"]]
                 assert [d["status"] for d in detail["flips"][0]["deliveries"]] == ["delivered"], detail
-    bodies = receiver.bodies()
-    assert len(bodies) == 3 * RUNS
-    assert len({(b["run"]["id"], b["alert"]["rule"]) for b in bodies}) == 3 * RUNS
+    time.sleep(0.5)  # a duplicate notification would arrive about now
+    notified = receiver.notified(0)
+    assert len(notified) == 3 * RUNS and len(set(notified)) == 3 * RUNS, notified
 
 
 def test_a_slow_channel_does_not_delay_ingest(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]

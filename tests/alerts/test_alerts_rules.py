@@ -26,16 +26,17 @@ class Feed:
         self.http.put(f"/api/v1/runs/{run_id}", json={"project": project, "name": run_id}).raise_for_status()
         return run_id
 
-    def send(self, run_id: str, *, events: list[tuple[str, str, int]] = (), **series: tuple[range, float]) -> None:  # type: ignore[assignment]
+    def send(self, run_id: str, *, events: list[tuple[str, str, int]] = (), rank: int = 0, **series: tuple[range, float]) -> None:  # type: ignore[assignment]
         self.seq += 1
         points = {name: {"steps": list(steps), "values": [value] * len(steps)} for name, (steps, value) in series.items()}
-        body = {"seq": self.seq, "points": points,
+        body = {"seq": self.seq, "rank": rank, "points": points,
                 "events": [{"step": s, "type": t, "severity": sev, "message": f"{t} at {s}"} for t, sev, s in events]}  # fmt: skip
         self.http.post(f"/api/v1/runs/{run_id}/batches", json=body).raise_for_status()
 
     def alerts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        listed = self.http.get("/api/v1/alerts", params={"run_id": run_id}).json()
-        return {a["rule"]: self.http.get(f"/api/v1/alerts/{a['id']}").json() for a in listed}
+        listed = [*self.http.get("/api/v1/alerts", params={"run_id": run_id}).json(),  # firing and resolved (PRODUCT.md)
+                  *self.http.get("/api/v1/alerts", params={"run_id": run_id, "state": "pending"}).json()]  # fmt: skip
+        return {a["rule"]: self.http.get(f"/api/v1/alerts/{a['id']}").json() for a in {a["id"]: a for a in listed}.values()}
 
 
 @pytest.fixture
@@ -76,6 +77,37 @@ def test_a_threshold_rule_goes_pending_then_fires_after_for_steps_and_resolves_a
     flips = [(f["old_state"], f["new_state"]) for f in feed.alerts(run)["loss_high"]["flips"]]
     assert flips == [(None, "pending"), ("pending", "firing"), ("firing", "resolved")]
     assert feed.alerts(other) == {}
+
+
+def _by_rank(feed: Feed, run_id: str, rule: str) -> dict[int | None, dict[str, Any]]:
+    listed = [a for a in feed.http.get("/api/v1/alerts", params={"run_id": run_id}).json() if a["rule"] == rule]
+    details = [feed.http.get(f"/api/v1/alerts/{a['id']}").json() for a in listed]
+    return {d["rank"]: d for d in details}
+
+
+def test_a_threshold_rule_watches_every_rank_of_a_two_rank_run(feed, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
+    common = {"kind": "threshold", "series": "loss", "aggregation": "max", "window_steps": 5, "op": ">", "threshold": 10}
+    feed.http.post("/api/v1/alert-rules", json={"name": "loss_any_rank", **common}).raise_for_status()
+    feed.http.post("/api/v1/alert-rules", json={"name": "loss_per_rank", "per_rank": True, **common}).raise_for_status()
+    run = feed.run("ddp")
+    feed.send(run, rank=0, loss=(range(0, 10), 1.0))
+    feed.send(run, rank=1, loss=(range(0, 10), 50.0))  # only rank 1 goes bad
+    wait_for(lambda: _by_rank(feed, run, "loss_per_rank").keys() == {1} and _by_rank(feed, run, "loss_any_rank"), what="alerts")
+    [any_rank] = _by_rank(feed, run, "loss_any_rank").values()
+    assert any_rank["rank"] is None and "in p/ddp (rank 1) at step 9" in any_rank["summary"], any_rank
+    feed.send(run, rank=0, loss=(range(10, 20), 60.0))  # now rank 0 as well: its own alert
+    wait_for(lambda: _by_rank(feed, run, "loss_per_rank").keys() == {0, 1}, what="an alert for rank 0")
+    feed.send(run, rank=1, loss=(range(10, 20), 1.0))  # rank 1 recovers: only its alert resolves
+    wait_for(lambda: _by_rank(feed, run, "loss_per_rank")[1]["state"] == "resolved", what="rank 1 resolved")
+    per_rank = _by_rank(feed, run, "loss_per_rank")
+    assert per_rank[0]["state"] == "firing" and "(rank 0)" in per_rank[0]["summary"]
+    assert _by_rank(feed, run, "loss_any_rank")[None]["state"] == "firing"  # rank 0 still breaks it
+    feed.send(run, rank=0, loss=(range(20, 30), 1.0))
+    wait_for(lambda: _by_rank(feed, run, "loss_any_rank")[None]["state"] == "resolved", what="the any-rank alert resolved")
+    wait_for(lambda: _by_rank(feed, run, "loss_per_rank")[0]["state"] == "resolved", what="rank 0 resolved")
+    sent = sorted((status, rule) for status, _, rule in receiver.notified(6))
+    assert sent == [("firing", "loss_any_rank"), ("firing", "loss_per_rank"), ("firing", "loss_per_rank"),
+                    ("resolved", "loss_any_rank"), ("resolved", "loss_per_rank"), ("resolved", "loss_per_rank")], sent  # fmt: skip
 
 
 def test_a_firing_alert_sends_reminders_every_repeat_interval(feed, receiver) -> None:  # type: ignore[no-untyped-def]
@@ -141,3 +173,26 @@ def test_a_broken_config_file_stops_the_server_from_starting_with_the_reason(tmp
     path.write_text(json.dumps({"rules": [{"name": "x", "kind": "threshold", "series": "loss"}]}))
     with pytest.raises(ConfigError, match="a threshold rule needs op, threshold"):
         create_app(Settings(database_url=sqlite_url, alert_rules_file=str(path)))
+
+
+def test_alerts_of_one_run_firing_within_group_wait_go_out_as_one_message(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server(alert_group_wait_s=1.0)
+    with server.client() as http:
+        feed = Feed(http)
+        burst, other = feed.run("burst"), feed.run("other")
+        started = time.monotonic()
+        feed.send(burst, events=[("loss_spike", "warning", 5), ("nonfinite_loss", "critical", 5)])
+        feed.send(other, events=[("nonfinite_loss", "critical", 5)])
+        time.sleep(0.3)
+        feed.send(burst, events=[("nonfinite_param", "critical", 6)])  # within the group's wait: joins its message
+        receiver.wait(2)
+        assert time.monotonic() - started >= 1.0  # the group waited
+        time.sleep(0.5)
+    by_run = {b["run"]["id"]: b for b in receiver.bodies()}
+    assert len(receiver.bodies()) == 2 and set(by_run) == {"burst", "other"}
+    grouped = by_run["burst"]
+    assert [a["rule"] for a in grouped["alerts"]] == ["nonfinite_loss", "nonfinite_param", "loss_spike"]
+    assert grouped["alert"]["rule"] == "nonfinite_loss"  # the most severe leads (PRODUCT.md's `alert`)
+    assert grouped["text"].startswith("[FIRING · critical] Non-finite loss in p/burst at step 5 (+2 more)")
+    assert "Also firing:\n- [critical] Non-finite parameters in p/burst at step 6\n- [warning] Loss spike in p/burst at step 5" in grouped["text"]
+    assert [a["rule"] for a in by_run["other"]["alerts"]] == ["nonfinite_loss"]

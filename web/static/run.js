@@ -1,6 +1,7 @@
-// The run page: charts that share one step axis (zoom one, all follow, and the zoomed range is read again at
-// full resolution), the per-layer heatmap, skipped-step spans, an event timeline that moves the charts, and
-// live updates over Server-Sent Events appended with Plotly.extendTraces.
+// The run page: charts of one rank that share one step axis (zoom one, all follow, and the zoomed range is read
+// again at full resolution), the per-layer heatmap, skipped-step spans, an event timeline that moves the charts,
+// and live updates over Server-Sent Events: new points appended with Plotly.extendTraces, late ones (a replayed
+// spool, a slower rank) put in their place, per-layer norms folded into the heatmap's cells as they come.
 "use strict";
 
 (() => {
@@ -17,6 +18,7 @@
   const root = document.getElementById("charts");
   if (!root || typeof Plotly === "undefined") return;
   const runId = encodeURIComponent(root.dataset.runId);
+  const rank = Number(root.dataset.rank || 0);
   const heatEl = document.getElementById("chart-layers");
   const timeline = document.getElementById("timeline");
   const state = { cache: {}, grid: null, events: [], zoom: null, full: null, cursor: null, appended: 0, syncing: 0,
@@ -38,8 +40,8 @@
     const wide = range && pad(range, 0.25);
     state.pending = [];
     state.loading = Promise.all([
-      names.length ? getJSON(`/api/v1/runs/${runId}/series?${query}&max_points=${MAX_POINTS}${within(wide)}`) : {},
-      getJSON(`/api/v1/runs/${runId}/heatmap?columns=${HEAT_COLUMNS}${within(range)}`),
+      names.length ? getJSON(`/api/v1/runs/${runId}/series?${query}&rank=${rank}&max_points=${MAX_POINTS}${within(wide)}`) : {},
+      heatRead(range),
     ]);
     const [data, grid] = await state.loading;
     state.loading = null;
@@ -51,15 +53,61 @@
     header(run);
   }
 
+  const heatRead = (range) => getJSON(`/api/v1/runs/${runId}/heatmap?columns=${HEAT_COLUMNS}&rank=${rank}${within(range)}`);
+
+  /** Index of the first step >= `step` in a sorted list. */
+  function bisect(steps, step) {
+    let lo = 0, hi = steps.length;
+    while (lo < hi) { const mid = (lo + hi) >> 1; if (steps[mid] < step) lo = mid + 1; else hi = mid; }
+    return lo;
+  }
+
+  /** Streamed points into the cache: appended after its last step, put in place (or replaced) before it.
+   *  Returns what was appended, and whether anything before the end changed. */
   function merge(name, series) {
     const cur = state.cache[name] || (state.cache[name] = { steps: [], values: [] });
-    const after = lastStep(cur);
     const steps = [], values = [];
-    series.steps.forEach((step, i) => { if (step > after) { steps.push(step); values.push(series.values[i]); } });
-    cur.steps.push(...steps);
-    cur.values.push(...values);
+    let late = false;
+    series.steps.forEach((step, i) => {
+      const value = series.values[i];
+      if (step > lastStep(cur)) {
+        cur.steps.push(step); cur.values.push(value); steps.push(step); values.push(value);
+        return;
+      }
+      const at = bisect(cur.steps, step);
+      if (cur.steps[at] === step && cur.values[at] === value) return; // one it had already
+      if (cur.steps[at] === step) cur.values[at] = value; else { cur.steps.splice(at, 0, step); cur.values.splice(at, 0, value); }
+      late = true;
+    });
     state.appended += steps.length;
-    return { steps, values };
+    return { steps, values, late };
+  }
+
+  const BADNESS = { "NaN": 3, "Infinity": 2, "-Infinity": 1 };
+  /** A heatmap cell after one more point: the largest value, or the non-finite one (NaN before +Inf before -Inf). */
+  function worse(cell, value) {
+    if (cell === null || cell === undefined) return value;
+    const a = BADNESS[cell] || 0, b = BADNESS[value] || 0;
+    if (a || b) return b >= a ? value : cell;
+    return Math.max(cell, value);
+  }
+
+  /** Streamed per-layer norms folded into the grid's cells, new columns added at its end; false when the grid
+   *  must be read again (a new layer, or it has grown to twice its size). */
+  function heatFold(layer, series) {
+    const g = state.grid;
+    const row = g ? g.layers.indexOf(layer) : -1;
+    if (row < 0 || !g.steps.length) return false;
+    series.steps.forEach((step, i) => {
+      const k = Math.floor((step - g.steps[0]) / g.width);
+      if (k < 0) return; // before a zoomed grid: not shown
+      while (g.steps.length <= k) {
+        g.steps.push(g.steps[0] + g.steps.length * g.width);
+        g.values.forEach((r) => r.push(null));
+      }
+      g.values[row][k] = worse(g.values[row][k], series.values[i]);
+    });
+    return g.steps.length <= 2 * HEAT_COLUMNS;
   }
 
   // ---- views and overlays -----------------------------------------------------------------------------
@@ -212,6 +260,7 @@
     const step = Object.assign(document.createElement("span"), { className: "ev-step", textContent: `step ${e.step}` });
     const badge = Object.assign(document.createElement("span"), { className: `badge sev-badge sev-${e.severity}`, textContent: e.type });
     button.append(step, badge);
+    if (e.rank) button.append(Object.assign(document.createElement("span"), { className: "muted", textContent: `rank ${e.rank}` }));
     const msg = Object.assign(document.createElement("p"), { className: "ev-msg", textContent: e.message });
     li.append(button, msg);
     timeline.appendChild(li);
@@ -235,14 +284,14 @@
   function append(name, series) {
     if (state.loading) state.pending.push([name, series]);
     const added = merge(name, series);
-    if (!added.steps.length || name.startsWith("grad_norm/")) return;
+    if ((!added.steps.length && !added.late) || name.startsWith("grad_norm/")) return;
     if (name === "skipped") { drawLine("scale"); return; }
     const el = chartFor(name);
     const drawn = Number(el.dataset.points || 0);
-    const span = AW.extent(state.cache[name].values.slice(0, -added.values.length));
+    const span = AW.extent(state.cache[name].values.slice(0, -added.values.length || undefined));
     const fresh = AW.extent(added.values);
     const outside = !span || !fresh || fresh[0] < span[0] || fresh[1] > span[1];
-    if (!el.data || !drawn || outside || added.values.some((v) => typeof v === "string")) {
+    if (added.late || !el.data || !drawn || outside || added.values.some((v) => typeof v === "string")) {
       drawLine(name); // a new marker or a new axis extent: draw it whole
     } else {
       Plotly.extendTraces(el, { x: [added.steps], y: [added.values] }, [0]);
@@ -251,6 +300,18 @@
   }
 
   let heatTimer = null;
+  /** Redraw the heatmap at most every half second; read it again instead when `reread`. */
+  function heatLater(reread) {
+    state.heatReread = state.heatReread || reread;
+    if (heatTimer) return;
+    heatTimer = setTimeout(() => {
+      heatTimer = null;
+      const again = state.heatReread;
+      state.heatReread = false;
+      (again ? heatRead(state.zoom).then((g) => { state.grid = g; }) : Promise.resolve()).then(drawHeat).catch(report);
+    }, 500);
+  }
+
   function onUpdate(msg) {
     header(msg.run);
     msg.events.forEach((e) => { addEvent(e); state.lastEvent = Math.max(state.lastEvent, e.id); });
@@ -258,19 +319,15 @@
     const names = Object.keys(msg.points);
     names.forEach((name) => append(name, msg.points[name]));
     if (msg.events.some((e) => e.type === "grad_spike")) drawLine("grad_norm");
-    if (names.some((n) => n.startsWith("grad_norm/")) && !heatTimer) {
-      heatTimer = setTimeout(() => {
-        heatTimer = null;
-        getJSON(`/api/v1/runs/${runId}/heatmap?columns=${HEAT_COLUMNS}${within(state.zoom)}`).then((g) => { state.grid = g; drawHeat(); }).catch(report);
-      }, 1000);
-    }
+    const layers = names.filter((n) => n.startsWith("grad_norm/"));
+    if (layers.length) heatLater(!layers.every((n) => heatFold(n.slice("grad_norm/".length), msg.points[n])));
     if (!state.zoom) state.full = fullView();
     if (names.length) sync();
   }
 
   function connect() {
-    const after = Math.max(-1, ...Object.values(state.cache).map(lastStep));
-    const source = new EventSource(`/api/v1/runs/${runId}/stream?after_step=${after}&after_event=${state.lastEvent}`);
+    // Every batch stored after the page was made; what the first read already had is merged away.
+    const source = new EventSource(`/api/v1/runs/${runId}/stream?after_position=${root.dataset.feed || 0}&after_event=${state.lastEvent}&rank=${rank}`);
     const dot = document.getElementById("live");
     source.addEventListener("update", (e) => onUpdate(JSON.parse(e.data)));
     source.onopen = () => { root.dataset.live = "open"; dot.hidden = false; };
@@ -289,6 +346,8 @@
       if (li) jumpTo(Number(li.dataset.step), li);
     });
     document.getElementById("show-all").addEventListener("click", () => { state.cursor = null; zoomTo(null); });
+    const picker = document.getElementById("rank");
+    if (picker) picker.addEventListener("change", () => picker.form.submit());
     state.events = await getJSON(`/api/v1/runs/${runId}/events`);
     await read(null);
     drawAll();
