@@ -119,8 +119,8 @@ class Tokens:
 
     def refresh(self) -> None:
         """Re-read the table; on a database error keep what was read last (and say so)."""
-        with self._lock:
-            if not self.stale:
+        with self._lock:  # concurrent first requests wait here for the one read, rather than find nothing yet
+            if self.known and not self.stale:
                 return
             self._read_at = time.monotonic()
             try:
@@ -185,7 +185,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.tokens.stale:
+        if self.tokens.stale or not self.tokens.known:
             await anyio.to_thread.run_sync(self.tokens.refresh)
         headers = Headers(scope=scope)
         outcome = self._cross_site(scope, headers) or self._authorize(scope, headers)

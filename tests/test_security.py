@@ -193,3 +193,20 @@ def test_a_refused_channel_never_echoes_its_webhook_url(sqlite_server) -> None: 
             reply = client.post("/api/v1/alert-channels", json={"name": "chat", "kind": "slack", "url": url})
             assert reply.status_code == 422 and "SUPERSECRETXYZ" not in reply.text, reply.text
 
+
+def test_requests_arriving_during_the_first_token_read_wait_for_it_instead_of_getting_503(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqlalchemy import event
+
+    @event.listens_for(sqlite_server.app.state.engine, "before_cursor_execute")
+    def _slow_token_read(conn, cursor, statement, *_) -> None:  # type: ignore[no-untyped-def]
+        if "api_tokens" in statement:
+            time.sleep(0.3)  # a busy database: the first read takes a while, and requests keep arriving
+
+    def first_request(index: int) -> int:
+        with sqlite_server.client() as http:
+            return http.put(f"/api/v1/runs/r{index}", json={"project": "p", "name": "r"}).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(first_request, range(8))) == [200] * 8
