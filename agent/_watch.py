@@ -148,7 +148,8 @@ class Recorder:
         self._normed.add(key)
         self._unscaled = optimizer if scale is None else None
         step = self.step
-        if self._model is not None and step % self.layer_interval == 0:
+        probing = self._probe is not None and self._probe.armed  # after a non-finite event: every step, for the heatmap
+        if self._model is not None and (step % self.layer_interval == 0 or probing):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
             modules = self._modules(params)

@@ -157,6 +157,16 @@ def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(sqlite_s
     origin = next(e for e in events if "origin" in e["details"])
     assert origin["details"]["phase"] == "backward" and origin["details"]["origin"] == "3"
     assert "in the backward of `3`" in origin["message"]
+    # While the probe is armed, per-layer norms are taken every step: the heatmap shows where NaN entered
+    # (the layer before the sqrt: its gradient flows through it), and that the layer after it stayed finite.
+    with sqlite_server.client() as http:
+        run_id = http.get("/api/v1/runs", params={"project": "diag"}).json()[0]["id"]
+        layers = http.get(f"/api/v1/runs/{run_id}/series", params={"name": ["grad_norm/0", "grad_norm/4"]}).json()
+    armed = [s for s in layers["grad_norm/0"]["steps"] if s > 62]
+    assert len(armed) >= 10 and armed == list(range(armed[0], armed[0] + len(armed)))  # consecutive steps
+    first, before = layers["grad_norm/0"], layers["grad_norm/4"]
+    assert all(v == "NaN" for s, v in zip(first["steps"], first["values"]) if s in armed)
+    assert all(isinstance(v, float) for s, v in zip(before["steps"], before["values"]) if s in armed)
 
 
 def test_parameters_gone_nonfinite_without_a_scaler_are_reported(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
