@@ -42,6 +42,7 @@ class AgentSettings:
             flush_interval_s=float(env.get("AMPWATCH_FLUSH_INTERVAL_S", cls.flush_interval_s)),
             finish_timeout_s=float(env.get("AMPWATCH_FINISH_TIMEOUT_S", cls.finish_timeout_s)),
             spool_max_bytes=int(env.get("AMPWATCH_SPOOL_MAX_BYTES", cls.spool_max_bytes)),
+            max_pending_records=max(1, int(env.get("AMPWATCH_MAX_PENDING_RECORDS", cls.max_pending_records))),
             heartbeat_interval_s=float(env.get("AMPWATCH_HEARTBEAT_INTERVAL_S", cls.heartbeat_interval_s)),
             layer_norm_interval=max(1, int(env.get("AMPWATCH_LAYER_NORM_INTERVAL", cls.layer_norm_interval))),
             param_check_interval=max(1, int(env.get("AMPWATCH_PARAM_CHECK_INTERVAL", cls.param_check_interval))),

@@ -27,6 +27,8 @@ log = logging.getLogger("ampwatch")
 
 # Record kinds appended by the training thread.
 VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP = "v", "e", "s", "f", "o", "t"
+_DATA = (VALUES, ORIGIN, STEP)  # the records the buffer cap may drop
+DROPPED = "dropped_records"  # series: how many records and batches this rank dropped so far
 
 
 Flags = list[tuple[str, float]]  # (module, 1.0 if its output or output gradient was non-finite), in call order
@@ -74,16 +76,18 @@ class Worker:
         # Batches of a relaunch under the same run id must not look like re-sends of the first process's:
         # number them from the launch time (ms), leaving room for 1000 batches per millisecond.
         self._seq = int(time.time() * 1000) * 1000
+        self._reported_drops = 0
         self._waiters: list[tuple[int, threading.Event]] = []
         self._last_batch_at = 0.0
         self._decoder = StepDecoder()
 
     # -- training thread side -------------------------------------------------------------
     def record(self, entry: tuple) -> None:
-        """Append a record without blocking; past the cap, count it as dropped."""
+        """Append a record without blocking; past the cap, count a data record as dropped (flush markers,
+        statuses and events are few and always kept: a run's end must never be lost)."""
         if self._thread is None:
             self._start()
-        if len(self.records) >= self._max_records:
+        if len(self.records) >= self._max_records and entry[0] in _DATA:
             self.dropped += 1
             if self.dropped == 1:
                 log.warning("ampwatch: the record buffer is full, dropping records (counted)")
@@ -110,6 +114,9 @@ class Worker:
     def close(self, timeout_s: float) -> bool:
         """Flush, then stop the thread; the spool stays on disk while anything in it is unacknowledged."""
         delivered = self.flush(timeout_s) and self._online
+        if self.dropped or self.outbox.dropped:
+            log.warning("ampwatch: this run dropped %d record(s) (buffer full) and %d batch(es) (no room on disk "
+                        "or in memory); the `%s` series counts them", self.dropped, self.outbox.dropped, DROPPED)  # fmt: skip
         self._stop = True
         self._wake.set()
         spool = self.outbox.spool
@@ -175,7 +182,7 @@ class Worker:
         points: dict[str, tuple[list[int], list[Any]]] = {}
         events: list[dict[str, Any]] = []
         status = None
-        count = 0
+        count, step = 0, None
         decode, diagnosis = self._decoder.decode, self.diagnosis
         for entry in entries:
             kind = entry[0]
@@ -213,7 +220,17 @@ class Worker:
             if count >= self._settings.max_batch_points:
                 self._enqueue(points, events, None)
                 points, events, count = {}, [], 0
+        if step is not None:  # at the chunk's last step (the buffer was full of data records, so there is one)
+            self._report_drops(points, step)
         self._enqueue(points, events, status)
+
+    def _report_drops(self, points: dict[str, tuple[list[int], list[Any]]], step: int) -> None:
+        """Say on the server how much was dropped, as a cumulative series (a later batch carries it if this one
+        is dropped too)."""
+        dropped = self.dropped + self.outbox.dropped
+        if dropped != self._reported_drops:
+            self._reported_drops = dropped
+            points[DROPPED] = ([step], [float(dropped)])
 
     def _heartbeat(self) -> None:
         """An empty batch when nothing else was sent for a while: the server tells hung from dead by it."""

@@ -290,3 +290,31 @@ def test_a_forked_child_that_exits_normally_does_not_finish_its_parents_run(sqli
     with sqlite_server.client() as http:
         assert http.get(f"/api/v1/runs/{run_id}").json()["status"] == "finished"
         assert http.get(f"/api/v1/runs/{run_id}/series", params={"name": "loss"}).json()["loss"]["steps"] == [0, 1]
+
+
+def test_records_dropped_past_the_buffer_cap_are_counted_reported_and_the_run_still_ends(sqlite_server, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_MAX_PENDING_RECORDS", "10")
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "60")  # the sender sleeps through the loop: the buffer fills
+    caplog.set_level("WARNING", logger="ampwatch")
+    run = ampwatch.init("guest", "drops", url=sqlite_server.url)
+    for step in range(50):
+        run.log({"x": float(step)}, step=step)
+    started = time.monotonic()
+    run.finish()  # the flush marker and the status are never dropped: finish() does not wait out its timeout
+    assert time.monotonic() - started < 5
+    with sqlite_server.client() as http:
+        doc = http.get(f"/api/v1/runs/{run.id}").json()
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["x", "dropped_records"]}).json()
+    assert doc["status"] == "finished"
+    assert data["x"]["steps"] == list(range(10))
+    assert data["dropped_records"] == {"steps": [9], "values": [40.0]}
+    assert "dropped 40 record(s)" in caplog.text
+
+
+def test_critical_detections_are_also_logged_locally(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")  # no server at all: the person still sees it in the terminal
+    caplog.set_level("WARNING", logger="ampwatch")
+    with ampwatch.init("guest", "local") as run:
+        _train(run, steps=12, nan_step=7)
+    critical = [r.getMessage() for r in caplog.records if r.name == "ampwatch" and r.levelname == "ERROR"]
+    assert any(m.startswith("ampwatch: NaN loss at step 7:") for m in critical), caplog.text
