@@ -44,3 +44,17 @@ def test_a_fused_amp_loop_with_the_agent_never_synchronizes(sqlite_server, monke
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "scale", "loss_tensor"]}).json()
     assert data["loss"]["steps"] == data["scale"]["steps"] == list(range(31))
     assert data["loss"]["values"] == pytest.approx(data["loss_tensor"]["values"][: len(data["loss"]["values"])], rel=1e-6)
+
+
+def test_autocast_on_cuda_around_a_model_left_on_the_cpu_is_an_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    model = torch.nn.Linear(8, 1)  # forgot .cuda(): autocast("cuda") does nothing for it
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampwatch.init("cuda", "wrong-device", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+    with sqlite_server.client() as http:
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+    assert [e["details"]["check"] for e in events if e["type"] == "amp_config"] == ["autocast_device"]

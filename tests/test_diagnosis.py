@@ -63,6 +63,7 @@ def _loop(
     pause_after: set[int] = frozenset(),  # type: ignore[assignment]
     lr: float = 1e-3,
     scheduler: bool = False,
+    autocast: bool = True,
 ) -> list[dict[str, Any]]:
     """A standard AMP loop with the agent attached; returns the run's events as the server has them."""
     model = _model()
@@ -77,7 +78,7 @@ def _loop(
                 before(step, model)
             x = torch.randn(16, 8)
             x = batch(step, x) if batch else x
-            with torch.autocast("cpu", dtype=dtype):
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
                 loss = torch.nn.functional.mse_loss(model(x).float(), torch.full((16, 1), target(step)))
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -228,3 +229,10 @@ def test_a_healthy_run_has_per_layer_gradient_norms_grouped_by_module(sqlite_ser
         assert data[f"grad_norm/{module}"]["steps"] == [0, 5, 10]
         assert data[f"grad_norm/{module}"]["values"] == pytest.approx([expected[s][module] for s in (0, 5, 10)], rel=1e-5)
     assert _events(sqlite_server, run.id) == []  # healthy: nothing to say
+
+
+def test_a_gradscaler_without_autocast_is_an_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    events = _loop(sqlite_server, 3, autocast=False)
+    [config] = [e for e in events if e["type"] == "amp_config"]
+    assert (config["step"], config["severity"], config["details"]["check"]) == (0, "warning", "scaler_without_autocast")
+    assert "without autocast" in config["message"]

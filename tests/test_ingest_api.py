@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ampwatch.server import Settings
 from ampwatch.server.values import downsample
 
 GOOD = {"seq": 1, "points": {"loss": {"steps": [0, 1, 2], "values": [1.0, "NaN", 0.5]}}}
@@ -173,3 +174,14 @@ def test_a_run_lists_the_ranks_that_sent_batches(http) -> None:  # type: ignore[
     assert http.get("/api/v1/runs/r1").json()["ranks"] == [0, 1, 3]
     rank_3 = http.get("/api/v1/runs/r1/series", params={"name": "loss", "rank": 3}).json()["loss"]
     assert rank_3 == {"steps": [0, 1, 2], "values": [1.0, "NaN", 0.5]}
+
+
+def test_a_batch_over_the_point_limit_gets_413_and_stores_nothing(live_server_factory, sqlite_url) -> None:  # type: ignore[no-untyped-def]
+    server = live_server_factory(Settings(database_url=sqlite_url, max_batch_points=100))
+    batch = {"seq": 1, "points": {"a": {"steps": list(range(60)), "values": [1.0] * 60}, "b": {"steps": list(range(60)), "values": [2.0] * 60}}}
+    with server.client() as http:
+        http.put("/api/v1/runs/r1", json={"project": "p", "name": "n"}).raise_for_status()
+        reply = http.post("/api/v1/runs/r1/batches", json=batch)
+        assert reply.status_code == 413
+        assert "120 points; the limit is 100" in reply.json()["detail"]
+        assert http.get("/api/v1/runs/r1/series").json() == {}

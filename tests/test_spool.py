@@ -110,3 +110,51 @@ def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> 
     from ampwatch._sync import sync
 
     assert sync(Path(os.environ["AMPWATCH_SPOOL_DIR"]), None, None) == 1
+
+
+def test_a_429_with_retry_after_is_honoured_and_the_batch_arrives_once(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    # A throttling front for the real server: it answers the first two batch posts with 429 + Retry-After and
+    # forwards everything else (ampwatch itself never sends 429; a proxy or load balancer in front may).
+    seen: list[tuple[float, int]] = []
+
+    class Throttle(BaseHTTPRequestHandler):
+        def _forward(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.command == "POST":
+                seen.append((time.monotonic(), len(seen)))
+                if len(seen) <= 2:
+                    self.send_response(429)
+                    self.send_header("Retry-After", "1")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+            reply = httpx.request(self.command, sqlite_server.url + self.path, content=body, headers={"Content-Type": "application/json"})
+            self.send_response(reply.status_code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply.content)))
+            self.end_headers()
+            self.wfile.write(reply.content)
+
+        do_PUT = do_POST = _forward
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    front = ThreadingHTTPServer(("127.0.0.1", 0), Throttle)
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    try:
+        run = ampwatch.init("spool", "throttled", url=f"http://127.0.0.1:{front.server_address[1]}")
+        _train(run, range(20))
+        run.finish()
+    finally:
+        front.shutdown()
+    assert len(seen) >= 3
+    assert seen[1][0] - seen[0][0] >= 0.95 and seen[2][0] - seen[1][0] >= 0.95  # waited as told, not its own backoff
+    data = _series(sqlite_server, run.id)
+    assert data["step_seen"]["steps"] == list(range(20))
