@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import torch
 
 import ampwatch
@@ -36,27 +38,24 @@ def _series(server, run_id: str) -> dict:  # type: ignore[no-untyped-def]
         return http.get(f"/api/v1/runs/{run_id}/series", params={"name": ["loss", "step_seen"]}).json()
 
 
-def test_a_server_down_for_the_middle_third_of_a_run_loses_nothing(sqlite_url, monkeypatch, request) -> None:  # type: ignore[no-untyped-def]
+def test_a_server_down_for_the_middle_third_of_a_run_loses_nothing(db_url, server_processes, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "30")
-    start_server = request.getfixturevalue("live_server_factory")
-    server = start_server(Settings(database_url=sqlite_url))
-    port = server.url.rsplit(":", 1)[1]
-    run = ampwatch.init("spool", "outage", url=server.url)
-    holder = {"server": server}
+    holder = {"server": server_processes(db_url)}  # `ampwatch server`, a real process
+    port = holder["server"].port
+    run = ampwatch.init("spool", "outage", url=holder["server"].url)
 
     def outage(step: int) -> None:
         if step == 100:
-            holder["server"].stop()  # the middle third happens with nobody listening
+            holder["server"].kill()  # SIGKILL: the middle third happens with nobody listening
         if step == 200:
-            holder["server"] = start_server(Settings(database_url=sqlite_url, port=int(port)), port=int(port))
+            holder["server"] = server_processes(db_url, port)  # back where it was
         if 100 <= step < 200:
-            import time
-
             time.sleep(0.005)
 
     _train(run, range(300), outage)
     run.finish()
-    data = _series(holder["server"], run.id)
+    with httpx.Client(base_url=holder["server"].url) as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "step_seen"]}).json()
     assert data["step_seen"]["steps"] == list(range(300))  # every step, once
     assert data["loss"]["steps"] == list(range(300))
     assert not any(Path(os.environ["AMPWATCH_SPOOL_DIR"]).iterdir())  # acknowledged, so removed from disk
@@ -112,7 +111,8 @@ def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> 
     assert sync(Path(os.environ["AMPWATCH_SPOOL_DIR"]), None, None) == 1
 
 
-def test_a_429_with_retry_after_is_honoured_and_the_batch_arrives_once(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_429_with_retry_after_is_honoured_and_the_batch_arrives_once(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "30")  # two 1 s waits before the batch can go through
     import threading
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
