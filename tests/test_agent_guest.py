@@ -318,3 +318,33 @@ def test_critical_detections_are_also_logged_locally(monkeypatch, caplog) -> Non
         _train(run, steps=12, nan_step=7)
     critical = [r.getMessage() for r in caplog.records if r.name == "ampwatch" and r.levelname == "ERROR"]
     assert any(m.startswith("ampwatch: NaN loss at step 7:") for m in critical), caplog.text
+
+
+_DATALOADER_SCRIPT = """
+import sys, torch, ampwatch
+dataset = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 4))
+loader = torch.utils.data.DataLoader(dataset, batch_size=8, num_workers=2, multiprocessing_context="fork")
+model = torch.nn.Linear(16, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu")
+run = ampwatch.init("guest", "fork-exit", url=sys.argv[1])
+run.watch(model=model, optimizer=optimizer, scaler=scaler)
+for x, y in loader:
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (model(x).float() - y).pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+print(run.id)
+# no finish(): the process ends here, with forked workers having come and gone
+"""
+
+
+def test_a_real_process_with_forked_dataloader_workers_exits_without_hanging_and_its_run_is_finished(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    done = subprocess.run([sys.executable, "-c", _DATALOADER_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    run_id = done.stdout.split()[-1]
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run_id}").json()["status"] == "finished"
+        assert http.get(f"/api/v1/runs/{run_id}/series", params={"name": "loss"}).json()["loss"]["steps"] == list(range(8))
