@@ -107,8 +107,13 @@ def _check(address: Address, host: str, scope: str) -> None:
 _METADATA = {ipaddress.ip_address(a) for a in ("fd00:ec2::254", "100.100.100.200", "fd20:ce::254")}
 
 
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # a NAT64 gateway reaches the IPv4 address in the last 32 bits
+
+
 def _embedded_ipv4(address: Address) -> ipaddress.IPv4Address | None:
     if isinstance(address, ipaddress.IPv6Address):
+        if address in _NAT64:
+            return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
         return address.ipv4_mapped or address.sixtofour
     return None
 

@@ -35,6 +35,7 @@ def _create(http: Any, url: str, name: str = "c") -> Any:
     ("http://169.254.169.254/latest/meta-data/", "link-local"),
     ("http://[fe80::1]/hook", "link-local"),
     ("http://[::ffff:169.254.169.254]/hook", "link-local"),
+    ("http://[64:ff9b::a9fe:a9fe]/hook", "link-local"),  # NAT64 of 169.254.169.254
     ("http://0.0.0.0:80/hook", "unspecified, multicast or reserved"),
 ])  # fmt: skip
 def test_a_channel_url_that_is_not_plain_http_to_a_host_is_a_422_with_the_reason(alert_server, url: str, why: str) -> None:  # type: ignore[no-untyped-def]
