@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -189,6 +191,56 @@ def test_run_page_charts_every_series_and_the_layer_heatmap_from_a_real_training
     assert facts["world size"] == "1" and facts["device"] == "CPU" and facts["torch"] != "–"
 
 
+def _yaxis(page: Any, chart_id: str) -> dict[str, Any]:
+    """A chart's y axis as Plotly laid it out, and the tick labels it drew (superscripts as their own tspan)."""
+    return page.evaluate(
+        """(id) => {
+          const el = document.getElementById(id), axis = el._fullLayout.yaxis;
+          const drawn = Array.from(el.querySelectorAll(".yaxislayer-above .ytick text"));
+          return { type: axis.type, tickvals: Array.from(axis.tickvals || []), ticktext: Array.from(axis.ticktext || []),
+                   drawn: drawn.map((t) => t.textContent.replaceAll("\u200b", "")),  // Plotly pads a <sup> with zero-width spaces
+                   superscripts: drawn.filter((t) => t.querySelector("tspan")).length };
+        }""",
+        chart_id,
+    )
+
+
+def test_loss_scale_is_charted_on_a_log2_axis_with_power_of_two_ticks_and_grad_norm_on_a_log_axis(demo: Any, page: Any) -> None:
+    url, run = demo
+    _open_run(page, url, run["id"])
+    scale = _yaxis(page, "chart-scale")
+    assert scale["type"] == "log" and len(scale["tickvals"]) >= 2, scale
+    for value, label in zip(scale["tickvals"], scale["ticktext"], strict=True):
+        exponent = round(math.log2(value))
+        assert value == 2.0**exponent and label == f"2<sup>{exponent}</sup>", (value, label)
+    assert scale["drawn"] and all(re.fullmatch(r"2-?\d+", t) for t in scale["drawn"]), scale["drawn"]
+    assert scale["superscripts"] == len(scale["drawn"]), "each exponent is drawn raised"
+    assert _yaxis(page, "chart-grad_norm")["type"] == "log"
+
+
+def test_grad_spike_events_are_star_markers_on_the_grad_norm_chart_also_when_they_arrive_live(sqlite_server: Any, page: Any) -> None:
+    url = sqlite_server.url
+    _register(url, "spiky-1", "spikes", "grad spikes")
+    norms = [1.0] * 20
+    norms[12] = 40.0
+    spike = {"step": 12, "type": "grad_spike", "severity": "warning", "message": "grad norm 40x its median"}
+    _post(url, "spiky-1", 1, {"grad_norm": {"steps": list(range(20)), "values": norms}}, [spike])
+    _open_run(page, url, "spiky-1")
+    page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
+    stars = [t for t in _chart(page, "chart-grad_norm")["traces"] if t["name"] == "spike"]
+    assert [(t["x"], t["y"]) for t in stars] == [([12], [40.0])], stars
+    assert page.evaluate("document.getElementById('chart-grad_norm').data.find((t) => t.name === 'spike').marker.symbol") == "star"
+    late = {"step": 25, "type": "grad_spike", "severity": "warning", "message": "grad norm 30x its median"}
+    more = list(range(20, 30))
+    _post(url, "spiky-1", 2, {"grad_norm": {"steps": more, "values": [30.0 if s == 25 else 1.0 for s in more]}}, [late])
+    page.wait_for_function("document.getElementById('chart-grad_norm').data.some((t) => t.name === 'spike' && t.x.length === 2)",
+                           timeout=10_000)  # fmt: skip
+    _shot(page, "run-grad-spikes.png", "#chart-grad_norm")
+    [star] = [t for t in _chart(page, "chart-grad_norm")["traces"] if t["name"] == "spike"]
+    assert (star["x"], star["y"]) == ([12, 25], [40.0, 30.0])
+    assert "spike" in _chart(page, "chart-grad_norm")["legend"]
+
+
 def test_nan_loss_of_a_real_training_loop_is_a_marker_on_the_loss_chart(demo: Any, page: Any) -> None:
     url, run = demo
     loss = httpx.get(f"{url}/api/v1/runs/{run['id']}/series", params={"name": "loss"}).json()["loss"]
@@ -217,6 +269,19 @@ def test_clicking_an_event_moves_every_chart_to_its_step(demo: Any, page: Any) -
     assert all(r == loss for r in ranges.values()), ranges
     cursor = [s for s in _chart(page, "chart-grad_norm")["shapes"] if s["meta"] == "cursor"]
     assert [s["x0"] for s in cursor] == [NAN_STEP]
+    assert "active" in (item.get_attribute("class") or "")
+
+
+def test_a_link_with_a_step_opens_the_run_page_zoomed_to_that_step(demo: Any, page: Any) -> None:
+    url, run = demo
+    _open_run(page, url, run["id"])
+    full = _chart(page, "chart-loss")["range"]
+    page.goto(f"{url}/runs/{run['id']}?step={NAN_STEP}")  # the link an alert notification carries
+    page.wait_for_selector("#charts[data-loaded='true']", timeout=15_000)
+    page.wait_for_function("document.getElementById('charts').dataset.view !== undefined", timeout=10_000)
+    loss = _chart(page, "chart-loss")["range"]
+    assert loss[0] < NAN_STEP < loss[1] and loss[1] - loss[0] < (full[1] - full[0]) / 2, (full, loss)
+    item = page.locator(f"#timeline li.ev[data-step='{NAN_STEP}']").first
     assert "active" in (item.get_attribute("class") or "")
 
 
@@ -317,14 +382,18 @@ def test_tables_work_with_javascript_off(demo: Any, browser: Any) -> None:
         _shot(page, "run-no-js.png")
         assert page.locator("#timeline li.ev").count() == len(httpx.get(f"{url}/api/v1/runs/{run['id']}/events").json())
         assert page.locator("table.kv th", has_text="growth_interval").count() == 1
+        assert page.locator("#run-alerts tr[data-state=firing]", has_text="nonfinite_loss").count() == 1
 
 
-def test_hostile_run_project_and_series_names_render_inert_on_every_page(sqlite_server: Any, page: Any) -> None:
+def test_hostile_run_project_series_config_and_event_text_render_inert_on_every_page(sqlite_server: Any, page: Any) -> None:
     url = sqlite_server.url
-    _register(url, "xss-1", HOSTILE_PROJECT, HOSTILE_RUN)
+    config = {HOSTILE_SERIES: HOSTILE_PROJECT, "note": [HOSTILE_RUN]}
+    reply = httpx.put(f"{url}/api/v1/runs/xss-1", json={"project": HOSTILE_PROJECT, "name": HOSTILE_RUN, "config": config}, timeout=10)
+    assert reply.status_code == 200, reply.text
     points = {"loss": {"steps": [0, 1], "values": [1.0, 0.5]}, HOSTILE_SERIES: {"steps": [0, 1], "values": [1.0, 2.0]},
               f"grad_norm/{HOSTILE_SERIES}": {"steps": [0, 1], "values": [1.0, 2.0]}}  # fmt: skip
-    _post(url, "xss-1", 1, points)
+    event = {"step": 1, "type": "loss_spike", "severity": "warning", "message": HOSTILE_RUN, "details": {"why": HOSTILE_PROJECT}}
+    _post(url, "xss-1", 1, points, [event])
     page.goto(f"{url}/")
     _shot(page, "runs-hostile.png")
     assert [_row(page, "xss-1")[k] for k in ("project", "name")] == [HOSTILE_PROJECT, HOSTILE_RUN]
@@ -335,6 +404,9 @@ def test_hostile_run_project_and_series_names_render_inert_on_every_page(sqlite_
     assert page.title().startswith(HOSTILE_RUN)
     assert page.evaluate("document.querySelector('#chart-extra .gtitle').textContent") == HOSTILE_SERIES
     assert HOSTILE_SERIES in page.evaluate("Array.from(document.querySelectorAll('#chart-layers .ytick text')).map((t) => t.textContent)")
+    assert HOSTILE_RUN in page.locator("#timeline").inner_text()  # the event message, as text
+    config_text = page.locator("table.kv").first.inner_text()
+    assert HOSTILE_SERIES in config_text and HOSTILE_PROJECT in config_text and f'["{HOSTILE_RUN}"]' in config_text
     _assert_inert(page)
     page.goto(f"{url}/compare?" + urlencode({"run": "xss-1", "series": HOSTILE_SERIES}))
     page.wait_for_selector("#compare-chart[data-traces='1']", timeout=10_000)

@@ -53,6 +53,7 @@ def alerts_page(request: Request, session: SessionDep, msg: str | None = None) -
     context = {
         "open": _board.alert_rows(session, active=True), "resolved": _board.alert_rows(session, active=False, limit=50),
         "silences": _admin.list_silences(session, active=True), "now": now(), "since": _board.since, "msg": msg,
+        "nav": "alerts",
     }  # fmt: skip
     return templates.TemplateResponse(request, "alerts.html", context)
 
@@ -97,7 +98,7 @@ def _rules_page(request: Request, session: Any, *, msg: str | None = None, faile
     context = {
         "rules": [(r, _board.condition(r)) for r in _admin.list_rules(session)],
         "channels": [_admin.channel_out(session, c) for c in _admin.list_channels(session)],
-        "msg": msg, "forms": forms, "failed": failed, "error": error,
+        "msg": msg, "forms": forms, "failed": failed, "error": error, "nav": "alerts",
         "event_types": get_args(EventType), "aggregations": get_args(Aggregation), "ops": get_args(Op),
     }  # fmt: skip
     return templates.TemplateResponse(request, "alert_rules.html", context, status_code=422 if failed else 200)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from datetime import datetime, timezone
 from typing import Any
@@ -31,6 +32,12 @@ def stamp(value: datetime) -> str:
 def clock(value: datetime) -> str:
     """A UTC time of day, to the second."""
     return _utc(value).strftime("%H:%M:%S")
+
+
+def plain(value: Any) -> str:
+    """A config or environment value as people read it: strings as they are, anything else as compact JSON
+    (escaped by the template like any text, so no `\\u003c` noise)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
 
 
 def _utc(value: datetime) -> datetime:

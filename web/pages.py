@@ -21,7 +21,7 @@ from ampwatch.web import formats
 router = APIRouter(include_in_schema=False)
 _HERE = resources.files("ampwatch.web")
 templates = Jinja2Templates(directory=str(_HERE / "templates"))
-templates.env.filters.update(scale=formats.scale, rate=formats.rate, stamp=formats.stamp, clock=formats.clock)
+templates.env.filters.update(scale=formats.scale, rate=formats.rate, stamp=formats.stamp, clock=formats.clock, plain=formats.plain)
 _OWN = ("app.js", "run.js", "runs.js", "compare.js", "app.css")
 _STATIC = {
     **{name: (Path(str(_HERE / "static" / name)), "text/css" if name.endswith(".css") else "text/javascript") for name in _OWN},
@@ -33,6 +33,7 @@ COLUMNS = (  # (sort key or None, heading, numeric)
     ("health", "Health", False), (None, "Alerts", True), ("step", "Last step", True), (None, "Skipped (last 1k)", True),
     (None, "Scale", True), ("started", "Started (UTC)", False), ("seen", "Last seen (UTC)", False),
 )  # fmt: skip
+RUN_ALERTS = 50  # the run page lists the newest; /alerts has the rest
 Text = Annotated[str | None, Query(max_length=200)]
 
 
@@ -67,7 +68,7 @@ def _sort_links(project: str | None, status: str | None, q: str | None, sort: st
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: str, session: SessionDep, rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0) -> Any:
-    """One run: header, runtime, charts of one rank (drawn by run.js), the event timeline, configuration and environment."""
+    """One run: header, runtime, charts of one rank (drawn by run.js), the event timeline, alerts, configuration, environment."""
     found = store.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
@@ -79,6 +80,7 @@ def run_page(request: Request, run_id: str, session: SessionDep, rank: Annotated
         # Read before run.js reads the series: the stream sends every batch stored after this, none is missed.
         "feed": store.feed_position(session, run_id=run_id), "last_event_id": store.last_event_id(session, run_id=run_id),
         "rank": rank, "ranks": sorted(set(store.run_ranks(session, run_id=run_id)) | {rank}),
+        "alerts": store.list_alerts(session, run_id=run_id)[:RUN_ALERTS],
     }  # fmt: skip
     return templates.TemplateResponse(request, "run.html", context)
 

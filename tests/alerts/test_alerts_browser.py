@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,12 +16,19 @@ from aiosmtpd.smtp import AuthResult
 
 from ampwatch.server.demo import train
 
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 PASSWORD = "page-typed-secret-9"
 pytestmark = pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS")
 
 
 def _flash(page: Any) -> str:
     return page.locator("#flash").inner_text()
+
+
+def _shot(page: Any, name: str) -> None:
+    """A full-page screenshot for a person to look at (test-artifacts/ is uploaded by CI, ignored by git)."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / name), full_page=True)
 
 
 def test_a_rule_made_on_the_page_fires_on_a_real_training_run(alert_server, receiver, page) -> None:  # type: ignore[no-untyped-def]
@@ -45,6 +53,7 @@ def test_a_rule_made_on_the_page_fires_on_a_real_training_run(alert_server, rece
     form.locator("button[type=submit]").click()
     assert _flash(page) == "rule loss_seen added: max of loss over the last 5 steps > 0 in project demo"
     assert page.locator("tr[data-rule=loss_seen]").count() == 1
+    _shot(page, "alerts-rules.png")
 
     run_url = train(server.url, steps=40)  # a real fp16 CPU training loop with the agent attached
     assert run_url is not None
@@ -54,6 +63,7 @@ def test_a_rule_made_on_the_page_fires_on_a_real_training_run(alert_server, rece
     assert "max of loss over the last 5 steps" in fired["alert"]["summary"]
     page.goto(f"{server.url}/alerts")  # open, or resolved already: the demo's loss ends all NaN, which no max exceeds
     assert page.locator("tr[data-alert-id]", has_text=fired["alert"]["summary"]).count() == 1
+    _shot(page, "alerts.png")
 
 
 def _nan(http: httpx.Client, run_id: str) -> int:

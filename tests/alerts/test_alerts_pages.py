@@ -114,3 +114,38 @@ def test_a_form_post_with_too_many_fields_is_a_422_not_a_500(alert_server) -> No
         crowded = http.post("/alerts/rules", content="&".join(f"f{i}=1" for i in range(100)),
                             headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
     assert crowded.status_code == 422 and "Max number of fields exceeded" in crowded.text
+
+
+def _alert_rows(page: str) -> dict[str, list[str]]:
+    """The run page's alerts table: {rule: [severity, rule, state, started, resolved, summary]} as text."""
+    table = re.search(r'<section class="card run-alerts" id="run-alerts">.*?</section>', page, re.S).group(0)
+    rows = re.findall(r"<tr data-alert-id=.*?</tr>", table, re.S)
+    cells = [[re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td>(.*?)</td>", row, re.S)] for row in rows]
+    return {c[1]: c for c in cells}
+
+
+def test_the_run_page_lists_the_runs_firing_and_resolved_alerts_with_javascript_off(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server()
+    with server.client() as http:
+        for run in ("bad", "other", "quiet"):
+            http.put(f"/api/v1/runs/{run}", json={"project": "p", "name": run}).raise_for_status()
+        events = [{"step": 9, "type": "nonfinite_loss", "severity": "critical", "message": "NaN", "details": {"loss": "NaN"}},
+                  {"step": 9, "type": "nonfinite_param", "severity": "critical", "message": "NaN weights"}]  # fmt: skip
+        # One finite parameter norm after the event clears nonfinite_param; the loss stays unknown, so its alert fires on.
+        batch = {"seq": 1, "events": events, "points": {"param_norm": {"steps": [10], "values": [1.0]}}}
+        http.post("/api/v1/runs/bad/batches", json=batch).raise_for_status()
+        spike = {"step": 3, "type": "loss_spike", "severity": "warning", "message": "spike"}
+        http.post("/api/v1/runs/other/batches", json={"seq": 1, "events": [spike]}).raise_for_status()
+        receiver.wait(1, status="resolved", alert__rule="nonfinite_param")
+        page = http.get("/runs/bad").text
+        other, quiet = http.get("/runs/other").text, http.get("/runs/quiet").text
+    rows = _alert_rows(page)
+    assert set(rows) == {"nonfinite_loss", "nonfinite_param"}, rows  # not the other run's loss_spike
+    severity, _, state, started, resolved, summary = rows["nonfinite_loss"]
+    assert (severity, state, resolved, summary) == ("critical", "firing", "–", "NaN loss in p/bad at step 9")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", started)
+    assert rows["nonfinite_param"][2] == "resolved" and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", rows["nonfinite_param"][4])
+    assert '<a href="#run-alerts" class="badge health-critical" id="run-firing">1 firing alert</a>' in page
+    assert '<a href="/alerts" class="aside">' in page
+    assert set(_alert_rows(other)) == {"loss_spike"} and 'id="run-firing"' in other
+    assert _alert_rows(quiet) == {} and "No alerts: no rule has fired for this run." in quiet and 'id="run-firing"' not in quiet

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -196,3 +197,65 @@ def test_alerts_of_one_run_firing_within_group_wait_go_out_as_one_message(alert_
     assert grouped["text"].startswith("[FIRING · critical] Non-finite loss in p/burst at step 5 (+2 more)")
     assert "Also firing:\n- [critical] Non-finite parameters in p/burst at step 6\n- [warning] Loss spike in p/burst at step 5" in grouped["text"]
     assert [a["rule"] for a in by_run["other"]["alerts"]] == ["nonfinite_loss"]
+
+
+def test_a_rule_with_for_in_seconds_stays_pending_until_that_time_has_passed_then_fires(feed, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
+    rule = {"name": "loss_high", "kind": "threshold", "series": "loss", "aggregation": "mean", "window_steps": 5,
+            "op": ">", "threshold": 10, "for": "2s"}  # fmt: skip
+    feed.http.post("/api/v1/alert-rules", json=rule).raise_for_status()
+    run = feed.run("slow-burn")
+    feed.send(run, loss=(range(0, 10), 50.0))
+    wait_for(lambda: feed.alerts(run).get("loss_high", {}).get("state") == "pending", what="a pending alert")
+    feed.send(run, loss=(range(10, 500), 50.0))  # many more steps: a `for` in seconds does not count them
+    assert feed.alerts(run)["loss_high"]["state"] == "pending" and receiver.bodies(alert__rule="loss_high") == []
+    [firing] = receiver.wait(1, alert__rule="loss_high")
+    alert = feed.alerts(run)["loss_high"]
+    held_s = (datetime.fromisoformat(alert["fired_at"]) - datetime.fromisoformat(alert["started_at"])).total_seconds()
+    assert held_s >= 2 and firing["status"] == "firing"
+    assert [(f["old_state"], f["new_state"], f["reason"]) for f in alert["flips"]][1:] == [("pending", "firing", "held for 2 s")]
+
+
+def test_a_run_crashed_alert_inhibits_a_lesser_alert_of_its_run_that_fires_after_it(alert_server, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server(heartbeat_timeout_s=1.0)
+    rule = {"name": "loss_high", "kind": "threshold", "series": "loss", "aggregation": "mean", "window_steps": 5,
+            "op": ">", "threshold": 10, "for": "4s"}  # fmt: skip
+    with server.client() as http:
+        feed = Feed(http)
+        http.post("/api/v1/alert-rules", json=rule).raise_for_status()
+        dead = feed.run("dead")
+        feed.send(dead, loss=(range(0, 10), 50.0))  # then silence: no heartbeat, no finish()
+        [crashed] = receiver.wait(1, alert__rule="run_crashed")  # about 1 s later, while loss_high is still pending
+        assert feed.alerts(dead)["loss_high"]["state"] == "pending"
+        alert = wait_for(lambda: (a := feed.alerts(dead)["loss_high"])["state"] == "firing" and a, what="loss_high firing")
+    [_, fired] = alert["flips"]
+    assert fired["suppressed"].startswith(f"inhibited by the firing run_crashed alert #{crashed['alert']['id']}")
+    assert fired["deliveries"] == []
+    assert [b["alert"]["rule"] for b in receiver.bodies()] == ["run_crashed"]
+
+
+def test_a_project_silence_mutes_the_runs_of_that_project_only(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+    muted, elsewhere = feed.run("muted", project="noisy"), feed.run("elsewhere", project="calm")
+    made = feed.http.post("/api/v1/silences", json={"project": "noisy", "duration_s": 3600, "comment": "sweep in progress"})
+    assert made.status_code == 201 and (made.json()["project"], made.json()["run_id"]) == ("noisy", None)
+    feed.send(muted, events=[("nonfinite_loss", "critical", 7)])
+    feed.send(elsewhere, events=[("nonfinite_loss", "critical", 7)])
+    flip = feed.alerts(muted)["nonfinite_loss"]["flips"][0]
+    assert flip["suppressed"].startswith(f"silenced by silence #{made.json()['id']}") and flip["deliveries"] == []
+    feed.http.delete(f"/api/v1/silences/{made.json()['id']}").raise_for_status()
+    feed.send(muted, events=[("loss_spike", "warning", 8)])  # the silence ended: the project is heard again
+    receiver.wait(2)
+    assert sorted((b["run"]["id"], b["alert"]["rule"]) for b in receiver.bodies()) == [
+        ("elsewhere", "nonfinite_loss"), ("muted", "loss_spike")]  # fmt: skip
+
+
+def test_a_scale_collapse_that_clears_sends_where_the_skips_stopped_and_the_scale_now(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+    run = feed.run("collapse")
+    feed.send(run, skipped=(range(0, 13), 1.0), events=[("scale_collapse", "critical", 12)])  # every step skipped
+    feed.send(run, scale=(range(0, 13), 2.0**4))
+    [firing] = receiver.wait(1, alert__rule="scale_collapse")
+    assert firing["text"].startswith("[FIRING · critical] Loss-scale collapse in p/collapse at step 12")
+    feed.send(run, skipped=(range(13, 40), 0.0), scale=(range(13, 40), 2.0**13))  # the skips stop; the scale recovered
+    [resolved] = receiver.wait(1, status="resolved", alert__rule="scale_collapse")
+    said = "Skips stopped at step 13; scale back to 2^13."
+    assert resolved["alert"]["id"] == firing["alert"]["id"] and resolved["reason"] == said
+    assert resolved["text"].startswith(f"[RESOLVED · critical] Loss-scale collapse in p/collapse at step 12\n{said}\n")

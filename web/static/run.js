@@ -351,6 +351,10 @@
     state.events = await getJSON(`/api/v1/runs/${runId}/events`);
     await read(null);
     drawAll();
+    const linked = new URLSearchParams(location.search).get("step"); // alert links point at their step
+    if (linked && Number.isFinite(Number(linked))) {
+      jumpTo(Number(linked), timeline.querySelector(`li.ev[data-step="${Number(linked)}"]`));
+    }
     root.dataset.loaded = "true";
     if (root.dataset.status === "running" || root.dataset.status === "stalled") connect();
   }
