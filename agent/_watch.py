@@ -49,7 +49,7 @@ class Recorder:
         # what the user logged under standard names
         self._user_step = -1
         self._user_names: set[str] = set()
-        self._norm_logged_at = -2  # the last step the user logged `grad_norm` at
+        self._norm_logged_at = (-3, -3)  # the last two steps the user logged `grad_norm` at
         self._clip_trusted = False  # the last clip_grad_norm_ covered the optimizer's parameters: reuse its norm
         self._unscaled: Any = None  # the optimizer between its unscale_ and step
         self._deferred: Any = None  # the optimizer whose norm waits for clip_grad_norm_
@@ -80,8 +80,8 @@ class Recorder:
         for name in names:
             if name in STANDARD:
                 self._user_names.add(name)
-                if name == "grad_norm":
-                    self._norm_logged_at = max(self._norm_logged_at, step)
+                if name == "grad_norm" and step > self._norm_logged_at[1]:
+                    self._norm_logged_at = (self._norm_logged_at[1], step)
 
     # -- attaching ------------------------------------------------------------------------
     def watch(self, model: Any, optimizer: Any, scaler: Any) -> None:
@@ -153,8 +153,8 @@ class Recorder:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
             modules = self._modules(params)
-        elif self._norm_logged_at >= step - 1:
-            return  # the user logs the norm: theirs is recorded, none is computed here
+        elif self._norm_logged_at[1] >= step - 1 and self._norm_logged_at[0] == self._norm_logged_at[1] - 1:
+            return  # the user logs the norm at every step: theirs is recorded, none is computed here
         elif self._clip_trusted and scale is None:
             self._deferred = optimizer  # clip_grad_norm_ is about to compute it: take its result
             return

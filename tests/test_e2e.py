@@ -129,6 +129,27 @@ def test_a_value_the_user_logs_under_a_standard_name_replaces_the_agents(sqlite_
     assert len(data["loss"]["values"]) == 4
 
 
+def test_a_norm_the_user_logs_every_third_step_leaves_no_gap_between(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("e2e", "sparse-norm", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(10):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 16)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if step % 3 == 0:
+                run.log({"grad_norm": 1000.0 + step})
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    data = _series(sqlite_server, run.id, "grad_norm")["grad_norm"]
+    assert data["steps"] == list(range(10))  # the agent's own norm on the other steps
+    assert [v for s, v in zip(data["steps"], data["values"]) if s % 3 == 0] == [1000.0, 1003.0, 1006.0, 1009.0]
+    assert all(v < 1000 for s, v in zip(data["steps"], data["values"]) if s % 3)
+
+
 def test_nonfinite_and_exact_floats_round_trip_through_the_database(live_server) -> None:  # type: ignore[no-untyped-def]
     values = [0.1 + 0.2, "NaN", "Infinity", "-Infinity", -2.5e-310, 5e-324, 1.7976931348623157e308]
     with live_server.client() as http:
