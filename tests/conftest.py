@@ -249,3 +249,12 @@ def browser() -> Iterator[Any]:
         launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield launched
         launched.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    """A fresh page in `browser`; any script error or failed request on it fails the test."""
+    import _browser
+
+    with _browser.context_page(browser) as fresh:
+        yield fresh
