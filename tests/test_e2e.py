@@ -110,44 +110,28 @@ def test_without_a_scaler_steps_are_counted_by_the_optimizer(sqlite_server) -> N
     assert data["scale"] == {"steps": [], "values": []}  # no scale to report: it does not exist
 
 
-def test_a_value_the_user_logs_under_a_standard_name_replaces_the_agents(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_norm_the_user_logs_replaces_the_agents_and_leaves_no_gap_between(sqlite_server, every: int) -> None:  # type: ignore[no-untyped-def]
+    """Logged at every step, the user's norm is the series; logged every third step, the agent's own fills in."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters())
     scaler = torch.amp.GradScaler("cpu")
-    with ampwatch.init("e2e", "override", url=sqlite_server.url) as run:
-        run.watch(model=model, optimizer=optimizer, scaler=scaler)
-        for step in range(4):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(4, 16)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            run.log({"grad_norm": 1000.0 + step})
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-    data = _series(sqlite_server, run.id, "grad_norm", "loss")
-    assert data["grad_norm"] == {"steps": [0, 1, 2, 3], "values": [1000.0, 1001.0, 1002.0, 1003.0]}
-    assert len(data["loss"]["values"]) == 4
-
-
-def test_a_norm_the_user_logs_every_third_step_leaves_no_gap_between(sqlite_server) -> None:  # type: ignore[no-untyped-def]
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
-    with ampwatch.init("e2e", "sparse-norm", url=sqlite_server.url) as run:
+    with ampwatch.init("e2e", f"override-{every}", url=sqlite_server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(10):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(4, 16)).float().pow(2).mean()
             scaler.scale(loss).backward()
-            if step % 3 == 0:
+            if step % every == 0:
                 run.log({"grad_norm": 1000.0 + step})
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
-    data = _series(sqlite_server, run.id, "grad_norm")["grad_norm"]
-    assert data["steps"] == list(range(10))  # the agent's own norm on the other steps
-    assert [v for s, v in zip(data["steps"], data["values"]) if s % 3 == 0] == [1000.0, 1003.0, 1006.0, 1009.0]
-    assert all(v < 1000 for s, v in zip(data["steps"], data["values"]) if s % 3)
+    data = _series(sqlite_server, run.id, "grad_norm", "loss")
+    norms = dict(zip(data["grad_norm"]["steps"], data["grad_norm"]["values"]))
+    assert list(norms) == list(range(10)) and len(data["loss"]["values"]) == 10
+    assert [norms[s] for s in range(0, 10, every)] == [1000.0 + s for s in range(0, 10, every)]
+    assert all(norms[s] < 1000 for s in range(10) if s % every)  # the agent's own norm on the other steps
 
 
 def test_nonfinite_and_exact_floats_round_trip_through_the_database(live_server) -> None:  # type: ignore[no-untyped-def]

@@ -3,20 +3,17 @@ restart on the same database the agents' retries and spools bring in the rest, e
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 
+import _runs
 import ampwatch
 
 STEPS_PER_BATCH = 40
-
 
 
 def batch(seq: int) -> dict[str, Any]:
@@ -61,30 +58,22 @@ def test_a_server_sigkilled_mid_ingest_loses_nothing_it_acknowledged_and_stores_
                     time.sleep(0.05)
 
     run = ampwatch.init("robust", "sigkill", url=url)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
-    run.watch(model=model, optimizer=optimizer, scaler=scaler)
     restart = threading.Thread(target=lambda: holder.update(server=server_processes(db_url, port)))
+    acked_before: dict[str, list[int]] = {}
+
+    def kill_mid_ingest(step: int) -> None:
+        if step == 90:
+            go.set()  # the senders start now, so that they are mid-way at the kill
+        if step == 100:
+            wait_for(lambda: sum(len(a) for a in acked.values()) >= senders * batches // 4, 60, "a quarter of the batches acknowledged")
+            holder["server"].kill()  # mid-ingest: the senders always have a request in flight
+            acked_before.update({r: list(a) for r, a in acked.items()})
+            restart.start()  # training goes on while the server starts again
+        time.sleep(0.002)
+
     with ThreadPoolExecutor(senders) as pool:
         sending = [pool.submit(send_all, r) for r in run_ids]
-        for step in range(300):
-            if step == 90:
-                go.set()  # the senders start now, so that they are mid-way at the kill
-            if step == 100:
-                wait_for(lambda: sum(len(a) for a in acked.values()) >= senders * batches // 4, 60, "a quarter of the batches acknowledged")
-                holder["server"].kill()  # mid-ingest: the senders always have a request in flight
-                acked_before = {r: list(a) for r, a in acked.items()}
-                restart.start()  # training goes on while the server starts again
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(2, 4)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            run.log({"step_seen": float(step)}, step=step)
-            time.sleep(0.002)
+        _runs.train(run, range(300), kill_mid_ingest)
         restart.join(60)
         for future in sending:
             future.result(timeout=120)
@@ -97,12 +86,4 @@ def test_a_server_sigkilled_mid_ingest_loses_nothing_it_acknowledged_and_stores_
             loss = http.get(f"/api/v1/runs/{run_id}/series", params={"name": "loss"}).json()["loss"]
             assert loss["steps"] == list(range(batches * STEPS_PER_BATCH))
             assert loss["values"] == [s / 3 for s in loss["steps"]]
-        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "step_seen"]}).json()
-        events = http.get(f"/api/v1/runs/{run.id}/events").json()
-        status = http.get(f"/api/v1/runs/{run.id}").json()["status"]
-    assert series["step_seen"]["steps"] == list(range(300))
-    assert series["step_seen"]["values"] == [float(s) for s in range(300)]
-    assert series["loss"]["steps"] == list(range(300))
-    assert len({(e["type"], e["step"], e["rank"], e["message"]) for e in events}) == len(events)  # no batch twice
-    assert status == "finished"
-    assert not any(Path(os.environ["AMPWATCH_SPOOL_DIR"]).iterdir())  # all acknowledged, nothing left to replay
+    _runs.assert_every_step_once(holder["server"].url, run.id, 300)

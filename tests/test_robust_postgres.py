@@ -3,20 +3,18 @@ reconnects, agents retry what failed, and every step is stored once."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
-import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, exc, text
 from sqlalchemy.exc import OperationalError
 
+import _runs
 import ampwatch
 from ampwatch.server import Settings, db
 from ampwatch.server.errors import database_unavailable
@@ -53,11 +51,6 @@ def test_an_agent_training_through_killed_postgres_connections_has_every_step_on
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "60")
     server = live_server_factory(Settings(database_url=pg_url, alert_eval_interval_s=0.05))
     run = ampwatch.init("robust", "pg-kill", url=server.url)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
-    run.watch(model=model, optimizer=optimizer, scaler=scaler)
     done = threading.Event()
 
     def kill_repeatedly() -> None:  # the server's pooled and in-use connections, every 100 ms
@@ -66,29 +59,12 @@ def test_an_agent_training_through_killed_postgres_connections_has_every_step_on
 
     thread = threading.Thread(target=kill_repeatedly, daemon=True)
     thread.start()
-    for step in range(200):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(torch.randn(2, 4)).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        run.log({"step_seen": float(step)}, step=step)
-        time.sleep(0.005)  # a second or more of training: ten rounds of kills or more
+    _runs.train(run, range(200), lambda step: time.sleep(0.005))  # a second or more: ten rounds of kills or more
     done.set()
     thread.join()
     run.finish()
     assert killer.killed > 0
-    with server.client() as http:
-        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "step_seen"]}).json()
-        events = http.get(f"/api/v1/runs/{run.id}/events").json()
-        status = http.get(f"/api/v1/runs/{run.id}").json()["status"]
-    assert series["step_seen"]["steps"] == list(range(200))
-    assert series["step_seen"]["values"] == [float(s) for s in range(200)]
-    assert series["loss"]["steps"] == list(range(200))
-    assert len({(e["type"], e["step"], e["rank"], e["message"]) for e in events}) == len(events)  # no batch twice
-    assert status == "finished"
-    assert not any(Path(os.environ["AMPWATCH_SPOOL_DIR"]).iterdir())
+    _runs.assert_every_step_once(server.url, run.id, 200)
 
 
 def test_a_transaction_that_lost_its_connection_is_retried_on_a_fresh_one(pg_url, killer) -> None:  # type: ignore[no-untyped-def]

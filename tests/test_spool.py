@@ -9,28 +9,10 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
+import _runs
 import ampwatch
 from ampwatch.server import Settings
-
-
-def _train(run: ampwatch.Run, steps: range, on_step=None) -> None:  # type: ignore[no-untyped-def]
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
-    run.watch(model=model, optimizer=optimizer, scaler=scaler)
-    for step in steps:
-        if on_step:
-            on_step(step)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(torch.randn(2, 4)).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        run.log({"step_seen": float(step)}, step=step)
 
 
 def _series(server, run_id: str) -> dict:  # type: ignore[no-untyped-def]
@@ -52,20 +34,16 @@ def test_a_server_down_for_the_middle_third_of_a_run_loses_nothing(db_url, serve
         if 100 <= step < 200:
             time.sleep(0.005)
 
-    _train(run, range(300), outage)
+    _runs.train(run, range(300), outage)
     run.finish()
-    with httpx.Client(base_url=holder["server"].url) as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "step_seen"]}).json()
-    assert data["step_seen"]["steps"] == list(range(300))  # every step, once
-    assert data["loss"]["steps"] == list(range(300))
-    assert not any(Path(os.environ["AMPWATCH_SPOOL_DIR"]).iterdir())  # acknowledged, so removed from disk
+    _runs.assert_every_step_once(holder["server"].url, run.id, 300)
 
 
 def test_offline_mode_spools_and_sync_uploads_exactly_once(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     spool_dir = os.environ["AMPWATCH_SPOOL_DIR"]
     with ampwatch.init("spool", "offline", url=sqlite_server.url) as run:
-        _train(run, range(50))
+        _runs.train(run, range(50))
     with sqlite_server.client() as http:
         assert http.get("/api/v1/runs").json() == []  # nothing was sent
     assert list(Path(spool_dir).iterdir())
@@ -91,7 +69,7 @@ def test_a_run_that_ends_while_the_server_is_gone_is_uploaded_later(sqlite_url, 
         if step == 10:
             server.stop()
 
-    _train(run, range(40), vanish)
+    _runs.train(run, range(40), vanish)
     run.finish()  # gives up after its timeout: the rest waits on disk
     spool_dir = os.environ["AMPWATCH_SPOOL_DIR"]
     assert any(Path(spool_dir).rglob("[0-9]*.json"))
@@ -150,7 +128,7 @@ def test_a_429_with_retry_after_is_honoured_and_the_batch_arrives_once(sqlite_se
     threading.Thread(target=front.serve_forever, daemon=True).start()
     try:
         run = ampwatch.init("spool", "throttled", url=f"http://127.0.0.1:{front.server_address[1]}")
-        _train(run, range(20))
+        _runs.train(run, range(20))
         run.finish()
     finally:
         front.shutdown()
