@@ -113,12 +113,15 @@ class Worker:
 
     def close(self, timeout_s: float) -> bool:
         """Flush, then stop the thread; the spool stays on disk while anything in it is unacknowledged."""
-        delivered = self.flush(timeout_s) and self._online
+        flushed = self.flush(timeout_s)
+        delivered = flushed and self._online
         if self.dropped or self.outbox.dropped:
             log.warning("ampwatch: this run dropped %d record(s) (buffer full) and %d batch(es) (no room on disk "
                         "or in memory); the `%s` series counts them", self.dropped, self.outbox.dropped, DROPPED)  # fmt: skip
         self._stop = True
         self._wake.set()
+        if flushed and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(1.0)  # its last steps must not overlap the interpreter's shutdown
         spool = self.outbox.spool
         if spool is not None and delivered and not len(self.outbox):
             spool.discard()
@@ -138,6 +141,9 @@ class Worker:
             self._wake.clear()
             try:
                 self._absorb(self._drain())
+                # Only now that the records are freed (a tensor's release lets go of the GIL, and a thread taking it
+                # back while the interpreter shuts down aborts the whole process) may finish() return.
+                self._release_waiters()
                 self._heartbeat()
                 self._deliver()
             except Exception:  # never let the thread die: a dead sender loses everything after
@@ -163,7 +169,6 @@ class Worker:
             else:
                 chunk.append(entry)
         self._seal(chunk)
-        self._release_waiters()
 
     def _seal(self, entries: list[tuple]) -> None:
         if not entries:

@@ -4,6 +4,7 @@ and adds no host-device read to a training step."""
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import socket
 import subprocess
@@ -348,3 +349,39 @@ def test_a_real_process_with_forked_dataloader_workers_exits_without_hanging_and
     with sqlite_server.client() as http:
         assert http.get(f"/api/v1/runs/{run_id}").json()["status"] == "finished"
         assert http.get(f"/api/v1/runs/{run_id}/series", params={"name": "loss"}).json()["loss"]["steps"] == list(range(8))
+
+
+_BUFFERED_EXIT_SCRIPT = """
+import sys, torch, ampwatch
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu")
+run = ampwatch.init("guest", "buffered-exit")
+run.watch(model=model, optimizer=optimizer, scaler=scaler)
+for step in range(1500):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(8, 16)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+if sys.argv[1] == "finish":
+    run.finish()
+"""
+
+
+@pytest.mark.parametrize("ending", ["finish", "exit"])
+def test_a_process_ending_with_thousands_of_steps_still_buffered_exits_cleanly_and_keeps_them(sqlite_server, tmp_path, ending: str) -> None:  # type: ignore[no-untyped-def]
+    # Regression: the sender freed the last records' tensors after finish() had returned; a tensor's release lets
+    # go of the GIL, and taking it back during interpreter shutdown aborted the process ("terminate called...").
+    env = {**os.environ, "AMPWATCH_MODE": "offline", "AMPWATCH_SPOOL_DIR": str(tmp_path), "AMPWATCH_FLUSH_INTERVAL_S": "1000"}
+    done = subprocess.run([sys.executable, "-c", _BUFFERED_EXIT_SCRIPT, ending], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    synced = subprocess.run([sys.executable, "-m", "ampwatch._cli", "sync", str(tmp_path), "--url", sqlite_server.url],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert synced.returncode == 0, synced.stderr
+    with sqlite_server.client() as http:
+        [run] = http.get("/api/v1/runs").json()
+        series = http.get(f"/api/v1/runs/{run['id']}/series", params={"name": "loss", "max_points": 5000}).json()
+    assert run["status"] == "finished"
+    assert series["loss"]["steps"] == list(range(1500))
