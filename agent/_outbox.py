@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from ampwatch._spool import Spool
-from ampwatch._transport import Response, Transport
+from ampwatch._transport import Response, Transport, encode
 
 log = logging.getLogger("ampwatch")
 IN_MEMORY = 64  # batches kept in memory besides the spool; the rest are read back from disk
@@ -26,9 +26,9 @@ class Outbox:
     def __init__(self, transport: Transport, run_id: str, run_doc: dict[str, Any], spool: Spool | None) -> None:
         self._transport = transport
         self._run_path = f"/api/v1/runs/{run_id}"
-        self._run_doc = run_doc
+        self._run_body = encode(run_doc)
         self.spool = spool
-        self._queue: collections.deque[tuple[int, dict[str, Any] | None]] = collections.deque()
+        self._queue: collections.deque[tuple[int, bytes | None]] = collections.deque()
         self._registered = False
         self.retry_at = 0.0
         self._failures = 0
@@ -46,7 +46,13 @@ class Outbox:
 
     def add(self, seq: int, doc: dict[str, Any], *, send: bool = True) -> None:
         """Persist a batch and queue it (`send=False`: persist only, for offline mode)."""
-        stored = self.spool is not None and self.spool.put(seq, doc)
+        try:
+            body = encode(doc)
+        except (TypeError, ValueError) as error:  # a bug on our side: sending it again cannot help
+            self.dropped += 1
+            log.error("ampwatch: batch %d could not be encoded (%s); dropped (counted)", seq, error)
+            return
+        stored = self.spool is not None and self.spool.put(seq, body)
         if not send:
             return
         if not stored and len(self._queue) >= MEMORY_ONLY_CAP:
@@ -54,7 +60,7 @@ class Outbox:
             if self.dropped == 1:
                 log.warning("ampwatch: dropping batches the server has not taken (counted)")
             return
-        self._queue.append((seq, doc if not stored or len(self._queue) < IN_MEMORY else None))
+        self._queue.append((seq, body if not stored or len(self._queue) < IN_MEMORY else None))
 
     def deliver(self) -> bool:
         """Send what is due, in order; False when the server could not take it (retry later)."""
@@ -62,16 +68,16 @@ class Outbox:
             if time.monotonic() < self.retry_at:
                 return False
             if not self._registered:
-                if not self._send("PUT", self._run_path, self._run_doc):
+                if not self._send("PUT", self._run_path, self._run_body):
                     return False
                 self._registered = True
-            seq, doc = self._queue[0]
-            if doc is None:
-                doc = self._load(seq)
-                if doc is None:
+            seq, body = self._queue[0]
+            if body is None:
+                body = self._load(seq)
+                if body is None:
                     self._queue.popleft()
                     continue
-            reply = self._transport.send("POST", self._run_path + "/batches", doc)
+            reply = self._transport.send("POST", self._run_path + "/batches", body)
             if reply.status == 404:  # the server does not know the run (a new database): register again
                 self._registered = False
                 continue
@@ -86,7 +92,11 @@ class Outbox:
                 self.spool.remove(seq)
         return True
 
-    def _load(self, seq: int) -> dict[str, Any] | None:
+    def close(self) -> None:
+        """Let go of the server connection (a later delivery opens a new one)."""
+        self._transport.close()
+
+    def _load(self, seq: int) -> bytes | None:
         """A spooled batch; an unreadable one (a crash mid-write) is set aside so the rest still flows."""
         try:
             return self.spool.load(seq)  # type: ignore[union-attr]
@@ -96,8 +106,8 @@ class Outbox:
             self.spool.set_aside(seq)  # type: ignore[union-attr]
             return None
 
-    def _send(self, method: str, path: str, doc: dict[str, Any]) -> bool:
-        reply = self._transport.send(method, path, doc)
+    def _send(self, method: str, path: str, body: bytes) -> bool:
+        reply = self._transport.send(method, path, body)
         if reply.ok:
             self._failures = 0
             return True

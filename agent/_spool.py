@@ -52,12 +52,8 @@ class Spool:
         """What `create` stored: run id, rank, server URL and the registration document."""
         return json.loads((self.folder / RUN_FILE).read_text())
 
-    def put(self, seq: int, doc: dict[str, Any]) -> bool:
-        """Persist one batch; False when the cap or the disk refuses it."""
-        try:
-            data = json.dumps(doc, allow_nan=False, separators=(",", ":"))
-        except (TypeError, ValueError):
-            return False  # kept in memory; the transport reports it as rejected
+    def put(self, seq: int, data: bytes) -> bool:
+        """Persist one batch (its JSON bytes); False when the cap or the disk refuses it."""
         if self._bytes + len(data) > self.max_bytes:
             self._refused(f"it reached its {self.max_bytes}-byte cap")
             return False
@@ -69,9 +65,11 @@ class Spool:
         self._bytes += len(data)
         return True
 
-    def load(self, seq: int) -> dict[str, Any]:
-        """One persisted batch."""
-        return json.loads((self.folder / f"{seq:012d}.json").read_text())
+    def load(self, seq: int) -> bytes:
+        """One persisted batch's JSON bytes; ValueError when they are not JSON (a damaged file)."""
+        data = (self.folder / f"{seq:012d}.json").read_bytes()
+        json.loads(data)
+        return data
 
     def remove(self, seq: int) -> None:
         """Forget an acknowledged batch."""
@@ -107,5 +105,5 @@ class Spool:
 
 def _write(path: Path, data: Any) -> None:
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(data if isinstance(data, str) else json.dumps(data))
+    temporary.write_bytes(data if isinstance(data, bytes) else json.dumps(data).encode())
     os.replace(temporary, path)

@@ -1,10 +1,17 @@
-"""HTTP transport to the server, standard library only."""
+"""HTTP transport to the server, standard library only.
+
+One kept-alive connection per transport (a sender thread sends a few batches a second: a new TCP
+connection each time would cost more than the batch). A connection the server closed in the meantime
+is opened again once; documents are sent as JSON bytes encoded once by the caller.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -16,6 +23,11 @@ def encode_value(value: float) -> float | str:
     if math.isfinite(value):
         return value
     return "NaN" if math.isnan(value) else _NONFINITE[value]
+
+
+def encode(document: dict[str, Any]) -> bytes:
+    """A document as the bytes sent and spooled; raises ValueError/TypeError on what JSON cannot hold."""
+    return json.dumps(document, allow_nan=False, separators=(",", ":")).encode()
 
 
 class Response:
@@ -42,7 +54,7 @@ class Response:
 
 
 class Transport:
-    """Sends JSON documents to one server; never raises."""
+    """Sends JSON bodies to one server; never raises."""
 
     def __init__(self, url: str, token: str | None, timeout_s: float) -> None:
         self._url = url
@@ -50,25 +62,61 @@ class Transport:
         self._headers = {"Content-Type": "application/json", "User-Agent": "ampwatch-agent"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        parts = urllib.parse.urlsplit(url)
+        self._base_path = parts.path.rstrip("/")
+        self._connect: Any = None  # a connection factory; None: through urllib (a proxy applies, or a bad URL)
+        if parts.scheme in ("http", "https") and parts.hostname and not _proxied(parts):
+            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            self._connect = lambda: kind(parts.hostname, parts.port, timeout=timeout_s)
+        self._conn: http.client.HTTPConnection | None = None
 
-    def send(self, method: str, path: str, document: dict[str, Any]) -> Response:
+    def send(self, method: str, path: str, body: bytes) -> Response:
         """One request; the result says whether to retry."""
+        if self._connect is None:
+            return self._send_urllib(method, path, body)
+        reused = self._conn is not None
+        reply, error = self._request(method, path, body)
+        if reused and error is not None and not isinstance(error, TimeoutError):
+            reply, _ = self._request(method, path, body)  # the server closed the kept-alive connection: once more
+        return reply
+
+    def _request(self, method: str, path: str, body: bytes) -> tuple[Response, Exception | None]:
+        if self._conn is None:
+            self._conn = self._connect()
         try:
-            data = json.dumps(document, allow_nan=False, separators=(",", ":")).encode()
-        except (TypeError, ValueError) as error:  # a bug on our side: retrying cannot help
-            return Response(400, f"the agent could not encode this document: {error}")
-        request = urllib.request.Request(self._url + path, data, self._headers, method=method)
+            self._conn.request(method, self._base_path + path, body, self._headers)
+            reply = self._conn.getresponse()
+            text = reply.read().decode(errors="replace")
+        except (OSError, http.client.HTTPException, ValueError) as error:  # refused, reset, timed out, bad URL
+            self.close()
+            return Response(0, str(error)), error
+        if reply.will_close:
+            self.close()
+        return Response(reply.status, text, _retry_after(reply.getheader("Retry-After"))), None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _send_urllib(self, method: str, path: str, body: bytes) -> Response:
+        request = urllib.request.Request(self._url + path, body, self._headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=self._timeout_s) as reply:
                 return Response(reply.status, reply.read().decode(errors="replace"))
         except urllib.error.HTTPError as error:
-            return Response(error.code, error.read().decode(errors="replace"), _retry_after(error))
+            return Response(error.code, error.read().decode(errors="replace"), _retry_after(error.headers.get("Retry-After")))
         except (OSError, ValueError) as error:  # refused, reset, timed out, bad URL
             return Response(0, str(error))
 
 
-def _retry_after(error: urllib.error.HTTPError) -> float | None:
+def _proxied(parts: urllib.parse.SplitResult) -> bool:
+    """Whether the environment routes this URL through a proxy (urllib then sends it, as it always did)."""
+    return bool(urllib.request.getproxies().get(parts.scheme)) and not urllib.request.proxy_bypass(parts.netloc)
+
+
+def _retry_after(value: str | None) -> float | None:
     try:
-        return float(error.headers.get("Retry-After", ""))
+        return float(value or "")
     except ValueError:
         return None

@@ -103,6 +103,7 @@ class Worker:
     def _forget_thread(self) -> None:
         self._thread = None
         self.records.clear()
+        self.outbox.close()  # the parent's connection: a child that sends opens its own
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything recorded so far was delivered; False on timeout."""
@@ -122,6 +123,7 @@ class Worker:
         self._wake.set()
         if flushed and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(1.0)  # its last steps must not overlap the interpreter's shutdown
+        self.outbox.close()
         spool = self.outbox.spool
         if spool is not None and delivered and not len(self.outbox):
             spool.discard()

@@ -45,11 +45,11 @@ def client_main(url: str, agents: list[int], args: dict[str, Any], start: Any, r
     timings: list[tuple[float, int, int]] = []  # (seconds, status, points) per batch request
     send = _transport.Transport.send
 
-    def timed(self: Any, method: str, path: str, document: dict[str, Any]) -> Any:
+    def timed(self: Any, method: str, path: str, body: bytes) -> Any:
         started = time.perf_counter()
-        reply = send(self, method, path, document)
+        reply = send(self, method, path, body)
         if path.endswith("/batches"):
-            points = sum(len(s["steps"]) for s in document.get("points", {}).values())
+            points = sum(len(s["steps"]) for s in json.loads(body).get("points", {}).values())
             timings.append((time.perf_counter() - started, reply.status, points))
         return reply
 
