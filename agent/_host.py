@@ -34,13 +34,16 @@ def to_host(tensors: list[Any]) -> list[Any]:
 
 def _host_values(torch: Any, tensors: list[Any], device: Any) -> list[Any]:
     if device.type == "cpu":
-        # Already computed (CPU ops run synchronously): reading each is cheaper than stacking them first.
+        # Already computed (CPU ops run synchronously): reading each is cheaper than stacking them first. With
+        # tolist(), not item(): item() lets go of the GIL, and every time it does, the training thread takes it
+        # and this thread waits for the next chance (thousands of hand-overs a second, each costing both).
         values: list[Any] = []
         for t in tensors:
-            if t.dim() == 0:
-                values.append(t.item())
+            value = t.tolist()
+            if value.__class__ is list:
+                values.extend(value if t.dim() == 1 else t.reshape(-1).tolist())
             else:
-                values.extend(t.reshape(-1).tolist())
+                values.append(value)
         return values
     with torch.no_grad():  # everything here is already detached; this only saves the checks
         if all(t.dim() == 0 for t in tensors):  # one stack, no per-tensor reshape

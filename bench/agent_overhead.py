@@ -6,7 +6,9 @@ step takes about `--target-ms` here. Conditions:
 
   none          the plain loop
   ampwatch      `ampwatch.init(...)` + `run.watch(model, optimizer, scaler)`, sending to a real
-                `ampwatch server` started by this script (SQLite in a temporary folder)
+                `ampwatch server` started by this script (SQLite in a temporary folder); one run per
+                condition for the whole benchmark, as a training run lasts, flushed at the end of each
+                block (its one-time costs, init and finish, are printed apart)
                 (the loop clips with `torch.nn.utils.clip_grad_norm_`, so the agent records the norm
                 that call returns instead of computing a second one)
   ampwatch-own-norm  the same, with a `clip_grad_norm_` imported before `watch()`: the agent cannot
@@ -328,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s.sustained:+.1%}, {added:+.2f} reads/step)")  # fmt: skip
         for condition in conditions:
             if isinstance(condition, Ampwatch) and not condition.disabled and condition.run_ids:
-                print(f"server check {condition.name} (last run): {ampwatch_check(server.url, condition.run_ids[-1])}")
+                print(f"server check {condition.name}: {ampwatch_check(server.url, condition.run_ids[-1])}")
+                print(f"one-time cost of the {condition.name} run (not per step): init + watch {condition.setup_s * 1e3:.1f} ms, "
+                      f"finish {condition.finish_s * 1e3:.1f} ms")  # fmt: skip
         for condition in conditions:
             if condition.note:
                 notes.append(f"{condition.name}: {condition.note}")
