@@ -17,6 +17,8 @@ from ampwatch._origin import INPUT
 
 log = logging.getLogger("ampwatch")
 Event = dict[str, Any]
+Columns = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values), as a batch holds them
+OBSERVED = ("loss", "scale", "skipped", "grad_norm", "lr", "param_norm")  # what the analyzer reads
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,24 @@ class _Median:
     def value(self) -> float:
         return self._sorted[len(self._sorted) // 2]
 
+    def extend(self, values: list[float]) -> None:
+        """Add many values at once (rebuilding the sorted copy is cheaper than inserting them one by one)."""
+        order = self._order
+        order.extend(values)
+        for _ in range(len(order) - self._size):
+            order.popleft()
+        self._sorted = sorted(order)
+
+    def stays_below(self, values: list[float], factor: float) -> bool:
+        """Whether each of `values`, added in order, is below `factor` times the median it is compared with.
+
+        Conservative, without replaying: every window these values meet is a subset of the current window plus
+        `values`, at least as large as the current one, so its median is at least the element at the current
+        median's rank in that union. Below `factor` times that bound (and the bound positive) means no spike."""
+        pooled = sorted(self._sorted + values)
+        bound = pooled[len(self._order) // 2]
+        return bound > 0 and max(values) < factor * bound
+
 
 class Analyzer:
     """Classifies each step from its standard series and emits events once per episode."""
@@ -85,6 +105,50 @@ class Analyzer:
         self._skipped_at: dict[int, bool] = {}
         self._scheduler_reported = False
         self._norm_history: deque[float] = deque(maxlen=30)
+
+    def observe_columns(self, columns: Columns) -> list[Event]:
+        """Events for a batch's series. A calm stretch (every value finite, no skipped step, nothing near a spike)
+        only moves the state, in bulk; anything else is judged step by step, in step order."""
+        standard = {name: columns[name] for name in OBSERVED if name in columns}
+        if not standard or self._absorb_calm(standard):
+            return []
+        by_step: dict[int, dict[str, float]] = {}
+        for name, (steps, values) in standard.items():
+            for step, value in zip(steps, values):
+                by_step.setdefault(step, {})[name] = value
+        events: list[Event] = []
+        for step in sorted(by_step):
+            events.extend(self.observe(step, by_step[step]))
+        return events
+
+    def _absorb_calm(self, c: Columns) -> bool:
+        """If nothing in these series can raise an event, update the state as `observe` would and say so."""
+        skipped, loss, norm, lr = c.get("skipped"), c.get("loss"), c.get("grad_norm"), c.get("lr")
+        if self._streak or self._grad_spiking or self._loss_spiking or (skipped and (self.calibrating or any(skipped[1]))):
+            return False
+        for name in ("loss", "scale", "grad_norm", "param_norm"):  # a sum is finite only if every value is
+            if name in c and not math.isfinite(sum(c[name][1])):
+                return False
+        if lr and any(self._skipped_at.values()):  # a schedule step right after a skipped step: judged one by one
+            return False
+        if loss and not self._loss_median.stays_below(loss[1], self.t.loss_spike_factor):
+            return False
+        if norm and not self._grad_median.stays_below(norm[1], self.t.spike_factor):
+            return False
+        if loss:
+            self._nonfinite_loss = False
+            self._loss_median.extend(loss[1])
+        if norm:
+            self._nan_grad_streak = 0
+            self._norm_history.extend(norm[1][-30:])
+            self._grad_median.extend(norm[1])
+        if skipped:
+            self._skipped_at = {step: False for step in skipped[0][-2:]}
+        if "param_norm" in c:
+            self._param_bad = False
+        if lr:
+            self._last_lr = lr[1][-1]
+        return True
 
     def observe(self, step: int, values: dict[str, float]) -> list[Event]:
         """Events for one step's values (any subset of loss, scale, skipped, grad_norm, lr, param_norm)."""
@@ -267,9 +331,9 @@ class Diagnosis:
         self._recorder = recorder
         self._found: set[int] = set()
 
-    def observe(self, step: int, values: dict[str, float]) -> list[Event]:
-        """Events for one step; critical ones are also logged, so a user without a server sees them."""
-        events = self.analyzer.observe(step, values)
+    def observe_columns(self, columns: Columns) -> list[Event]:
+        """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
+        events = self.analyzer.observe_columns(columns)
         for event in events:
             if event["type"] in self._ARMING_TYPES:
                 self._recorder.arm_request = True

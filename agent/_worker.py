@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -50,7 +51,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class Diagnoser(Protocol):
     """Turns host values into events (see `ampwatch._diagnose.Diagnosis`)."""
 
-    def observe(self, step: int, values: dict[str, float]) -> list[dict[str, Any]]: ...
+    def observe_columns(self, columns: dict[str, tuple[list[int], list[float]]]) -> list[dict[str, Any]]: ...
 
     def origin(self, step: int, arming: int, forward: Flags, backward: Flags) -> list[dict[str, Any]]: ...
 
@@ -186,7 +187,7 @@ class Worker:
                 tensors.extend(t for t in (e[4], e[6]) if t is not None)
         host = to_host(tensors)
         at = 0
-        points: dict[str, tuple[list[int], list[Any]]] = {}
+        points: dict[str, tuple[list[int], list[float]]] = {}
         events: list[dict[str, Any]] = []
         status = None
         count, step = 0, None
@@ -207,10 +208,8 @@ class Worker:
                     if series is None:
                         series = points[name] = ([], [])
                     series[0].append(step)
-                    series[1].append(encode_value(v))
+                    series[1].append(v)
                 count += len(named)
-                if diagnosis is not None:
-                    events.extend(diagnosis.observe(step, named))
             elif kind == ORIGIN:
                 _, step, arming, fwd_names, fwd, bwd_names, bwd = entry
                 forward = backward = []
@@ -246,6 +245,9 @@ class Worker:
             self._enqueue({}, [], None, heartbeat=True)
 
     def _enqueue(self, points: dict, events: list, status: str | None, heartbeat: bool = False) -> None:
+        """One batch of points (host floats, diagnosed here, in one pass over the batch) and events."""
+        if points and self.diagnosis is not None:
+            events.extend(self.diagnosis.observe_columns(points))
         if not points and not events and status is None and not heartbeat:
             return
         self._last_batch_at = time.monotonic()
@@ -253,7 +255,7 @@ class Worker:
         doc = {
             "rank": self._rank,
             "seq": self._seq,
-            "points": {n: {"steps": s, "values": v} for n, (s, v) in points.items()},
+            "points": {n: {"steps": s, "values": _spelled(v)} for n, (s, v) in points.items()},
             "events": events,
             "status": status,
         }
@@ -270,3 +272,8 @@ class Worker:
         for seq, done in [w for w in self._waiters if w[0] < pending]:
             done.set()
         self._waiters = [w for w in self._waiters if w[0] >= pending]
+
+
+def _spelled(values: list[float]) -> list[Any]:
+    """Values as JSON carries them: non-finite ones spelled out (a sum is finite only if every value is)."""
+    return values if math.isfinite(sum(values)) else [encode_value(v) for v in values]

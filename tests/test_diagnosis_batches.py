@@ -1,0 +1,103 @@
+"""The analyzer reads a whole batch at once and absorbs calm stretches in bulk: it must reach exactly the
+events and the state that judging every step one by one reaches, whatever the batch boundaries."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from typing import Any
+
+import pytest
+
+from ampwatch._diagnose import Analyzer, Columns
+
+
+def _series(rng: random.Random, steps: int) -> list[dict[str, float]]:
+    """One run's standard values per step: drifting loss and norm, growth and backoff of the scale, and now
+    and then a skip streak, a NaN or inf, a spike, a schedule step, or a negative loss."""
+    out, loss, norm, scale, lr, good = [], 2.0, 1.0, 65536.0, 1e-3, 0
+    streak = 0
+    for step in range(steps):
+        loss = max(1e-3, loss * rng.uniform(0.97, 1.02))
+        norm = max(1e-3, norm * rng.uniform(0.9, 1.1))
+        values = {"loss": loss, "grad_norm": norm, "lr": lr}
+        event = rng.random()
+        if streak or event < 0.01:
+            streak = streak + 1 if streak < rng.choice([1, 3, 12]) else 0
+        skipped = streak > 0 or step < 4
+        if event < 0.004:
+            values["loss"] = rng.choice([math.nan, math.inf, -math.inf])
+        elif event < 0.008:
+            values["grad_norm"] = rng.choice([math.nan, math.inf])
+        elif event < 0.014:
+            values["grad_norm"] = norm * rng.uniform(5, 40)
+        elif event < 0.018:
+            values["loss"] = loss * rng.uniform(3, 20)
+        elif event < 0.020:
+            values["loss"] = -loss
+        if rng.random() < 0.01:
+            lr *= 0.5
+        if scale_present := rng.random() > 0.002:
+            values["scale"], values["skipped"] = scale, float(skipped)
+        if step % 50 == 0:
+            values["param_norm"] = math.nan if event > 0.998 else 30.0
+        out.append(values)
+        if scale_present:
+            if skipped:
+                scale, good = scale / 2, 0
+            else:
+                good += 1
+                scale, good = (scale * 2, 0) if good == 20 else (scale, good)
+    return out
+
+
+def _columns(rows: list[tuple[int, dict[str, float]]]) -> Columns:
+    columns: Columns = {}
+    for step, values in rows:
+        for name, value in values.items():
+            series = columns.setdefault(name, ([], []))
+            series[0].append(step)
+            series[1].append(value)
+    return columns
+
+
+def _comparable(events: list[dict[str, Any]]) -> list[tuple]:
+    return [(e["step"], e["type"], e["severity"], e["message"]) for e in events]
+
+
+def _state(analyzer: Analyzer) -> dict[str, Any]:
+    state = copy.deepcopy(analyzer.__dict__)
+    for name in ("_grad_median", "_loss_median"):
+        median = state.pop(name)
+        state[name] = (list(median._order), median._sorted)
+    state["_norm_history"] = list(state["_norm_history"])
+    state["_skipped_at"] = {k: v for k, v in state["_skipped_at"].items() if k >= max(state["_skipped_at"], default=0) - 1}
+    return state
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batches_reach_the_same_events_and_state_as_step_by_step(seed: int) -> None:
+    rng = random.Random(seed)
+    rows = list(enumerate(_series(rng, 1500)))
+    one_by_one, batched = Analyzer(), Analyzer()
+    expected = [e for step, values in rows for e in one_by_one.observe(step, values)]
+    got, at = [], 0
+    while at < len(rows):
+        size = rng.choice([1, 7, 50, 200, 400])
+        got.extend(batched.observe_columns(_columns(rows[at : at + size])))
+        at += size
+    assert _comparable(got) == _comparable(expected)
+    assert _state(batched) == _state(one_by_one)
+
+
+def test_a_calm_batch_is_absorbed_in_bulk() -> None:
+    analyzer = Analyzer()
+    rows = [(s, {"loss": 1.0 + 0.001 * s, "grad_norm": 0.5, "scale": 65536.0, "skipped": 0.0, "lr": 1e-3}) for s in range(60)]
+    analyzer.observe_columns(_columns(rows))  # through start-up calibration, one by one
+    assert not analyzer.calibrating
+    calm = _columns([(s, {"loss": 1.1, "grad_norm": 0.6, "scale": 65536.0, "skipped": 0.0, "lr": 1e-3}) for s in range(60, 260)])
+    assert analyzer._absorb_calm(calm)
+    spiky = _columns([(260, {"loss": 1.1, "grad_norm": 60.0, "scale": 65536.0, "skipped": 0.0})])
+    assert not analyzer._absorb_calm(spiky)
+    assert [e["type"] for e in analyzer.observe_columns(spiky)] == ["grad_spike"]
