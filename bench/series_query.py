@@ -9,7 +9,7 @@ measured with the same functions the endpoint calls. Then the same requests over
 
 SSE: a real `ampwatch server`, an SSE client on `/api/v1/runs/{id}/stream`, and single-step batches POSTed
 as the agent sends them; latency is from the start of the POST to the moment the client has parsed the
-update carrying that step. (The agent batches for up to `AMPWATCH_FLUSH_INTERVAL_S`, 0.2 s, before it sends.)
+update carrying that step. (The agent batches for up to `AMPWATCH_FLUSH_INTERVAL_S`, 0.5 s, before it sends.)
 
     python bench/series_query.py                   # both backends
     python bench/series_query.py --backends sqlite --repeat 5
