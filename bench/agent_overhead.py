@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +258,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the other core "
                         "is left to background threads and the server, like a GPU host's spare cores)")  # fmt: skip
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin the training thread to the first "
+                        "CPU and the server, sender threads and logger processes to the others")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=6, help="paired blocks per condition, interleaved (default 6)")
     parser.add_argument("--pairs", type=int, default=400, help="step pairs per paired block (default 400)")
     parser.add_argument("--warm", type=int, default=3, help="untimed steps after starting a condition (default 3)")
@@ -275,28 +279,37 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
+    cpus = sorted(os.sched_getaffinity(0))
+    helpers = set(cpus[1:]) if args.pin and len(cpus) >= 2 else None
+    if helpers:  # the training thread alone on the first CPU; what it starts under `on_cpus(helpers)` on the others
+        os.sched_setaffinity(0, cpus[:1])
     if args.hidden:
         hidden = args.hidden
         trainer = build(hidden, args.batch)
         step_s = statistics.median(time_steps(trainer, trainer.plain, 100) for _ in range(3))
     else:
         hidden, step_s = calibrate(args.target_ms / 1e3, args.batch)
-    print(f"ampwatch agent overhead: torch {torch.__version__}, {cpu_count()} CPUs, {args.threads} torch thread(s), "
+    print(f"ampwatch agent overhead: torch {torch.__version__}, {len(cpus)} CPUs, {args.threads} torch thread(s), "
           f"load average {os.getloadavg()[0]:.2f}\nstep: MLP 64-{hidden}-{hidden}-10, batch {args.batch}, fp16 autocast, "
           f"AdamW, GradScaler('cpu'), clip_grad_norm_: {step_s * 1e3:.3f} ms at calibration (fastest of 5 blocks)\n"
           f"paired: {args.rounds} blocks x {args.pairs} pairs per condition; sustained: {args.sustained_rounds} rounds x "
-          f"{args.sustained_steps} steps", flush=True)  # fmt: skip
+          f"{args.sustained_steps} steps\n"
+          + (f"CPUs: the training thread on CPU {cpus[0]}; the server, the agent's sender thread and the loggers' "
+             f"threads and processes on CPU(s) {sorted(helpers)} (a GPU host's spare cores)" if helpers else
+             "CPUs: not pinned"), flush=True)  # fmt: skip
     names = [c.strip() for c in args.conditions.split(",") if c.strip()]
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="ampwatch-overhead-") as tmp, scratch_database("sqlite") as db_url, \
-            Server(db_url, Path(tmp) / "server.log") as server:  # fmt: skip
+            Server(db_url, Path(tmp) / "server.log", cpus=helpers) as server:  # fmt: skip
         server.wait_ready()
-        conditions, notes = make_conditions(names, server.url, tmp)
+        with on_cpus(helpers):
+            conditions, notes = make_conditions(names, server.url, tmp)
         trainer = build(hidden, args.batch)
         results = {c.name: Result(c.name) for c in conditions}
         try:
-            for condition in conditions:  # warm-up: allocator, autocast, first run and connection
-                variant = condition.start(trainer)
+            for condition in conditions:  # warm-up: allocator, autocast, first run (its sender thread) and connection
+                with on_cpus(helpers):
+                    variant = condition.start(trainer)
                 time_steps(trainer, variant, 100)
                 condition.stop()
             others = [c for c in conditions if c.name != "none"]
@@ -341,6 +354,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({n: r.__dict__ for n, r in results.items()}, indent=1))
     return 0
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """This thread on `cpus` for the block: the threads and processes it starts there keep them (None: as is)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def profile(trainer: Trainer, conditions: list[Condition], args: argparse.Namespace) -> None:
