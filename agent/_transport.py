@@ -60,15 +60,18 @@ class Transport:
         self._url = url
         self._timeout_s = timeout_s
         self._headers = {"Content-Type": "application/json", "User-Agent": "ampwatch-agent"}
+        self._conn: http.client.HTTPConnection | None = None
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        parts = urllib.parse.urlsplit(url)
-        self._base_path = parts.path.rstrip("/")
         self._connect: Any = None  # a connection factory; None: through urllib (a proxy applies, or a bad URL)
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError:  # urllib says so at each attempt, as for any unreachable server
+            return
+        self._base_path = parts.path.rstrip("/")
         if parts.scheme in ("http", "https") and parts.hostname and not _proxied(parts):
             kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
             self._connect = lambda: kind(parts.hostname, parts.port, timeout=timeout_s)
-        self._conn: http.client.HTTPConnection | None = None
 
     def send(self, method: str, path: str, body: bytes) -> Response:
         """One request; the result says whether to retry."""
@@ -81,11 +84,11 @@ class Transport:
         return reply
 
     def _request(self, method: str, path: str, body: bytes) -> tuple[Response, Exception | None]:
-        if self._conn is None:
-            self._conn = self._connect()
         try:
-            self._conn.request(method, self._base_path + path, body, self._headers)
-            reply = self._conn.getresponse()
+            if self._conn is None:
+                self._conn = self._connect()
+            self._conn.request(method, self._base_path + path, body, self._headers)  # type: ignore[union-attr]
+            reply = self._conn.getresponse()  # type: ignore[union-attr]
             text = reply.read().decode(errors="replace")
         except (OSError, http.client.HTTPException, ValueError) as error:  # refused, reset, timed out, bad URL
             self.close()
@@ -100,8 +103,8 @@ class Transport:
             self._conn = None
 
     def _send_urllib(self, method: str, path: str, body: bytes) -> Response:
-        request = urllib.request.Request(self._url + path, body, self._headers, method=method)
         try:
+            request = urllib.request.Request(self._url + path, body, self._headers, method=method)
             with urllib.request.urlopen(request, timeout=self._timeout_s) as reply:
                 return Response(reply.status, reply.read().decode(errors="replace"))
         except urllib.error.HTTPError as error:

@@ -77,3 +77,9 @@ def test_a_proxy_from_the_environment_is_used(receiver, monkeypatch) -> None:  #
     reply = Transport("http://ampwatch.invalid:8600", None, 5.0).send("POST", "/api/v1/runs/r/batches", b"{}")
     assert reply.status == 200
     assert [path for _, path in handler.seen] == ["http://ampwatch.invalid:8600/api/v1/runs/r/batches"]
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:port", "http://[::1", "ftp://127.0.0.1:9"])
+def test_a_malformed_url_is_an_unreachable_server_never_an_exception(url: str) -> None:
+    reply = Transport(url, None, 1.0).send("POST", "/api/v1/runs/r/batches", b"{}")
+    assert reply.status == 0 and reply.retryable and reply.body
