@@ -74,7 +74,7 @@ def scratch_database(backend: str, pg_admin_url: str = DEFAULT_PG_ADMIN_URL) -> 
 class Server:
     """`ampwatch server` in a subprocess on a loopback port; always stopped by `stop()`."""
 
-    def __init__(self, db_url: str, log_path: Path, port: int | None = None, cpus: set[int] | None = None) -> None:
+    def __init__(self, db_url: str, log_path: Path, port: int | None = None, cpus: set[int] | None = None, nice: int = 0) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -82,8 +82,10 @@ class Server:
         command = [sys.executable, "-m", "ampwatch._cli", "server", "--host", "127.0.0.1",
                    "--port", str(self.port), "--db", db_url]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        if cpus:  # before it starts any thread: they all inherit it
+        if cpus:  # before it starts any thread: they all inherit these
             os.sched_setaffinity(self.process.pid, cpus)
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, self.process.pid, nice)
 
     @property
     def pid(self) -> int:

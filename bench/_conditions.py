@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import threading
 import time
 from typing import Any, Iterator
 
@@ -12,10 +13,12 @@ from _step import ORIGINAL_CLIP_GRAD_NORM, Trainer, Variant
 
 # -- conditions -----------------------------------------------------------------------------
 class Condition:
-    """Something that logs from the loop: `start` gives the step variant, `stop` ends it."""
+    """Something that logs from the loop: `start` gives the step variant, `stop` ends it. `threads` are the
+    threads it started in this process (its writer, its sender): its background CPU is theirs."""
 
     name = "none"
     note = ""
+    threads: frozenset[threading.Thread] = frozenset()
 
     def start(self, trainer: Trainer) -> Variant:
         return trainer.plain
@@ -47,7 +50,7 @@ class Ampwatch(Condition):
         if self.run is None:
             started = time.perf_counter()
             self.scaler = torch.amp.GradScaler("cpu")
-            with _env(AMPWATCH_MODE="disabled" if self.disabled else "online"):
+            with _env(AMPWATCH_MODE="disabled" if self.disabled else "online"), new_threads() as self.threads:
                 self.run = ampwatch.init(project="bench", name=f"overhead-{self.name}", url=self.server_url)
             self.run.watch(model=trainer.model, optimizer=trainer.optimizer, scaler=self.scaler)
             self.setup_s = time.perf_counter() - started
@@ -122,6 +125,14 @@ class Wandb(Condition):
 
 
 @contextlib.contextmanager
+def new_threads() -> Iterator[set[threading.Thread]]:
+    """The threads started in this process during the block (filled in when it ends)."""
+    before, started = set(threading.enumerate()), set()
+    yield started
+    started.update(set(threading.enumerate()) - before)
+
+
+@contextlib.contextmanager
 def _env(**values: str) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -150,7 +161,10 @@ def make_conditions(names: list[str], server_url: str, tmp: str) -> tuple[list[C
                 notes.append(f"{name} row skipped: the {name} package is not installed (pip install {name})")
                 continue
             try:
-                conditions.append(TensorBoard(os.path.join(tmp, "tb")) if name == "tensorboard" else Wandb(os.path.join(tmp, "wandb")))
+                with new_threads() as started:
+                    condition = TensorBoard(os.path.join(tmp, "tb")) if name == "tensorboard" else Wandb(os.path.join(tmp, "wandb"))
+                condition.threads = frozenset(started)
+                conditions.append(condition)
             except Exception as error:  # a broken optional install is a note, not a failed benchmark
                 notes.append(f"{name} row skipped: it failed to start ({error!r})")
         else:

@@ -28,9 +28,10 @@ Measurements (all on one model and optimizer, so no condition gets a luckier mem
                 (Hooks the agent puts on the model itself would run in both halves of a pair and
                 cancel out here; the sustained column still sees them. The `clip_grad_norm_` wrapper
                 it installs while watching does not: the `none` half calls the original function.)
-  background    CPU time of the process's other threads (the agent's sender, the tensorboard writer)
-                per logged step, final flush included. On 2 cores it competes with training only for
-                the GIL, so on-thread + background is a ceiling on the real cost.
+  background    CPU time of the threads the condition started (the agent's sender, the tensorboard writer)
+                per step of the sustained blocks (steps at the loop's own pace), final flush included.
+                On a spare core it competes with training only for the GIL, so on-thread + background
+                is a ceiling on the real cost.
   sustained     whole blocks of `--sustained-steps` steps per condition, interleaved in shuffled rounds:
                 end-to-end wall time with the background at work (noisier; a cross-check).
   host reads    counted on the training thread with a TorchFunctionMode (`item`, `tolist`, `__bool__`,
@@ -77,8 +78,8 @@ class Result:
     name: str
     base_s: list[float] = field(default_factory=list)  # paired: the `none` step of each pair
     diff_s: list[float] = field(default_factory=list)  # paired: condition step - `none` step
-    background_s: list[float] = field(default_factory=list)  # per logged step, per paired block
-    server_s: list[float] = field(default_factory=list)  # the local server's CPU per logged step, per paired block
+    background_s: list[float] = field(default_factory=list)  # per step, per sustained block
+    server_s: list[float] = field(default_factory=list)  # the local server's CPU per step, per sustained block
     sustained_ratios: list[float] = field(default_factory=list)
     sustained_s: list[float] = field(default_factory=list)
     reads: float = float("nan")
@@ -86,12 +87,9 @@ class Result:
     by_name: dict[str, int] = field(default_factory=dict)
 
 
-def paired_block(trainer: Trainer, condition: Condition, pairs: int, warm: int, rng: random.Random, result: Result,
-                 server_pid: int | None = None) -> None:  # fmt: skip
-    """Alternate `none` and `condition` step by step; record each pair's difference and the background CPU."""
+def paired_block(trainer: Trainer, condition: Condition, pairs: int, warm: int, rng: random.Random, result: Result) -> None:
+    """Alternate `none` and `condition` step by step; record each pair's difference."""
     clock = time.perf_counter
-    server0 = process_cpu_seconds(server_pid) if server_pid else float("nan")
-    proc0, thread0 = time.process_time(), time.thread_time()
     variant = condition.start(trainer)
     plain = trainer.plain
     for _ in range(warm):
@@ -108,15 +106,24 @@ def paired_block(trainer: Trainer, condition: Condition, pairs: int, warm: int, 
         result.base_s.append(t_plain)
         result.diff_s.append(t_cond - t_plain)
     condition.stop()
-    background = (time.process_time() - proc0) - (time.thread_time() - thread0)
-    result.background_s.append(max(0.0, background) / (pairs + warm))
-    if server_pid:
-        result.server_s.append((process_cpu_seconds(server_pid) - server0) / (pairs + warm))
+
+
+def threads_cpu_s(threads: frozenset[Any]) -> float:
+    """CPU seconds the threads have used so far (ns resolution; an ended thread counts 0)."""
+    total = 0.0
+    for thread in threads:
+        try:
+            total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, TypeError):
+            pass
+    return total
 
 
 def sustained_rounds(trainer: Trainer, conditions: list[Condition], rounds: int, steps: int, warm: int,
-                     rng: random.Random, results: dict[str, Result]) -> None:  # fmt: skip
-    """Whole blocks per condition, shuffled within each round; ratios against the round's `none` block."""
+                     rng: random.Random, results: dict[str, Result], server_pid: int) -> None:  # fmt: skip
+    """Whole blocks per condition, shuffled within each round; ratios against the round's `none` block. The
+    background and server CPU per step are taken here, where steps come at the loop's own pace (in a pair
+    they come half as often, and a sender's per-batch cost would count twice per step)."""
     for _ in range(rounds):
         order = conditions[:]
         rng.shuffle(order)
@@ -125,8 +132,11 @@ def sustained_rounds(trainer: Trainer, conditions: list[Condition], rounds: int,
             variant = condition.start(trainer)
             for _ in range(warm):
                 trainer.step(variant)
+            threads0, server0 = threads_cpu_s(condition.threads), process_cpu_seconds(server_pid)
             per_step[condition.name] = time_steps(trainer, variant, steps)
-            condition.stop()
+            condition.stop()  # the final flush counts: it delivers this block's last steps
+            results[condition.name].background_s.append(max(0.0, threads_cpu_s(condition.threads) - threads0) / steps)
+            results[condition.name].server_s.append((process_cpu_seconds(server_pid) - server0) / steps)
             time.sleep(0.2)
         for name, step_s in per_step.items():
             results[name].sustained_s.append(step_s)
@@ -239,11 +249,12 @@ def print_tables(results: dict[str, Result], base_step_s: float, count_steps: in
 
 LEGEND = """\
 on-thread = median over adjacent pairs of (condition step - none step) / median none step; IQR of pairs shows
-the per-step spread. background = CPU of this process's other threads (sender, writer) per logged step, final
-flush included. ceiling = on-thread + background: the most the agent itself can cost the training thread when
+the per-step spread. background = CPU of the threads the condition started (sender, writer) per step of the
+sustained blocks, final flush included. ceiling = on-thread + background: the most the agent itself can cost the training thread when
 a spare core runs its sender (they then compete only for the GIL). sustained = median over shuffled rounds of
 a whole block of the condition / the round's `none` block: end-to-end wall time, which here also pays for the
-local server ingesting on the same 2 cores and for whatever else runs on the machine (noisy). median step =
+local server sharing the helper CPU with the sender (a sender holding the GIL while the server has its CPU
+stalls training too) and for whatever else runs on the machine (noisy). median step =
 the baseline step scaled by the sustained (or on-thread) overhead. server us = CPU of the local ampwatch
 server per logged step. Baseline host reads: GradScaler.step's found_inf .item() and AdamW's per-parameter
 CPU step counters (no device sync on a GPU)."""
@@ -263,8 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=6, help="paired blocks per condition, interleaved (default 6)")
     parser.add_argument("--pairs", type=int, default=400, help="step pairs per paired block (default 400)")
     parser.add_argument("--warm", type=int, default=3, help="untimed steps after starting a condition (default 3)")
-    parser.add_argument("--sustained-rounds", type=int, default=6, help="rounds of whole blocks, 0 to skip (default 6)")
-    parser.add_argument("--sustained-steps", type=int, default=800, help="steps per sustained block (default 800)")
+    parser.add_argument("--sustained-rounds", type=int, default=8, help="rounds of whole blocks, 0 to skip (and the background with them) (default 8)")
+    parser.add_argument("--sustained-steps", type=int, default=2000, help="steps per sustained block (default 2000: several flushes)")
     parser.add_argument("--count-steps", type=int, default=50, help="steps per condition for host-read counting (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for orders (default 0)")
     parser.add_argument("--profile", metavar="PATH", help="also cProfile the ampwatch condition (`--profile-steps`) into PATH")
@@ -294,13 +305,14 @@ def main(argv: list[str] | None = None) -> int:
           f"AdamW, GradScaler('cpu'), clip_grad_norm_: {step_s * 1e3:.3f} ms at calibration (fastest of 5 blocks)\n"
           f"paired: {args.rounds} blocks x {args.pairs} pairs per condition; sustained: {args.sustained_rounds} rounds x "
           f"{args.sustained_steps} steps\n"
-          + (f"CPUs: the training thread on CPU {cpus[0]}; the server, the agent's sender thread and the loggers' "
-             f"threads and processes on CPU(s) {sorted(helpers)} (a GPU host's spare cores)" if helpers else
+          + (f"CPUs: the training thread on CPU {cpus[0]}; the agent's sender thread and the loggers' threads and "
+             f"processes on CPU(s) {sorted(helpers)} (a GPU host's spare cores), with the local server at nice 19 "
+             "(as if on another machine: it takes the spare CPU only when the senders leave it)" if helpers else
              "CPUs: not pinned"), flush=True)  # fmt: skip
     names = [c.strip() for c in args.conditions.split(",") if c.strip()]
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="ampwatch-overhead-") as tmp, scratch_database("sqlite") as db_url, \
-            Server(db_url, Path(tmp) / "server.log", cpus=helpers) as server:  # fmt: skip
+            Server(db_url, Path(tmp) / "server.log", cpus=helpers, nice=19 if helpers else 0) as server:  # fmt: skip
         server.wait_ready()
         with on_cpus(helpers):
             conditions, notes = make_conditions(names, server.url, tmp)
@@ -316,11 +328,11 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 rng.shuffle(others)
                 for condition in others:
-                    paired_block(trainer, condition, args.pairs, args.warm, rng, results[condition.name], server.pid)
+                    paired_block(trainer, condition, args.pairs, args.warm, rng, results[condition.name])
             # the baseline against itself: what the method reads when nothing differs
             for _ in range(max(1, args.rounds // 2)):
-                paired_block(trainer, conditions[0], args.pairs, args.warm, rng, results["none"], server.pid)
-            sustained_rounds(trainer, conditions, args.sustained_rounds, args.sustained_steps, args.warm, rng, results)
+                paired_block(trainer, conditions[0], args.pairs, args.warm, rng, results["none"])
+            sustained_rounds(trainer, conditions, args.sustained_rounds, args.sustained_steps, args.warm, rng, results, server.pid)
             for condition in conditions:
                 r = results[condition.name]
                 r.reads, r.dense, r.by_name = count_host_reads(trainer, condition, args.count_steps)
