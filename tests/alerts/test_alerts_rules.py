@@ -35,8 +35,9 @@ class Feed:
         self.http.post(f"/api/v1/runs/{run_id}/batches", json=body).raise_for_status()
 
     def alerts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        listed = [*self.http.get("/api/v1/alerts", params={"run_id": run_id}).json(),  # firing and resolved (PRODUCT.md)
-                  *self.http.get("/api/v1/alerts", params={"run_id": run_id, "state": "pending"}).json()]  # fmt: skip
+        # Pending first: an alert that starts firing between the two requests is then in the second list, not in neither.
+        listed = [*self.http.get("/api/v1/alerts", params={"run_id": run_id, "state": "pending"}).json(),
+                  *self.http.get("/api/v1/alerts", params={"run_id": run_id}).json()]  # firing and resolved (PRODUCT.md)  # fmt: skip
         return {a["rule"]: self.http.get(f"/api/v1/alerts/{a['id']}").json() for a in {a["id"]: a for a in listed}.values()}
 
 
