@@ -165,7 +165,8 @@ class Analyzer:
             self._check_grad(step, norm, loss, bool(skipped), scale is not None, events)
         if skipped is not None:
             self._skipped_at[step] = bool(skipped)
-            self._skipped_at.pop(step - 2, None)
+            if len(self._skipped_at) > 2:  # the last two steps are all the scheduler check reads
+                del self._skipped_at[next(iter(self._skipped_at))]
         if "lr" in values:
             self._check_scheduler(step, values["lr"], events)
         return events

@@ -101,3 +101,10 @@ def test_a_calm_batch_is_absorbed_in_bulk() -> None:
     spiky = _columns([(260, {"loss": 1.1, "grad_norm": 60.0, "scale": 65536.0, "skipped": 0.0})])
     assert not analyzer._absorb_calm(spiky)
     assert [e["type"] for e in analyzer.observe_columns(spiky)] == ["grad_spike"]
+
+
+def test_state_stays_small_when_steps_are_not_contiguous() -> None:
+    analyzer = Analyzer()
+    for step in range(0, 50_000, 10):  # a loop that counts samples, say
+        analyzer.observe(step, {"scale": 1024.0, "skipped": 0.0, "lr": 1e-3})
+    assert len(analyzer._skipped_at) <= 2
