@@ -50,8 +50,9 @@ class Ampwatch(Condition):
         if self.run is None:
             started = time.perf_counter()
             self.scaler = torch.amp.GradScaler("cpu")
-            with _env(AMPWATCH_MODE="disabled" if self.disabled else "online"), new_threads() as self.threads:
+            with _env(AMPWATCH_MODE="disabled" if self.disabled else "online"), new_threads() as spawned:
                 self.run = ampwatch.init(project="bench", name=f"overhead-{self.name}", url=self.server_url)
+            self.threads = frozenset(spawned)
             self.run.watch(model=trainer.model, optimizer=trainer.optimizer, scaler=self.scaler)
             self.setup_s = time.perf_counter() - started
         self.scaler.load_state_dict(trainer.scaler.state_dict())  # both halves of a pair skip alike
