@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 DEFAULT_PG_ADMIN_URL = os.environ.get("AMPWATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -148,3 +149,28 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def threads_cpu_s(threads: frozenset[Any]) -> float:
+    """CPU seconds the threads have used so far (ns resolution; an ended thread counts 0)."""
+    total = 0.0
+    for thread in threads:
+        try:
+            total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, TypeError):
+            pass
+    return total
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """This thread on `cpus` for the block: the threads and processes it starts there keep them (None: as is)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import logging
 import os
@@ -55,12 +54,11 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Server, cpu_count, percentile, process_cpu_seconds, scratch_database  # noqa: E402
+from _common import Server, on_cpus, percentile, process_cpu_seconds, scratch_database, threads_cpu_s  # noqa: E402
 from _conditions import Ampwatch, Condition, make_conditions  # noqa: E402
 from _step import Trainer, build, calibrate, time_steps  # noqa: E402
 
@@ -106,17 +104,6 @@ def paired_block(trainer: Trainer, condition: Condition, pairs: int, warm: int, 
         result.base_s.append(t_plain)
         result.diff_s.append(t_cond - t_plain)
     condition.stop()
-
-
-def threads_cpu_s(threads: frozenset[Any]) -> float:
-    """CPU seconds the threads have used so far (ns resolution; an ended thread counts 0)."""
-    total = 0.0
-    for thread in threads:
-        try:
-            total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-        except (OSError, TypeError):
-            pass
-    return total
 
 
 def sustained_rounds(trainer: Trainer, conditions: list[Condition], rounds: int, steps: int, warm: int,
@@ -366,20 +353,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({n: r.__dict__ for n, r in results.items()}, indent=1))
     return 0
-
-
-@contextlib.contextmanager
-def on_cpus(cpus: set[int] | None) -> Iterator[None]:
-    """This thread on `cpus` for the block: the threads and processes it starts there keep them (None: as is)."""
-    if cpus is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def profile(trainer: Trainer, conditions: list[Condition], args: argparse.Namespace) -> None:
