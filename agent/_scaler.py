@@ -42,7 +42,7 @@ def _watched_class(base: type) -> type:
     if base in _CLASSES.values():
         return base
     if base not in _CLASSES:
-        _CLASSES[base] = type(base.__name__, (base,), dict(_WATCHED_METHODS, __module__=base.__module__))
+        _CLASSES[base] = type(base.__name__, (base,), dict(_watched_methods(base), __module__=base.__module__))
     return _CLASSES[base]
 
 
@@ -50,56 +50,74 @@ def _plain_class(cls: type) -> type:
     return next((base for base, watched in _CLASSES.items() if watched is cls), cls)
 
 
-def _scale(self: Any, outputs: Any) -> Any:
-    rec = self.__dict__.get(RECORDER)
-    if rec is not None:
+def _watched_methods(base: type) -> dict[str, Any]:
+    """The wrappers, calling `base`'s own methods directly (cheaper than `super()` four times a step)."""
+    base_scale, base_unscale_, base_step, base_update = base.scale, base.unscale_, base.step, base.update  # type: ignore[attr-defined]
+
+    def scale(self: Any, outputs: Any) -> Any:
+        rec = self.__dict__.get(RECORDER)
+        if rec is not None:
+            try:
+                rec.on_scale(outputs)
+            except Exception:
+                report(rec.on_scale)
+        return base_scale(self, outputs)
+
+    def unscale_(self: Any, optimizer: Any) -> None:
+        rec = self.__dict__.get(RECORDER)
         try:
-            rec.on_scale(outputs)
-        except Exception:
-            report(rec.on_scale)
-    return super(type(self), self).scale(outputs)
+            base_unscale_(self, optimizer)
+        except (AssertionError, RuntimeError) as error:
+            _on_error(rec, optimizer, error)
+            raise
+        if rec is not None:
+            try:
+                rec.on_unscaled(optimizer)
+            except Exception:
+                report(rec.on_unscaled)
 
-
-def _unscale_(self: Any, optimizer: Any) -> None:
-    rec = self.__dict__.get(RECORDER)
-    try:
-        super(type(self), self).unscale_(optimizer)
-    except (AssertionError, RuntimeError) as error:
-        _on_error(rec, optimizer, error)
-        raise
-    if rec is not None:
+    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = self.__dict__.get(RECORDER)
+        if rec is not None:
+            try:
+                rec.before_step(self, optimizer)
+            except Exception:
+                report(rec.before_step)
         try:
-            rec.on_unscaled(optimizer)
-        except Exception:
-            report(rec.on_unscaled)
+            return base_step(self, optimizer, *args, **kwargs)
+        except (AssertionError, RuntimeError) as error:
+            _on_error(rec, optimizer, error)
+            raise
 
-
-def _step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-    rec = self.__dict__.get(RECORDER)
-    if rec is not None:
+    def update(self: Any, new_scale: Any = None) -> None:
+        rec = self.__dict__.get(RECORDER)
+        if rec is not None:
+            try:
+                rec.before_update(self, new_scale is not None)  # a scale set by hand: the shadow cannot know it
+            except Exception:
+                report(rec.before_update)
         try:
-            rec.before_step(self, optimizer)
-        except Exception:
-            report(rec.before_step)
-    try:
-        return super(type(self), self).step(optimizer, *args, **kwargs)
-    except (AssertionError, RuntimeError) as error:
-        _on_error(rec, optimizer, error)
-        raise
+            base_update(self, new_scale)
+        except (AssertionError, RuntimeError) as error:
+            _on_error(rec, None, error)
+            raise
 
+    def reanchoring(name: str) -> Any:
+        """`load_state_dict` and the growth-rule setters: the shadow copies scale and rule again at the next update()."""
+        method = getattr(base, name)
 
-def _update(self: Any, new_scale: Any = None) -> None:
-    rec = self.__dict__.get(RECORDER)
-    if rec is not None:
-        try:
-            rec.before_update(self, new_scale is not None)  # a scale set by hand: the shadow cannot know it
-        except Exception:
-            report(rec.before_update)
-    try:
-        super(type(self), self).update(new_scale)
-    except (AssertionError, RuntimeError) as error:
-        _on_error(rec, None, error)
-        raise
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = method(self, *args, **kwargs)
+            rec = self.__dict__.get(RECORDER)
+            if rec is not None:
+                rec.reanchor = True
+            return result
+
+        return functools.update_wrapper(wrapper, method)
+
+    setters = ("load_state_dict", "set_growth_factor", "set_backoff_factor", "set_growth_interval")
+    return {"scale": scale, "unscale_": unscale_, "step": step, "update": update, "__reduce_ex__": _reduce_ex,
+            **{name: reanchoring(name) for name in setters}}  # fmt: skip
 
 
 def _on_error(rec: Any, optimizer: Any, error: BaseException) -> None:
@@ -108,13 +126,6 @@ def _on_error(rec: Any, optimizer: Any, error: BaseException) -> None:
             rec.on_error(optimizer, error)
         except Exception:
             report(rec.on_error)
-
-
-def _load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-    super(type(self), self).load_state_dict(state_dict)
-    rec = self.__dict__.get(RECORDER)
-    if rec is not None:
-        rec.reanchor = True  # a checkpoint's scale: copy it from the device at the next update()
 
 
 def _reduce_ex(self: Any, protocol: int) -> Any:
@@ -128,16 +139,18 @@ def _reduce_ex(self: Any, protocol: int) -> Any:
 # -- clip_grad_norm_ --------------------------------------------------------------------------
 _clip_listeners: list[Any] = []  # Recorders that want the norms clip_grad_norm_ returns
 _clip_original: Any = None
+_Tensor: Any = None  # torch.Tensor, once a run listens
 
 
 def listen_to_clipping(recorder: Any) -> None:
     """From now on, `recorder.on_clipped` sees each call of `torch.nn.utils.clip_grad_norm_`."""
-    global _clip_original
+    global _clip_original, _Tensor
     import torch.nn.utils
     import torch.nn.utils.clip_grad
 
     if recorder in _clip_listeners:
         return
+    _Tensor = torch.Tensor
     current = torch.nn.utils.clip_grad_norm_
     if current is not _clip_grad_norm_:
         _clip_original = current
@@ -162,7 +175,7 @@ def stop_listening(recorder: Any) -> None:
 
 def _clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
     listeners = _clip_listeners
-    if listeners and not hasattr(parameters, "grad"):
+    if listeners and not isinstance(parameters, _Tensor):
         parameters = list(parameters)  # as clip_grad_norm_ does itself: a generator can be read only once
     total = _clip_original(parameters, *args, **kwargs)
     for rec in listeners:
@@ -171,13 +184,3 @@ def _clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         except Exception:
             report(rec.on_clipped)
     return total
-
-
-_WATCHED_METHODS = {
-    "scale": _scale,
-    "unscale_": _unscale_,
-    "step": _step,
-    "update": _update,
-    "load_state_dict": _load_state_dict,
-    "__reduce_ex__": _reduce_ex,
-}

@@ -24,7 +24,7 @@ Groups = list[tuple[list[Any], bool, "tuple[str, ...] | None"]]  # (per-paramete
 #           the module of each parameter on per-layer steps (else None)
 #   total   False when the user logged `grad_norm` at this step (their value wins; layers are still ours)
 #   anchor  copies of the scale and growth tracker before update(), or None
-#   rule    (growth factor, backoff factor, growth interval) of the scaler, or None
+#   rule    (growth factor, backoff factor, growth interval) of the scaler along with an anchor, else None
 #   lr      the first parameter group's float learning rate, or None
 #   params  per-parameter norms of the parameters (a periodic finiteness check), or None
 STEP_FIELDS = ("kind", "step", "losses", "found", "groups", "total", "anchor", "rule", "lr", "params")
@@ -55,6 +55,7 @@ class StepDecoder:
     def __init__(self) -> None:
         self._scale: float | None = None
         self._tracker = 0
+        self._rule: tuple[float, float, int] = (2.0, 0.5, 2000)
 
     def decode(self, record: tuple, host: list[Any], at: int) -> tuple[dict[str, float], int]:
         """The standard series of one step, from its record and its tensors' host values from `host[at]` on;
@@ -76,11 +77,13 @@ class StepDecoder:
         if anchor is not None:
             self._scale, self._tracker = float(host[at]), int(host[at + 1])
             at += 2
+        if rule is not None:
+            self._rule = rule
         scale = self._scale if found else None
         if scale is not None:
             values["scale"] = scale
             values["skipped"] = 1.0 if skipped else 0.0
-            self._advance(skipped, rule)
+            self._advance(skipped)
         if groups:
             _norms(groups, host, norms_at, scale, total, values)
         if lr is not None:
@@ -91,8 +94,8 @@ class StepDecoder:
             at += n
         return values, at
 
-    def _advance(self, skipped: bool, rule: tuple[float, float, int]) -> None:
-        growth, backoff, interval = rule
+    def _advance(self, skipped: bool) -> None:
+        growth, backoff, interval = self._rule
         if skipped:
             self._scale, self._tracker = _f32(self._scale * backoff), 0  # type: ignore[operator]
         else:

@@ -45,12 +45,13 @@ class Recorder:
         self._normed: set[int] = set()
         self._scale_calls = 0
         self._anchor: tuple[Any, Any] | None = None
-        self._rule: tuple[float, float, int] | None = None
         # what the user logged under standard names
         self._user_step = -1
         self._user_names: set[str] = set()
         self._norm_logged_at = (-3, -3)  # the last two steps the user logged `grad_norm` at
         self._clip_trusted = False  # the last clip_grad_norm_ covered the optimizer's parameters: reuse its norm
+        self._clip_seen: tuple[Any, ...] = ()  # what that verdict was reached for: parameter ids, norm type, group count
+        self._clip_groups: Any = None  # and the optimizer's parameter-group list
         self._unscaled: Any = None  # the optimizer between its unscale_ and step
         self._deferred: Any = None  # the optimizer whose norm waits for clip_grad_norm_
         self._param_ids_of: tuple[Any, int, set[int]] | None = None
@@ -65,6 +66,8 @@ class Recorder:
         self._layer_names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._probe: OriginProbe | None = None
         self._arming = 0
+        self._probing = False  # the probe is armed (a copy of its flag, read every step)
+        self._layers_due = False  # the current iteration takes per-layer norms
         self._ever_scaled = False
         self._silent_reported = False
         self._last_optimizer: Any = None
@@ -95,6 +98,7 @@ class Recorder:
             self._model = model
             self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in model.named_parameters()}
             self._probe = OriginProbe(model)
+            self._layers_due = self.step % self.layer_interval == 0
             self._first_forward_hook = model.register_forward_pre_hook(self._first_forward)
         if scaler is not None:
             _scaler.attach(scaler, self)
@@ -115,6 +119,7 @@ class Recorder:
         self._hooks.clear()
         if self._probe is not None:
             self._probe.disarm()
+            self._probing = False
         if self._scaler is not None:
             _scaler.detach(self._scaler, self)
         _scaler.stop_listening(self)
@@ -147,17 +152,15 @@ class Recorder:
             return
         self._normed.add(key)
         self._unscaled = optimizer if scale is None else None
-        step = self.step
-        probing = self._probe is not None and self._probe.armed  # after a non-finite event: every step, for the heatmap
-        if self._model is not None and (step % self.layer_interval == 0 or probing):
+        if self._layers_due:  # every `layer_interval` steps, and every step while probing (for the heatmap)
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
             modules = self._modules(params)
-        elif self._norm_logged_at[1] >= step - 1 and self._norm_logged_at[0] == self._norm_logged_at[1] - 1:
-            return  # the user logs the norm at every step: theirs is recorded, none is computed here
         elif self._clip_trusted and scale is None:
             self._deferred = optimizer  # clip_grad_norm_ is about to compute it: take its result
             return
+        elif self._norm_logged_at[1] >= self.step - 1 and self._norm_logged_at[0] == self._norm_logged_at[1] - 1:
+            return  # the user logs the norm at every step: theirs is recorded, none is computed here
         else:
             grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
             modules = None
@@ -170,16 +173,19 @@ class Recorder:
         optimizer = self._unscaled
         if optimizer is None:  # not between this run's unscale_ and step
             return
-        norm_type = args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0)
-        clipped = [parameters] if hasattr(parameters, "grad") else parameters
-        own = self._param_ids(optimizer)
-        # The same parameters (ids are distinct, so equal counts and inclusion mean the same set), 2-norm.
-        self._clip_trusted = norm_type == 2.0 and len(clipped) == len(own) and all(map(own.__contains__, map(id, clipped)))
+        ids = (id(parameters),) if isinstance(parameters, self._tensor) else tuple(map(id, parameters))
+        groups = optimizer.param_groups
+        seen = (ids, args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0), len(groups))
+        if groups is not self._clip_groups or seen != self._clip_seen:  # (each step clips the same parameters: decide once)
+            own = self._param_ids(optimizer)
+            # The same parameters (ids are distinct, so equal counts and inclusion mean the same set), 2-norm.
+            self._clip_trusted = seen[1] == 2.0 and len(ids) == len(own) and all(map(own.__contains__, ids))
+            self._clip_seen, self._clip_groups = seen, groups
         if self._deferred is optimizer:
             if self._clip_trusted:
                 self._deferred = None
                 self._groups.append(([total], False, None))
-            elif not own.isdisjoint(map(id, clipped)):
+            elif not self._param_ids(optimizer).isdisjoint(ids):
                 self._deferred = None  # another clip changed these gradients: this step's norm is lost
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
@@ -229,13 +235,16 @@ class Recorder:
         """The iteration ends: keep found_inf (update() discards it), copy the scale when the shadow needs an
         anchor, and record the step."""
         if scaler._enabled and scaler._scale is not None:
-            found = [t for state in scaler._per_optimizer_states.values() for t in state["found_inf_per_device"].values()]
+            found: list[Any] = []
+            for state in scaler._per_optimizer_states.values():
+                found.extend(state["found_inf_per_device"].values())
             if found:
+                rule = None
                 if self.reanchor or self.step % ANCHOR_EVERY == 0:
                     self._anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
+                    rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
                     self.reanchor = False
-                self._rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
-                self._finish_step(found)
+                self._finish_step(found, rule)
         if scale_set_by_hand:
             self.reanchor = True
 
@@ -247,30 +256,36 @@ class Recorder:
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         guarded(self.on_unscaled, optimizer)  # no-op unless step() ran a closure
-        self._rule = None
-        guarded(self._finish_step, [])
+        guarded(self._finish_step, [], None)
 
     # -- shared ---------------------------------------------------------------------------
-    def _finish_step(self, found: list[Any]) -> None:
+    def _finish_step(self, found: list[Any], rule: tuple[float, float, int] | None) -> None:
         """Record this iteration at its step (what the user logged under a standard name wins)."""
         step = self.step
-        user = self._user_names if self._user_step == step else ()
+        losses, total, lr, params = self._losses, True, None, None
         optimizers = self._optimizers
-        params = lr = None
         if optimizers:
-            if step % self.param_interval == 0 or (self._probe is not None and self._probe.armed):
-                params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
             lr = optimizers[0].param_groups[0].get("lr")
-            if lr.__class__ is not float or "lr" in user:
+            if lr.__class__ is not float:
                 lr = None
-        losses = self._losses if "loss" not in user else None
-        self._record((STEP, step, losses, found, self._groups, "grad_norm" not in user, self._anchor, self._rule, lr, params))
+            if step % self.param_interval == 0 or self._probing:
+                params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
+        if self._user_step == step:
+            user = self._user_names
+            losses = None if "loss" in user else losses
+            lr = None if "lr" in user else lr
+            total = "grad_norm" not in user
+        self._record((STEP, step, losses, found, self._groups, total, self._anchor, rule, lr, params))
         self.step = step + 1
         self._losses, self._groups, self._anchor, self._scale_calls = [], [], None, 0
         self._unscaled = self._deferred = None
         self._normed.clear()
-        if self._probe is not None and (self._probe.armed or self.arm_request):
-            self._probe_step(step)
+        probe = self._probe
+        if probe is not None:
+            if self._probing or self.arm_request:
+                self._probe_step(step)
+                self._probing = probe.armed
+            self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
 
     def _param_ids(self, optimizer: Any) -> set[int]:
         """The ids of the optimizer's parameters, cached per parameter-group list and length (a stale cache
