@@ -84,6 +84,30 @@ def test_state_dict_round_trip_mid_run_keeps_scaling_and_recording(sqlite_server
     assert data["scale"]["values"] == [512.0, 512.0, 512.0, 64.0, 64.0, 64.0]
 
 
+def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    used = []  # the scale each step ran with (read here, after scale(): the test may sync)
+    with ampwatch.init("scalers", "growth-rule", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(8):
+            if step == 3:  # the agent copies the rule only along with a scale anchor: these setters must re-anchor
+                scaler.set_growth_factor(4.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(2, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            used.append(scaler.get_scale())
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "scale"}).json()
+    assert used == [8.0, 8.0, 16.0, 16.0, 64.0, 64.0, 256.0, 256.0]
+    assert data["scale"]["values"] == used
+
+
 def _clipping_loop(run: ampwatch.Run, steps: int, clip: Any, params_to_clip: Callable[[torch.nn.Module], Any]) -> list[float]:
     """An AMP loop that clips after unscale_; returns the true (pre-clip) gradient norm of every step."""
     torch.manual_seed(0)
