@@ -13,6 +13,8 @@ def to_host(tensors: list[Any]) -> list[Any]:
         return []
     import torch  # only reached when the user logged tensors, so torch is there
 
+    if all(t.is_cpu for t in tensors):  # training on the CPU: no grouping by device
+        return _cpu_values(tensors)
     by_device: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
@@ -34,17 +36,7 @@ def to_host(tensors: list[Any]) -> list[Any]:
 
 def _host_values(torch: Any, tensors: list[Any], device: Any) -> list[Any]:
     if device.type == "cpu":
-        # Already computed (CPU ops run synchronously): reading each is cheaper than stacking them first. With
-        # tolist(), not item(): item() lets go of the GIL, and every time it does, the training thread takes it
-        # and this thread waits for the next chance (thousands of hand-overs a second, each costing both).
-        values: list[Any] = []
-        for t in tensors:
-            value = t.tolist()
-            if value.__class__ is list:
-                values.extend(value if t.dim() == 1 else t.reshape(-1).tolist())
-            else:
-                values.append(value)
-        return values
+        return _cpu_values(tensors)
     with torch.no_grad():  # everything here is already detached; this only saves the checks
         if all(t.dim() == 0 for t in tensors):  # one stack, no per-tensor reshape
             stacked = torch.stack(tensors).float()
@@ -62,3 +54,19 @@ def _host_values(torch: Any, tensors: list[Any], device: Any) -> list[Any]:
             time.sleep(0.001)
         stacked = host
     return stacked.tolist()
+
+
+def _cpu_values(tensors: list[Any]) -> list[Any]:
+    # Already computed (CPU ops run synchronously): reading each is cheaper than stacking them first. With
+    # tolist(), not item(): item() lets go of the GIL, and every time it does, the training thread takes it
+    # and this thread waits for the next chance (thousands of hand-overs a second, each costing both).
+    values = [t.tolist() for t in tensors]
+    if list not in map(type, values):  # all scalars: the usual case
+        return values
+    flat: list[Any] = []
+    for t, value in zip(tensors, values):
+        if value.__class__ is list:
+            flat.extend(value if t.dim() == 1 else t.reshape(-1).tolist())
+        else:
+            flat.append(value)
+    return flat

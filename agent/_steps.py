@@ -16,6 +16,7 @@ from typing import Any
 
 ANCHOR_EVERY = 256
 Groups = list[tuple[list[Any], bool, "tuple[str, ...] | None"]]  # (per-parameter norms, of scaled grads, modules)
+Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values)
 
 # A step record: (kind, step, losses, found, groups, total, anchor, rule, lr, params)
 #   losses  detached tensors passed to scaler.scale() (summed), or None when the user logged `loss`
@@ -30,18 +31,18 @@ Groups = list[tuple[list[Any], bool, "tuple[str, ...] | None"]]  # (per-paramete
 STEP_FIELDS = ("kind", "step", "losses", "found", "groups", "total", "anchor", "rule", "lr", "params")
 
 
-def step_tensors(record: tuple, out: list[Any]) -> None:
-    """Append every tensor of a step record to `out`, in the order `StepDecoder.decode` consumes them."""
-    _, _, losses, found, groups, _, anchor, _, _, params = record
-    if losses:
-        out.extend(losses)
-    out.extend(found)
-    for norms, _, _ in groups:
-        out.extend(norms)
-    if anchor is not None:
-        out.extend(anchor)
-    if params is not None:
-        out.extend(params)
+def step_tensors(records: list[tuple], out: list[Any]) -> None:
+    """Append every tensor of the step records to `out`, in the order `StepDecoder.decode` consumes them."""
+    for _, _, losses, found, groups, _, anchor, _, _, params in records:
+        if losses:
+            out += losses
+        out += found
+        for norms, _, _ in groups:
+            out += norms
+        if anchor is not None:
+            out += anchor
+        if params is not None:
+            out += params
 
 
 def _f32(value: float) -> float:
@@ -57,42 +58,53 @@ class StepDecoder:
         self._tracker = 0
         self._rule: tuple[float, float, int] = (2.0, 0.5, 2000)
 
-    def decode(self, record: tuple, host: list[Any], at: int) -> tuple[dict[str, float], int]:
-        """The standard series of one step, from its record and its tensors' host values from `host[at]` on;
-        and where the next record's values start."""
-        _, _, losses, found, groups, total, anchor, rule, lr, params = record
-        values: dict[str, float] = {}
-        if losses:
-            n = len(losses)
-            values["loss"] = float(host[at]) if n == 1 else float(sum(host[at : at + n]))  # not fsum: inf + -inf is NaN
-            at += n
-        skipped = False
-        if found:
-            n = len(found)
-            skipped = any(host[at : at + n])
-            at += n
-        norms_at = at
-        for norms, _, _ in groups:
-            at += len(norms)
-        if anchor is not None:
-            self._scale, self._tracker = float(host[at]), int(host[at + 1])
-            at += 2
-        if rule is not None:
-            self._rule = rule
-        scale = self._scale if found else None
-        if scale is not None:
-            values["scale"] = scale
-            values["skipped"] = 1.0 if skipped else 0.0
-            self._advance(skipped)
-        if groups:
-            _norms(groups, host, norms_at, scale, total, values)
-        if lr is not None:
-            values["lr"] = lr
-        if params is not None:
-            n = len(params)
-            values["param_norm"] = math.sqrt(sum(p * p for p in host[at : at + n]))
-            at += n
-        return values, at
+    def decode(self, records: list[tuple], host: list[Any], at: int, points: Points) -> int:
+        """Append the standard series of consecutive step records to `points`, from their tensors' host values
+        (from `host[at]` on); return where the next record's values start. Column by column: this runs on
+        the sender thread for every step, holding the GIL the training thread wants."""
+        loss, scale, skipped, grad_norm, lr_series = (_series(points, n) for n in ("loss", "scale", "skipped", "grad_norm", "lr"))
+        for _, step, losses, found, groups, total, anchor, rule, lr, params in records:
+            if losses:
+                n = len(losses)
+                loss[0].append(step)
+                loss[1].append(float(host[at]) if n == 1 else float(sum(host[at : at + n])))  # not fsum: inf + -inf is NaN
+                at += n
+            skip = False
+            if found:
+                n = len(found)
+                skip = any(host[at : at + n])
+                at += n
+            norms_at = at
+            for norms, _, _ in groups:
+                at += len(norms)
+            if anchor is not None:
+                self._scale, self._tracker = float(host[at]), int(host[at + 1])
+                at += 2
+            if rule is not None:
+                self._rule = rule
+            current = self._scale if found else None
+            if current is not None:
+                scale[0].append(step)
+                scale[1].append(current)
+                skipped[0].append(step)
+                skipped[1].append(1.0 if skip else 0.0)
+                self._advance(skip)
+            if len(groups) == 1 and groups[0][2] is None and (len(groups[0][0]) == 1 and not groups[0][1]):
+                if total:  # one norm, already the total (clip_grad_norm_'s): the usual step
+                    grad_norm[0].append(step)
+                    grad_norm[1].append(abs(host[norms_at]))
+            elif groups:
+                _norms(groups, host, norms_at, current, total, step, points)
+            if lr is not None:
+                lr_series[0].append(step)
+                lr_series[1].append(lr)
+            if params is not None:
+                n = len(params)
+                series = _series(points, "param_norm")
+                series[0].append(step)
+                series[1].append(math.sqrt(sum(p * p for p in host[at : at + n])))
+                at += n
+        return at
 
     def _advance(self, skipped: bool) -> None:
         growth, backoff, interval = self._rule
@@ -104,7 +116,14 @@ class StepDecoder:
                 self._scale, self._tracker = _f32(self._scale * growth), 0  # type: ignore[operator]
 
 
-def _norms(groups: Groups, host: list[Any], at: int, scale: float | None, total_wanted: bool, out: dict[str, float]) -> None:
+def _series(points: Points, name: str) -> tuple[list[int], list[float]]:
+    series = points.get(name)
+    if series is None:
+        series = points[name] = ([], [])
+    return series
+
+
+def _norms(groups: Groups, host: list[Any], at: int, scale: float | None, total_wanted: bool, step: int, points: Points) -> None:
     """Total unscaled gradient norm, and per-module norms where the record asked for them."""
     total = 0.0
     layers: dict[str, float] = {}
@@ -119,7 +138,9 @@ def _norms(groups: Groups, host: list[Any], at: int, scale: float | None, total_
         if modules is not None:
             for module, square in zip(modules, squares):
                 layers[module] = layers.get(module, 0.0) + square
-    if total_wanted:
-        out["grad_norm"] = math.sqrt(total) if total == total else math.nan
-    for module, square in layers.items():
-        out["grad_norm/" + module] = math.sqrt(square) if square == square else math.nan
+    named = {"grad_norm": total} if total_wanted else {}
+    named.update(("grad_norm/" + module, square) for module, square in layers.items())
+    for name, square in named.items():
+        series = _series(points, name)
+        series[0].append(step)
+        series[1].append(math.sqrt(square) if square == square else math.nan)

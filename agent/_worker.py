@@ -21,7 +21,7 @@ from ampwatch._host import to_host
 from ampwatch._outbox import Outbox
 from ampwatch._settings import AgentSettings
 from ampwatch._spool import Spool, default_root
-from ampwatch._steps import StepDecoder, step_tensors
+from ampwatch._steps import Points, StepDecoder, step_tensors
 from ampwatch._transport import Transport, encode_value
 
 log = logging.getLogger("ampwatch")
@@ -29,6 +29,7 @@ log = logging.getLogger("ampwatch")
 # Record kinds appended by the training thread.
 VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP = "v", "e", "s", "f", "o", "t"
 _DATA = (VALUES, ORIGIN, STEP)  # the records the buffer cap may drop
+STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
 DROPPED = "dropped_records"  # series: how many records and batches this rank dropped so far
 
 
@@ -176,34 +177,43 @@ class Worker:
     def _seal(self, entries: list[tuple]) -> None:
         if not entries:
             return
-        tensors: list[Any] = []
+        parts: list[Any] = []  # in order: runs of step records (lists, decoded column by column) and other records
         for e in entries:
-            kind = e[0]
-            if kind == STEP:
-                step_tensors(e, tensors)
-            elif kind == VALUES and e[3].__class__ is not tuple:
-                tensors.append(e[3])
-            elif kind == ORIGIN:
-                tensors.extend(t for t in (e[4], e[6]) if t is not None)
+            if e[0] == STEP:
+                if not parts or parts[-1].__class__ is not list or len(parts[-1]) == STEPS_PER_PASS:
+                    parts.append([])
+                parts[-1].append(e)
+            else:
+                parts.append(e)
+        tensors: list[Any] = []
+        for part in parts:
+            if part.__class__ is list:
+                step_tensors(part, tensors)
+            elif part[0] == VALUES and part[3].__class__ is not tuple:
+                tensors.append(part[3])
+            elif part[0] == ORIGIN:
+                tensors.extend(t for t in (part[4], part[6]) if t is not None)
         host = to_host(tensors)
         at = 0
-        points: dict[str, tuple[list[int], list[float]]] = {}
+        points: Points = {}
         events: list[dict[str, Any]] = []
         status = None
         count, step = 0, None
         decode, diagnosis = self._decoder.decode, self.diagnosis
-        for entry in entries:
-            kind = entry[0]
-            if kind == STEP or kind == VALUES:
-                step = entry[1]
-                if kind == STEP:
-                    named, at = decode(entry, host, at)
-                elif entry[3].__class__ is tuple:
-                    named = dict(zip(entry[2], entry[3]))
+        for part in parts:
+            kind = part[0] if part.__class__ is tuple else STEP
+            if kind == STEP:
+                at = decode(part, host, at, points)
+                step = part[-1][1]
+                count = sum(len(series[0]) for series in points.values())
+            elif kind == VALUES:
+                step = part[1]
+                if part[3].__class__ is tuple:
+                    named = list(zip(part[2], part[3]))
                 else:
-                    named = {entry[2][0]: float(host[at])}
+                    named = [(part[2][0], float(host[at]))]
                     at += 1
-                for name, v in named.items():
+                for name, v in named:
                     series = points.get(name)
                     if series is None:
                         series = points[name] = ([], [])
@@ -211,18 +221,18 @@ class Worker:
                     series[1].append(v)
                 count += len(named)
             elif kind == ORIGIN:
-                _, step, arming, fwd_names, fwd, bwd_names, bwd = entry
+                _, origin_step, arming, fwd_names, fwd, bwd_names, bwd = part
                 forward = backward = []
                 if fwd is not None:
                     forward, at = list(zip(fwd_names, host[at : at + len(fwd_names)])), at + len(fwd_names)
                 if bwd is not None:
                     backward, at = list(zip(bwd_names, host[at : at + len(bwd_names)])), at + len(bwd_names)
                 if diagnosis is not None:
-                    events.extend(diagnosis.origin(step, arming, forward, backward))
+                    events.extend(diagnosis.origin(origin_step, arming, forward, backward))
             elif kind == EVENT:
-                events.append(entry[2])
+                events.append(part[2])
             elif kind == STATUS:
-                status = entry[1]
+                status = part[1]
             if count >= self._settings.max_batch_points:
                 self._enqueue(points, events, None)
                 points, events, count = {}, [], 0
@@ -246,6 +256,7 @@ class Worker:
 
     def _enqueue(self, points: dict, events: list, status: str | None, heartbeat: bool = False) -> None:
         """One batch of points (host floats, diagnosed here, in one pass over the batch) and events."""
+        points = {name: series for name, series in points.items() if series[0]}  # (a pass makes the standard ones)
         if points and self.diagnosis is not None:
             events.extend(self.diagnosis.observe_columns(points))
         if not points and not events and status is None and not heartbeat:
