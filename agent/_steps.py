@@ -87,7 +87,7 @@ class StepDecoder:
                 scale[0].append(step)
                 scale[1].append(current)
                 skipped[0].append(step)
-                skipped[1].append(1.0 if skip else 0.0)
+                skipped[1].append(1 if skip else 0)  # an int: JSON writes it faster than a float
                 self._advance(skip)
             if len(groups) == 1 and groups[0][2] is None and (len(groups[0][0]) == 1 and not groups[0][1]):
                 if total:  # one norm, already the total (clip_grad_norm_'s): the usual step
