@@ -1,8 +1,10 @@
 """One optimizer step as the training thread leaves it, and its decoding on the sender thread.
 
 The training thread keeps references, not results: the detached loss, GradScaler's own found_inf
-tensors, the per-parameter gradient norms of one `_foreach_norm`. It hands them over as one plain
-tuple per step (see `STEP_FIELDS`), the cheapest record Python can build. The sender thread copies
+tensor, the total norm `clip_grad_norm_` returned (or the per-parameter norms of one `_foreach_norm`).
+It hands them over as one plain tuple per step (see `STEP_FIELDS`), the cheapest record Python can build,
+holding the tensors themselves in the usual case (lists only where there are several), as every object
+kept until the sender reads it is more work for the garbage collector on the training thread. The sender thread copies
 them to the host and does all the arithmetic: sums, total and per-layer norms, the unscaling, and the
 loss scale, which it shadows from found_inf with GradScaler's own update rule, re-anchored from a copy
 of the device scale every `ANCHOR_EVERY` steps and whenever something outside `update()` changed it.
@@ -18,27 +20,41 @@ ANCHOR_EVERY = 256
 Groups = list[tuple[list[Any], bool, "tuple[str, ...] | None"]]  # (per-parameter norms, of scaled grads, modules)
 Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values)
 
-# A step record: (kind, step, losses, found, groups, total, anchor, rule, lr, params)
-#   losses  detached tensors passed to scaler.scale() (summed), or None when the user logged `loss`
-#   found   GradScaler's found_inf tensors (empty without a scaler)
-#   groups  per optimizer: the `_foreach_norm` of its gradients, whether they were still scaled, and
-#           the module of each parameter on per-layer steps (else None)
+# A step record: (kind, step, loss, found, norm, total, anchor, rule, lr, params)
+#   loss    the detached tensor passed to scaler.scale(), a list of them (summed), or None (no scale() call,
+#           or the user logged `loss`)
+#   found   GradScaler's found_inf tensor, a list of them (several optimizers or devices), or None without a scaler
+#   norm    the total gradient norm (a 0-dim tensor: clip_grad_norm_'s), Groups: per optimizer the `_foreach_norm`
+#           of its gradients, whether they were still scaled, and the module of each parameter on per-layer
+#           steps (else None); or None
 #   total   False when the user logged `grad_norm` at this step (their value wins; layers are still ours)
 #   anchor  copies of the scale and growth tracker before update(), or None
 #   rule    (growth factor, backoff factor, growth interval) of the scaler along with an anchor, else None
 #   lr      the first parameter group's float learning rate, or None
 #   params  per-parameter norms of the parameters (a periodic finiteness check), or None
-STEP_FIELDS = ("kind", "step", "losses", "found", "groups", "total", "anchor", "rule", "lr", "params")
+STEP_FIELDS = ("kind", "step", "loss", "found", "norm", "total", "anchor", "rule", "lr", "params")
 
 
 def step_tensors(records: list[tuple], out: list[Any]) -> None:
     """Append every tensor of the step records to `out`, in the order `StepDecoder.decode` consumes them."""
-    for _, _, losses, found, groups, _, anchor, _, _, params in records:
-        if losses:
-            out += losses
-        out += found
-        for norms, _, _ in groups:
-            out += norms
+    append = out.append
+    for _, _, loss, found, norm, _, anchor, _, _, params in records:
+        if loss is not None:
+            if loss.__class__ is list:
+                out += loss
+            else:
+                append(loss)
+        if found is not None:
+            if found.__class__ is list:
+                out += found
+            else:
+                append(found)
+        if norm is not None:
+            if norm.__class__ is list:
+                for norms, _, _ in norm:
+                    out += norms
+            else:
+                append(norm)
         if anchor is not None:
             out += anchor
         if params is not None:
@@ -63,38 +79,40 @@ class StepDecoder:
         (from `host[at]` on); return where the next record's values start. Column by column: this runs on
         the sender thread for every step, holding the GIL the training thread wants."""
         loss, scale, skipped, grad_norm, lr_series = (_series(points, n) for n in ("loss", "scale", "skipped", "grad_norm", "lr"))
-        for _, step, losses, found, groups, total, anchor, rule, lr, params in records:
-            if losses:
-                n = len(losses)
+        for _, step, losses, found, norm, total, anchor, rule, lr, params in records:
+            if losses is not None:
+                n = len(losses) if losses.__class__ is list else 1
                 loss[0].append(step)
                 loss[1].append(float(host[at]) if n == 1 else float(sum(host[at : at + n])))  # not fsum: inf + -inf is NaN
                 at += n
             skip = False
-            if found:
-                n = len(found)
+            if found is not None:
+                n = len(found) if found.__class__ is list else 1
                 skip = any(host[at : at + n])
                 at += n
             norms_at = at
-            for norms, _, _ in groups:
-                at += len(norms)
+            if norm.__class__ is list:
+                for norms, _, _ in norm:
+                    at += len(norms)
+            elif norm is not None:
+                at += 1
             if anchor is not None:
                 self._scale, self._tracker = float(host[at]), int(host[at + 1])
                 at += 2
             if rule is not None:
                 self._rule = rule
-            current = self._scale if found else None
+            current = self._scale if found is not None else None
             if current is not None:
                 scale[0].append(step)
                 scale[1].append(current)
                 skipped[0].append(step)
                 skipped[1].append(1 if skip else 0)  # an int: JSON writes it faster than a float
                 self._advance(skip)
-            if len(groups) == 1 and groups[0][2] is None and (len(groups[0][0]) == 1 and not groups[0][1]):
-                if total:  # one norm, already the total (clip_grad_norm_'s): the usual step
-                    grad_norm[0].append(step)
-                    grad_norm[1].append(abs(host[norms_at]))
-            elif groups:
-                _norms(groups, host, norms_at, current, total, step, points)
+            if norm.__class__ is list:
+                _norms(norm, host, norms_at, current, total, step, points)
+            elif norm is not None and total:  # one norm, already the total (clip_grad_norm_'s): the usual step
+                grad_norm[0].append(step)
+                grad_norm[1].append(abs(host[norms_at]))
             if lr is not None:
                 lr_series[0].append(step)
                 lr_series[1].append(lr)

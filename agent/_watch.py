@@ -40,8 +40,10 @@ class Recorder:
         self.disarm_request = False
         self.reanchor = True  # the scale must be copied from the device at the next update()
         # the current iteration
-        self._losses: list[Any] = []
-        self._groups: list[Any] = []
+        # (kept as a bare tensor in the usual case, a list only when there are several: each object the record
+        # keeps alive until the sender reads it adds to the garbage collector's work on the training thread)
+        self._loss: Any = None  # the detached loss, or a list of them (several scale() calls)
+        self._norm: Any = None  # clip_grad_norm_'s total norm, or Groups (see ampwatch._steps)
         self._normed: set[int] = set()
         self._scale_calls = 0
         self._anchor: tuple[Any, Any] | None = None
@@ -142,7 +144,8 @@ class Recorder:
         self._scale_calls += 1
         self._ever_scaled = True
         if isinstance(outputs, self._tensor) and outputs.numel() == 1:
-            self._losses.append(outputs.detach())
+            loss, held = outputs.detach(), self._loss
+            self._loss = loss if held is None else [*held, loss] if held.__class__ is list else [held, loss]
 
     def on_unscaled(self, optimizer: Any, scale: Any = None) -> None:
         """Per-parameter gradient norms, one op: right after `unscale_` (true, not yet clipped gradients), or
@@ -165,7 +168,7 @@ class Recorder:
             grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
             modules = None
         if grads:
-            self._groups.append((self._foreach_norm(grads), scale is not None, modules))
+            self._add_norms((self._foreach_norm(grads), scale is not None, modules))
 
     def on_clipped(self, parameters: Any, args: tuple, kwargs: dict[str, Any], total: Any) -> None:
         """`clip_grad_norm_` returned `total`: after this run's `unscale_` and over its optimizer's parameters,
@@ -184,7 +187,10 @@ class Recorder:
         if self._deferred is optimizer:
             if self._clip_trusted:
                 self._deferred = None
-                self._groups.append(([total], False, None))
+                if self._norm is None:
+                    self._norm = total
+                else:
+                    self._add_norms(([total], False, None))
             elif not self._param_ids(optimizer).isdisjoint(ids):
                 self._deferred = None  # another clip changed these gradients: this step's norm is lost
 
@@ -235,16 +241,14 @@ class Recorder:
         """The iteration ends: keep found_inf (update() discards it), copy the scale when the shadow needs an
         anchor, and record the step."""
         if scaler._enabled and scaler._scale is not None:
-            found: list[Any] = []
-            for state in scaler._per_optimizer_states.values():
-                found.extend(state["found_inf_per_device"].values())
+            found = [f for state in scaler._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
             if found:
                 rule = None
                 if self.reanchor or self.step % ANCHOR_EVERY == 0:
                     self._anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
                     rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
                     self.reanchor = False
-                self._finish_step(found, rule)
+                self._finish_step(found[0] if len(found) == 1 else found, rule)
         if scale_set_by_hand:
             self.reanchor = True
 
@@ -256,13 +260,14 @@ class Recorder:
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         guarded(self.on_unscaled, optimizer)  # no-op unless step() ran a closure
-        guarded(self._finish_step, [], None)
+        guarded(self._finish_step, None, None)
 
     # -- shared ---------------------------------------------------------------------------
-    def _finish_step(self, found: list[Any], rule: tuple[float, float, int] | None) -> None:
-        """Record this iteration at its step (what the user logged under a standard name wins)."""
+    def _finish_step(self, found: Any, rule: tuple[float, float, int] | None) -> None:
+        """Record this iteration at its step (what the user logged under a standard name wins); `found`: the
+        scaler's found_inf tensor, a list of them, or None."""
         step = self.step
-        losses, total, lr, params = self._losses, True, None, None
+        loss, total, lr, params = self._loss, True, None, None
         optimizers = self._optimizers
         if optimizers:
             lr = optimizers[0].param_groups[0].get("lr")
@@ -272,12 +277,13 @@ class Recorder:
                 params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
         if self._user_step == step:
             user = self._user_names
-            losses = None if "loss" in user else losses
+            loss = None if "loss" in user else loss
             lr = None if "lr" in user else lr
             total = "grad_norm" not in user
-        self._record((STEP, step, losses, found, self._groups, total, self._anchor, rule, lr, params))
+        self._record((STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params))
         self.step = step + 1
-        self._losses, self._groups, self._anchor, self._scale_calls = [], [], None, 0
+        self._loss = self._norm = self._anchor = None
+        self._scale_calls = 0
         self._unscaled = self._deferred = None
         self._normed.clear()
         probe = self._probe
@@ -286,6 +292,15 @@ class Recorder:
                 self._probe_step(step)
                 self._probing = probe.armed
             self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
+
+    def _add_norms(self, group: tuple[list[Any], bool, Any]) -> None:
+        held = self._norm
+        if held is None:
+            self._norm = [group]
+        elif held.__class__ is list:
+            held.append(group)
+        else:  # a clip's total norm, and now another optimizer's
+            self._norm = [([held], False, None), group]
 
     def _param_ids(self, optimizer: Any) -> set[int]:
         """The ids of the optimizer's parameters, cached per parameter-group list and length (a stale cache
