@@ -7,22 +7,23 @@ is opened again once; documents are sent as JSON bytes encoded once by the calle
 
 from __future__ import annotations
 
+import array
+import base64
 import http.client
 import json
-import math
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
-_NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
-
-
-def encode_value(value: float) -> float | str:
-    """JSON has no NaN or Infinity: send them as the strings the read API uses."""
-    if math.isfinite(value):
-        return value
-    return "NaN" if math.isnan(value) else _NONFINITE[value]
+def packed(numbers: list[Any], code: str) -> str:
+    """A series' steps (`code` "q": int64) or values ("d": float64) as the server takes them: base64 of their
+    little-endian bytes. Exact, NaN and infinities included, and ~20x cheaper to write than JSON numbers."""
+    data = array.array(code, numbers)
+    if sys.byteorder == "big":
+        data.byteswap()
+    return base64.b64encode(data).decode("ascii")
 
 
 def encode(document: dict[str, Any]) -> bytes:

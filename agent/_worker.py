@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import threading
 import time
@@ -22,7 +21,7 @@ from ampwatch._outbox import Outbox
 from ampwatch._settings import AgentSettings
 from ampwatch._spool import Spool, default_root
 from ampwatch._steps import Points, StepDecoder, step_tensors
-from ampwatch._transport import Transport, encode_value
+from ampwatch._transport import Transport, packed
 
 log = logging.getLogger("ampwatch")
 
@@ -266,7 +265,7 @@ class Worker:
         doc = {
             "rank": self._rank,
             "seq": self._seq,
-            "points": {n: {"steps": s, "values": _spelled(v)} for n, (s, v) in points.items()},
+            "points": {n: {"steps": packed(s, "q"), "values": packed(v, "d")} for n, (s, v) in points.items()},
             "events": events,
             "status": status,
         }
@@ -283,8 +282,3 @@ class Worker:
         for seq, done in [w for w in self._waiters if w[0] < pending]:
             done.set()
         self._waiters = [w for w in self._waiters if w[0] >= pending]
-
-
-def _spelled(values: list[float]) -> list[Any]:
-    """Values as JSON carries them: non-finite ones spelled out (a sum is finite only if every value is)."""
-    return values if math.isfinite(sum(values)) else [encode_value(v) for v in values]

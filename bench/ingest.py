@@ -2,7 +2,8 @@
 
 Starts `ampwatch server` (uvicorn) on a loopback port for each backend, registers one run per client,
 then client processes POST agent-shaped batches (`loss`, `scale`, `skipped`, `grad_norm` and per-layer
-`grad_norm/<module>` series; some values sent as "NaN"/"Infinity"/"-Infinity") as fast as the server
+`grad_norm/<module>` series, some values NaN or infinite; steps and values packed as base64 of
+int64/float64 as the agent sends them, or with `--json-lists` as JSON lists) as fast as the server
 acknowledges them. Bodies are built before the clock starts, so the numbers are the server's.
 
     python bench/ingest.py                       # SQLite and Postgres, batches of 5k, 20k and 50k points
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ampwatch._transport import packed as pack
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     DEFAULT_PG_ADMIN_URL, Server, cpu_count, percentile, postgres_problem, process_cpu_seconds, scratch_database,
@@ -45,8 +48,10 @@ def series_names(layers: int) -> list[str]:
     return ["loss", "scale", "skipped", "grad_norm"] + [f"grad_norm/{m}" for m in modules + ["lm_head"]]
 
 
-def make_body(seq: int, first_step: int, steps: int, names: list[str], rng: random.Random, nonfinite: float) -> bytes:
-    """One batch as the agent sends it: every series has `steps` consecutive steps."""
+def make_body(seq: int, first_step: int, steps: int, names: list[str], rng: random.Random, nonfinite: float,
+              packed: bool = True) -> bytes:
+    """One batch as the agent sends it: every series has `steps` consecutive steps, packed as base64 of
+    int64/float64 (or, `packed=False`, as JSON lists with non-finite values spelled out, as other clients may)."""
     step_list = list(range(first_step, first_step + steps))
     points: dict[str, dict[str, list[Any]]] = {}
     for name in names:
@@ -62,7 +67,10 @@ def make_body(seq: int, first_step: int, steps: int, names: list[str], rng: rand
             for i in range(steps):
                 if rng.random() < nonfinite:
                     values[i] = rng.choice(_NONFINITE)
-        points[name] = {"steps": step_list, "values": values}
+        if packed:
+            points[name] = {"steps": pack(step_list, "q"), "values": pack([float(v) for v in values], "d")}
+        else:
+            points[name] = {"steps": step_list, "values": values}
     doc = {"rank": 0, "seq": seq, "points": points, "events": [], "status": None}
     return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
@@ -77,6 +85,7 @@ class ClientJob:
     nonfinite: float
     max_seconds: float
     seed: int
+    packed: bool = True
 
 
 def client_main(job: ClientJob, ready: Any, go: Any, results: Any) -> None:
@@ -85,7 +94,7 @@ def client_main(job: ClientJob, ready: Any, go: Any, results: Any) -> None:
     steps_per_batch = max(1, job.batch_points // len(names))
     n_batches = max(1, math.ceil(job.total_points / (steps_per_batch * len(names))))
     rng = random.Random(job.seed)
-    bodies = [make_body(k + 1, k * steps_per_batch, steps_per_batch, names, rng, job.nonfinite) for k in range(n_batches)]
+    bodies = [make_body(k + 1, k * steps_per_batch, steps_per_batch, names, rng, job.nonfinite, job.packed) for k in range(n_batches)]
     points_per_batch = steps_per_batch * len(names)
     conn = http.client.HTTPConnection("127.0.0.1", job.port, timeout=120)
     headers = {"Content-Type": "application/json", "User-Agent": "ampwatch-bench"}
@@ -145,7 +154,7 @@ def run_config(server: Server, backend: str, batch_points: int, args: argparse.N
         if status != 200:
             raise RuntimeError(f"registering {run_id} failed ({status}): {data[:300]!r}")
         jobs.append(ClientJob(server.port, run_id, batch_points, args.points // args.clients, args.layers,
-                              args.nonfinite, args.max_seconds, seed=c + batch_points))  # fmt: skip
+                              args.nonfinite, args.max_seconds, seed=c + batch_points, packed=not args.json_lists))  # fmt: skip
     procs = [ctx.Process(target=client_main, args=(job, ready, go, results), daemon=True) for job in jobs]
     for p in procs:
         p.start()
@@ -226,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=8.0, help="stop a configuration after this long (default 8)")
     parser.add_argument("--layers", type=int, default=12, help="transformer blocks: 4 per-layer grad-norm series each (default 12 -> 54 series)")
     parser.add_argument("--nonfinite", type=float, default=0.002, help="fraction of values sent as NaN/Infinity/-Infinity (default 0.002)")
+    parser.add_argument("--json-lists", action="store_true", help="send steps and values as JSON lists (non-finite values "
+                        "spelled out) instead of packed as the agent sends them")
     parser.add_argument("--pg-url", default=DEFAULT_PG_ADMIN_URL, help="Postgres admin URL; a scratch database is created there and dropped")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--profile", metavar="DIR", help="attach py-spy to the server during each row; collapsed stacks go to DIR")

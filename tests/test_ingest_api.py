@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from ampwatch._transport import packed
 from ampwatch.server import Settings
 from ampwatch.server.values import downsample
 
@@ -32,6 +35,10 @@ def _stored(http) -> tuple[dict, list]:  # type: ignore[no-untyped-def]
         ({"seq": 0}, 422, "seq"),
         ({"seq": 1, "surprise": True}, 422, "surprise"),
         ({"seq": 1, "status": "exploded"}, 422, "status"),
+        ({"seq": 1, "points": {"loss": {"steps": "not base64!", "values": [1.0]}}}, 422, "a packed series must be base64"),
+        ({"seq": 1, "points": {"loss": {"steps": [0], "values": "AAAA"}}}, 422, "8-byte numbers"),
+        ({"seq": 1, "points": {"loss": {"steps": packed([-1], "q"), "values": [1.0]}}}, 422, "greater than or equal to 0"),
+        ({"seq": 1, "points": {"loss": {"steps": packed([0, 1], "q"), "values": packed([1.0], "d")}}}, 422, "steps has 2 items"),
     ],
 )
 def test_bad_batches_get_a_clear_422_and_store_nothing(http, body, status: int, says: str) -> None:  # type: ignore[no-untyped-def]
@@ -52,6 +59,20 @@ def test_a_batch_with_good_points_and_one_bad_event_stores_nothing_partial(http)
     reply = http.post("/api/v1/runs/r1/batches", content=nan_details, headers={"content-type": "application/json"})
     assert reply.status_code == 422 and "non-finite numbers must be sent as the strings" in reply.text
     assert _stored(http) == ({}, [])
+
+
+def test_packed_series_are_stored_exactly_beside_json_lists(http) -> None:  # type: ignore[no-untyped-def]
+    """The agent sends steps and values as base64 of little-endian int64/float64: the values arrive exactly,
+    NaN, infinities and subnormals included, and a batch may mix packed series with plain lists."""
+    values = [0.1, math.nan, math.inf, -math.inf, -0.0, 5e-324, 1.7976931348623157e308, 2**-24]
+    steps = [0, 1, 2, 3, 4, 5, 6, 2**62]
+    body = {"seq": 1, "points": {"loss": {"steps": packed(steps, "q"), "values": packed(values, "d")},
+                                 "lr": {"steps": [0], "values": [0.5]}}}  # fmt: skip
+    assert http.post("/api/v1/runs/r1/batches", json=body).json() == {"stored": True, "points": 9}
+    series = _stored(http)[0]
+    assert series["loss"]["steps"] == steps
+    assert series["loss"]["values"] == [0.1, "NaN", "Infinity", "-Infinity", -0.0, 5e-324, 1.7976931348623157e308, 2**-24]
+    assert series["lr"] == {"steps": [0], "values": [0.5]}
 
 
 def test_a_batch_for_an_unknown_run_gets_404_saying_how_to_register(http) -> None:  # type: ignore[no-untyped-def]
