@@ -1,9 +1,10 @@
 """What the agent hooks in torch: the watched GradScaler, and `torch.nn.utils.clip_grad_norm_`.
 
-The scaler instance's class is swapped for a subclass whose methods report to the run's Recorder, kept
-on the instance itself. GradScaler's own exceptions pass through unchanged; pickling, deep copies and
-`state_dict` behave as for the plain class, and `detach` restores it. These wrappers run four times per
-training step, so they are kept flat: one attribute read, an inline guard, and the base method.
+The scaler instance gets wrappers of its methods in its own `__dict__`, next to the run's Recorder; its
+class stays what it was (`type(scaler) is torch.amp.GradScaler` still holds while it is watched).
+GradScaler's own exceptions pass through unchanged; pickling, deep copies and `state_dict` behave as
+for the plain scaler, and `detach` removes the wrappers. They run four times per training step, so
+they are kept flat: one dict read, an inline guard, and the class's own method.
 
 While a run watches a scaler, `torch.nn.utils.clip_grad_norm_` is wrapped too: the total norm it returns
 (after `unscale_`: the true norm) is handed to the Recorder, which then need not compute its own. Its
@@ -21,52 +22,45 @@ from typing import Any
 from ampwatch._guard import report
 
 RECORDER = "_ampwatch_recorder"  # the instance attribute holding the Recorder; never pickled
-_CLASSES: dict[type, type] = {}  # plain scaler class -> its watching subclass
+SETTERS = ("load_state_dict", "set_growth_factor", "set_backoff_factor", "set_growth_interval")
+HOOKED = ("scale", "unscale_", "step", "update", "__reduce_ex__", *SETTERS)  # the wrappers' names in the instance dict
 
 
 def attach(scaler: Any, recorder: Any) -> None:
     """Route `scaler`'s scale/unscale_/step/update through `recorder`."""
-    scaler.__dict__[RECORDER] = recorder
-    scaler.__class__ = _watched_class(type(scaler))
+    state = scaler.__dict__
+    if state.get(RECORDER) is None:
+        state.update(_wrappers(scaler, state))
+    state[RECORDER] = recorder
 
 
 def detach(scaler: Any, recorder: Any) -> None:
     """Undo `attach`, if `recorder` is still the one attached."""
-    if scaler.__dict__.get(RECORDER) is recorder:
-        del scaler.__dict__[RECORDER]
-        scaler.__class__ = _plain_class(type(scaler))
+    state = scaler.__dict__
+    if state.get(RECORDER) is recorder:
+        for name in (RECORDER, *HOOKED):
+            state.pop(name, None)
 
 
-def _watched_class(base: type) -> type:
-    """A subclass of the scaler's own class whose methods report to the run's Recorder."""
-    if base in _CLASSES.values():
-        return base
-    if base not in _CLASSES:
-        _CLASSES[base] = type(base.__name__, (base,), dict(_watched_methods(base), __module__=base.__module__))
-    return _CLASSES[base]
+def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """Functions that report to the Recorder in `state` (the scaler's `__dict__`), then call the scaler's own
+    methods (its class's, looked up once)."""
+    cls = type(scaler)
+    base_scale, base_unscale_, base_step, base_update = cls.scale, cls.unscale_, cls.step, cls.update
 
-
-def _plain_class(cls: type) -> type:
-    return next((base for base, watched in _CLASSES.items() if watched is cls), cls)
-
-
-def _watched_methods(base: type) -> dict[str, Any]:
-    """The wrappers, calling `base`'s own methods directly (cheaper than `super()` four times a step)."""
-    base_scale, base_unscale_, base_step, base_update = base.scale, base.unscale_, base.step, base.update  # type: ignore[attr-defined]
-
-    def scale(self: Any, outputs: Any) -> Any:
-        rec = self.__dict__.get(RECORDER)
+    def scale(outputs: Any) -> Any:
+        rec = state.get(RECORDER)
         if rec is not None:
             try:
                 rec.on_scale(outputs)
             except Exception:
                 report(rec.on_scale)
-        return base_scale(self, outputs)
+        return base_scale(scaler, outputs)
 
-    def unscale_(self: Any, optimizer: Any) -> None:
-        rec = self.__dict__.get(RECORDER)
+    def unscale_(optimizer: Any) -> None:
+        rec = state.get(RECORDER)
         try:
-            base_unscale_(self, optimizer)
+            base_unscale_(scaler, optimizer)
         except (AssertionError, RuntimeError) as error:
             _on_error(rec, optimizer, error)
             raise
@@ -76,48 +70,58 @@ def _watched_methods(base: type) -> dict[str, Any]:
             except Exception:
                 report(rec.on_unscaled)
 
-    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        rec = self.__dict__.get(RECORDER)
+    def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = state.get(RECORDER)
         if rec is not None:
             try:
-                rec.before_step(self, optimizer)
+                rec.before_step(scaler, optimizer)
             except Exception:
                 report(rec.before_step)
         try:
-            return base_step(self, optimizer, *args, **kwargs)
+            return base_step(scaler, optimizer, *args, **kwargs)
         except (AssertionError, RuntimeError) as error:
             _on_error(rec, optimizer, error)
             raise
 
-    def update(self: Any, new_scale: Any = None) -> None:
-        rec = self.__dict__.get(RECORDER)
+    def update(new_scale: Any = None) -> None:
+        rec = state.get(RECORDER)
         if rec is not None:
             try:
-                rec.before_update(self, new_scale is not None)  # a scale set by hand: the shadow cannot know it
+                rec.before_update(scaler, new_scale is not None)  # a scale set by hand: the shadow cannot know it
             except Exception:
                 report(rec.before_update)
         try:
-            base_update(self, new_scale)
+            base_update(scaler, new_scale)
         except (AssertionError, RuntimeError) as error:
             _on_error(rec, None, error)
             raise
 
     def reanchoring(name: str) -> Any:
         """`load_state_dict` and the growth-rule setters: the shadow copies scale and rule again at the next update()."""
-        method = getattr(base, name)
+        method = getattr(cls, name)
 
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = method(self, *args, **kwargs)
-            rec = self.__dict__.get(RECORDER)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = method(scaler, *args, **kwargs)
+            rec = state.get(RECORDER)
             if rec is not None:
                 rec.reanchor = True
             return result
 
         return functools.update_wrapper(wrapper, method)
 
-    setters = ("load_state_dict", "set_growth_factor", "set_backoff_factor", "set_growth_interval")
-    return {"scale": scale, "unscale_": unscale_, "step": step, "update": update, "__reduce_ex__": _reduce_ex,
-            **{name: reanchoring(name) for name in setters}}  # fmt: skip
+    def reduce_ex(protocol: int) -> Any:
+        """Pickle and deep-copy as the plain scaler: the copy is not watched, and loading a checkpoint that
+        holds it needs no ampwatch."""
+        plain = cls.__getstate__(scaler)
+        for name in (RECORDER, *HOOKED):
+            plain.pop(name, None)
+        return (copyreg._reconstructor, (cls, object, None), plain)
+
+    hooks = {"scale": scale, "unscale_": unscale_, "step": step, "update": update, "__reduce_ex__": reduce_ex}
+    for name, hook in hooks.items():
+        if name != "__reduce_ex__":
+            functools.update_wrapper(hook, getattr(cls, name))
+    return {**hooks, **{name: reanchoring(name) for name in SETTERS}}
 
 
 def _on_error(rec: Any, optimizer: Any, error: BaseException) -> None:
@@ -126,14 +130,6 @@ def _on_error(rec: Any, optimizer: Any, error: BaseException) -> None:
             rec.on_error(optimizer, error)
         except Exception:
             report(rec.on_error)
-
-
-def _reduce_ex(self: Any, protocol: int) -> Any:
-    """Pickle and deep-copy as the plain scaler: the copy is not watched, and loading a checkpoint
-    that holds it needs no ampwatch."""
-    state = self.__getstate__()
-    state.pop(RECORDER, None)
-    return (copyreg._reconstructor, (_plain_class(type(self)), object, None), state)
 
 
 # -- clip_grad_norm_ --------------------------------------------------------------------------

@@ -212,12 +212,15 @@ def test_a_watched_scaler_still_pickles_deep_copies_and_saves_state() -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     run.watch(scaler=scaler)
     assert isinstance(scaler, torch.amp.GradScaler)
-    for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+    assert type(scaler) is torch.amp.GradScaler and scaler.scale.__wrapped__ is torch.amp.GradScaler.scale
+    for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler), copy.copy(scaler)):
         assert type(clone) is torch.amp.GradScaler
+        assert not set(vars(clone)) & {"_ampwatch_recorder", "scale", "step"}  # a plain, unwatched scaler
         assert clone.state_dict() == scaler.state_dict()
     assert scaler.state_dict()["scale"] == 256.0
     run.finish()
-    assert type(scaler) is torch.amp.GradScaler  # finish() unhooks it
+    assert not set(vars(scaler)) & {"_ampwatch_recorder", "scale", "unscale_", "step", "update", "__reduce_ex__"}  # unhooked
+    assert scaler.scale.__func__ is torch.amp.GradScaler.scale
 
 
 @pytest.mark.parametrize(("ending", "status"), [("pass", "finished"), ("raise RuntimeError('late failure')", "crashed")])
