@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import os
 import platform
 import re
@@ -124,7 +125,7 @@ class Run:
             elif isinstance(value, (int, float)):
                 names.append(name)
                 floats.append(float(value))
-            elif getattr(value, "numel", None) is not None and value.numel() == 1:
+            elif getattr(value, "numel", None) is not None and value.numel() == 1 and not (value.is_complex() or value.is_meta):
                 # Read later, off this thread: a tensor without autograd history may be an accumulator that
                 # changes in place, and a GPU tensor may be a CUDA graph's static output that the next replay
                 # overwrites, so those are copied (asynchronously on a GPU); a CPU forward's results are not.
@@ -132,8 +133,11 @@ class Run:
                 value = value.detach() if fresh else value.detach().clone()
                 self._record((VALUES, step, (name,), value))
                 self._recorder.user_logged(step, (name,))
+            elif isinstance(value, numbers.Real):  # NumPy scalars, Fractions
+                names.append(name)
+                floats.append(float(value))
             else:
-                warn_once("log-" + name, "ampwatch: %r is not a number or a 1-element tensor; ignored", name)
+                warn_once("log-" + name, "ampwatch: %r is not a real number or a 1-element real tensor; ignored", name)
         if names:
             self._record((VALUES, step, tuple(names), tuple(floats)))
             self._recorder.user_logged(step, tuple(names))

@@ -2,12 +2,13 @@
 
 The training thread keeps references, not results: the detached loss, GradScaler's own found_inf
 tensor, the total norm `clip_grad_norm_` returned (or the per-parameter norms of one `_foreach_norm`).
-It hands them over as one plain tuple per step (see `STEP_FIELDS`), the cheapest record Python can build,
-holding the tensors themselves in the usual case (lists only where there are several), as every object
-kept until the sender reads it is more work for the garbage collector on the training thread. The sender thread copies
-them to the host and does all the arithmetic: sums, total and per-layer norms, the unscaling, and the
-loss scale, which it shadows from found_inf with GradScaler's own update rule, re-anchored from a copy
-of the device scale every `ANCHOR_EVERY` steps and whenever something outside `update()` changed it.
+It hands them over as one plain tuple per step (see `STEP_FIELDS`), the cheapest record Python can
+build, holding the tensors themselves in the usual case (lists only where there are several), as every
+object kept until the sender reads it is more work for the garbage collector on the training thread.
+The sender thread copies them to the host and does all the arithmetic: sums, total and per-layer norms,
+the unscaling, and the loss scale, which it shadows from found_inf with GradScaler's own update rule,
+re-anchored from a copy of the device scale every `ANCHOR_EVERY` steps and whenever something outside
+`update()` changed it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ and adds no host-device read to a training step."""
 from __future__ import annotations
 
 import copy
+import fractions
 import os
 import pickle
 import socket
@@ -174,6 +175,18 @@ def test_bad_arguments_never_raise() -> None:
     run.log({"x": 1.0}, step="seven")  # type: ignore[arg-type]
     run.finish()
     run.finish()
+
+
+def test_values_that_have_no_real_number_are_refused_at_log_and_the_rest_arrives(sqlite_server, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A complex or a meta tensor cannot be read as a float on the sender thread: refused (and said once) when
+    logged, so it cannot cost the points recorded beside it."""
+    with ampwatch.init("guest", "odd-values", url=sqlite_server.url) as run:
+        run.log({"before": 1.0, "complex": torch.tensor(1 + 2j), "meta": torch.empty((), device="meta"), "t": torch.tensor(3.0)})
+        run.log({"after": 2.0, "fraction": fractions.Fraction(3, 2)})  # any numbers.Real (NumPy scalars too) is a value
+    with sqlite_server.client() as http:
+        series = http.get(f"/api/v1/runs/{run.id}/series").json()
+    assert {name: data["values"] for name, data in series.items()} == {"before": [1.0], "t": [3.0], "after": [2.0], "fraction": [1.5]}
+    assert "'complex' is not a real number" in caplog.text and "'meta' is not a real number" in caplog.text
 
 
 def test_an_unknown_mode_gives_a_run_that_records_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
