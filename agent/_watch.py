@@ -16,7 +16,7 @@ from ampwatch._guard import guarded
 from ampwatch._misuse import SILENT_UNSCALED, Signature, classify, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe
 from ampwatch._steps import ANCHOR_EVERY
-from ampwatch._worker import EVENT, ORIGIN, STEP
+from ampwatch._worker import EVENT, FAST_RECORDS, ORIGIN, STEP
 
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
@@ -30,8 +30,9 @@ class Recorder:
     `before_update`) run every step on the training thread: they keep references and build one tuple.
     """
 
-    def __init__(self, record: Callable[[tuple], None], *, rank: int = 0, layer_interval: int = 25, param_interval: int = 50) -> None:
-        self._record = record
+    def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 25, param_interval: int = 50) -> None:
+        self._record = record  # may return the buffer's append, for the next step records (see Worker.record)
+        self._append: Callable[[tuple], None] | None = None
         self.rank = rank
         self.step = 0
         self.layer_interval = layer_interval
@@ -240,15 +241,17 @@ class Recorder:
     def before_update(self, scaler: Any, scale_set_by_hand: bool = False) -> None:
         """The iteration ends: keep found_inf (update() discards it), copy the scale when the shadow needs an
         anchor, and record the step."""
-        if scaler._enabled and scaler._scale is not None:
-            found = [f for state in scaler._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
-            if found:
-                rule = None
-                if self.reanchor or self.step % ANCHOR_EVERY == 0:
-                    self._anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
-                    rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
-                    self.reanchor = False
-                self._finish_step(found[0] if len(found) == 1 else found, rule)
+        found: Any = None  # (one tensor in the usual case: no list is built; a disabled scaler has none)
+        for state in scaler._per_optimizer_states.values():
+            for flag in state["found_inf_per_device"].values():
+                found = flag if found is None else [*found, flag] if found.__class__ is list else [found, flag]
+        if found is not None and scaler._scale is not None:
+            rule = None
+            if self.reanchor or self.step % ANCHOR_EVERY == 0:
+                self._anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
+                rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
+                self.reanchor = False
+            self._finish_step(found, rule)
         if scale_set_by_hand:
             self.reanchor = True
 
@@ -280,7 +283,12 @@ class Recorder:
             loss = None if "loss" in user else loss
             lr = None if "lr" in user else lr
             total = "grad_norm" not in user
-        self._record((STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params))
+        entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)
+        append = self._append
+        if append is not None and step & (FAST_RECORDS - 1):
+            append(entry)
+        else:
+            self._append = self._record(entry)
         self.step = step + 1
         self._loss = self._norm = self._anchor = None
         self._scale_calls = 0

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ampwatch._host import to_host
 from ampwatch._outbox import Outbox
@@ -29,6 +29,7 @@ log = logging.getLogger("ampwatch")
 VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP = "v", "e", "s", "f", "o", "t"
 _DATA = (VALUES, ORIGIN, STEP)  # the records the buffer cap may drop
 STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
+FAST_RECORDS = 1024  # step records appended without the checks of `Worker.record` in a row, at most (a power of 2)
 DROPPED = "dropped_records"  # series: how many records and batches this rank dropped so far
 
 
@@ -83,17 +84,21 @@ class Worker:
         self._decoder = StepDecoder()
 
     # -- training thread side -------------------------------------------------------------
-    def record(self, entry: tuple) -> None:
+    def record(self, entry: tuple) -> Callable[[tuple], None] | None:
         """Append a record without blocking; past the cap, count a data record as dropped (flush markers,
-        statuses and events are few and always kept: a run's end must never be lost)."""
+        statuses and events are few and always kept: a run's end must never be lost). While the sender runs
+        and `FAST_RECORDS` more records fit, return the buffer's own `append`: the Recorder then appends
+        step records with it directly, coming back here every `FAST_RECORDS` steps."""
         if self._thread is None:
             self._start()
-        if len(self.records) >= self._max_records and entry[0] in _DATA:
+        records = self.records
+        if len(records) >= self._max_records and entry[0] in _DATA:
             self.dropped += 1
             if self.dropped == 1:
                 log.warning("ampwatch: the record buffer is full, dropping records (counted)")
-            return
-        self.records.append(entry)
+            return None
+        records.append(entry)
+        return records.append if len(records) + FAST_RECORDS < self._max_records else None
 
     def start(self) -> None:
         """Start sending now: the run registers and heartbeats before its first step."""
