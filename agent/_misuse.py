@@ -23,6 +23,18 @@ class Signature:
     model_has_grads: bool | None  # whether any model parameter has a gradient (None: no model)
     scaled_this_iteration: bool  # scaler.scale() was called since the last update()
 
+    @classmethod
+    def taken(cls, error: BaseException, params: list[Any], model: Any, stage: str, scaled: bool) -> Signature:
+        """The signature of `error`, raised for the optimizer holding `params` (`model`: the watched one or None)."""
+        return cls(
+            message=str(error),
+            stage=stage,
+            params_with_grad=sum(p.grad is not None for p in params),
+            replaced_params=_replaced(params, model) if model is not None else None,
+            model_has_grads=any(p.grad is not None for p in model.parameters()) if model is not None else None,
+            scaled_this_iteration=scaled,
+        )
+
 
 def classify(sig: Signature) -> tuple[str, str] | None:
     """(cause, explanation with the fix) for a GradScaler misuse, or None for any other error."""
@@ -122,3 +134,17 @@ def _accelerate_fp16_on_cpu(optimizer: Any) -> bool:
     state = getattr(optimizer, "accelerator_state", None)
     device = getattr(state, "device", None)
     return getattr(state, "mixed_precision", None) == "fp16" and getattr(device, "type", None) == "cpu" and getattr(optimizer, "scaler", 0) is None
+
+
+def _replaced(params: list[Any], model: Any) -> int:
+    """Optimizer parameters missing from the model that have the shape of a model parameter the
+    optimizer lacks: the signature of parameters swapped after the optimizer was built."""
+    held = {id(p) for p in params}
+    orphans = [tuple(p.shape) for p in model.parameters() if id(p) not in held]
+    in_model = {id(p) for p in model.parameters()}
+    count = 0
+    for p in params:
+        if id(p) not in in_model and tuple(p.shape) in orphans:
+            orphans.remove(tuple(p.shape))
+            count += 1
+    return count

@@ -104,7 +104,7 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
             result = method(scaler, *args, **kwargs)
             rec = state.get(RECORDER)
             if rec is not None:
-                rec.reanchor = True
+                rec.request_anchor()
             return result
 
         return functools.update_wrapper(wrapper, method)

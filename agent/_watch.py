@@ -40,6 +40,7 @@ class Recorder:
         self.arm_request = False  # set by the sender thread's diagnosis
         self.disarm_request = False
         self.reanchor = True  # the scale must be copied from the device at the next update()
+        self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         # the current iteration
         # (kept as a bare tensor in the usual case, a list only when there are several: each object the record
         # keeps alive until the sender reads it adds to the garbage collector's work on the training thread)
@@ -86,6 +87,7 @@ class Recorder:
         for name in names:
             if name in STANDARD:
                 self._user_names.add(name)
+                self._plain_until = 0
                 if name == "grad_norm" and step > self._norm_logged_at[1]:
                     self._norm_logged_at = (self._norm_logged_at[1], step)
 
@@ -103,6 +105,7 @@ class Recorder:
             self._probe = OriginProbe(model)
             self._layers_due = self.step % self.layer_interval == 0
             self._first_forward_hook = model.register_forward_pre_hook(self._first_forward)
+            self._plain_until = 0  # (per-layer steps are planned from now on)
         if scaler is not None:
             _scaler.attach(scaler, self)
             self._scaler = scaler
@@ -223,14 +226,7 @@ class Recorder:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         model = self._model
         stage = self._stage_before
-        signature = Signature(
-            message=str(error),
-            stage=stage.name if stage is not None else "READY",
-            params_with_grad=sum(p.grad is not None for p in params),
-            replaced_params=_replaced(params, model) if model is not None else None,
-            model_has_grads=any(p.grad is not None for p in model.parameters()) if model is not None else None,
-            scaled_this_iteration=self._scale_calls > 0,
-        )
+        signature = Signature.taken(error, params, model, stage.name if stage is not None else "READY", self._scale_calls > 0)
         found = classify(signature)
         if found is not None:
             cause, explanation = found
@@ -247,13 +243,18 @@ class Recorder:
                 found = flag if found is None else [*found, flag] if found.__class__ is list else [found, flag]
         if found is not None and scaler._scale is not None:
             rule = None
-            if self.reanchor or self.step % ANCHOR_EVERY == 0:
+            if self.step >= self._plain_until and (self.reanchor or self.step % ANCHOR_EVERY == 0):
                 self._anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
                 rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
                 self.reanchor = False
             self._finish_step(found, rule)
         if scale_set_by_hand:
-            self.reanchor = True
+            self.request_anchor()
+
+    def request_anchor(self) -> None:
+        """Something outside update() changed the scale or its rule: copy both at the next update()."""
+        self.reanchor = True
+        self._plain_until = 0
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -268,38 +269,54 @@ class Recorder:
     # -- shared ---------------------------------------------------------------------------
     def _finish_step(self, found: Any, rule: tuple[float, float, int] | None) -> None:
         """Record this iteration at its step (what the user logged under a standard name wins); `found`: the
-        scaler's found_inf tensor, a list of them, or None."""
+        scaler's found_inf tensor, a list of them, or None. Steps before `_plain_until` take the short way."""
         step = self.step
-        loss, total, lr, params = self._loss, True, None, None
         optimizers = self._optimizers
-        if optimizers:
-            lr = optimizers[0].param_groups[0].get("lr")
-            if lr.__class__ is not float:
-                lr = None
-            if step % self.param_interval == 0 or self._probing:
+        lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
+        lr = lr if lr.__class__ is float else None
+        plain = step < self._plain_until and not self.arm_request
+        if plain:
+            entry = (STEP, step, self._loss, found, self._norm, True, None, None, lr, None)
+        else:
+            loss, total, params = self._loss, True, None
+            if optimizers and (step % self.param_interval == 0 or self._probing):
                 params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
-        if self._user_step == step:
-            user = self._user_names
-            loss = None if "loss" in user else loss
-            lr = None if "lr" in user else lr
-            total = "grad_norm" not in user
-        entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)
+            if self._user_step == step:
+                user = self._user_names
+                loss = None if "loss" in user else loss
+                lr = None if "lr" in user else lr
+                total = "grad_norm" not in user
+            entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)
         append = self._append
         if append is not None and step & (FAST_RECORDS - 1):
             append(entry)
         else:
             self._append = self._record(entry)
         self.step = step + 1
-        self._loss = self._norm = self._anchor = None
+        self._loss = self._norm = self._anchor = self._unscaled = self._deferred = None
         self._scale_calls = 0
-        self._unscaled = self._deferred = None
         self._normed.clear()
+        if plain:
+            return
         probe = self._probe
         if probe is not None:
             if self._probing or self.arm_request:
                 self._probe_step(step)
                 self._probing = probe.armed
             self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
+        self._plain_until = self._plan(step)
+
+    def _plan(self, step: int) -> int:
+        """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that
+        checks the parameters, takes per-layer norms or precedes one, or anchors the scale; 0 while probing.
+        (What else makes a step special resets it: a standard name the user logs, `request_anchor`.)"""
+        if self._probing or self.reanchor:
+            return 0
+        layer = self.layer_interval
+        until = min(_next_multiple(step, self.param_interval), _next_multiple(step, ANCHOR_EVERY))
+        if self._probe is not None:  # per-layer norms are taken at multiples of `layer_interval` (see on_unscaled)
+            until = min(until, _next_multiple(step, layer), _next_multiple(step + 1, layer) - 1)
+        return min(until, self._user_step) if self._user_step > step else until
 
     def _add_norms(self, group: tuple[list[Any], bool, Any]) -> None:
         held = self._norm
@@ -362,18 +379,9 @@ class Recorder:
                 "details": details, "time": time.time()}  # fmt: skip
 
 
-def _replaced(params: list[Any], model: Any) -> int:
-    """Optimizer parameters missing from the model that have the shape of a model parameter the
-    optimizer lacks: the signature of parameters swapped after the optimizer was built."""
-    held = {id(p) for p in params}
-    orphans = [tuple(p.shape) for p in model.parameters() if id(p) not in held]
-    in_model = {id(p) for p in model.parameters()}
-    count = 0
-    for p in params:
-        if id(p) not in in_model and tuple(p.shape) in orphans:
-            orphans.remove(tuple(p.shape))
-            count += 1
-    return count
+def _next_multiple(step: int, every: int) -> int:
+    """The first multiple of `every` after `step`."""
+    return (step // every + 1) * every
 
 
 def _unwrap(optimizer: Any) -> Any:

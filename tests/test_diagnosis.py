@@ -231,6 +231,40 @@ def test_a_healthy_run_has_per_layer_gradient_norms_grouped_by_module(sqlite_ser
     assert _events(sqlite_server, run.id) == []  # healthy: nothing to say
 
 
+def test_steps_between_the_due_ones_skip_no_per_layer_check_logged_value_or_scale_change(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Most steps take the agent's short path; each step something is due on must still take the full one:
+    # per-layer norms, parameter checks, a standard name the user logs, a scale or growth rule changed by hand
+    # (at steps 12, 22 and 31 here, which are none of the others: multiples of 5 or 7 or one before a 5).
+    monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "5")
+    monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "7")
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3)
+    scales = []
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(40):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            scales.append(scaler.get_scale())  # the scale this step's backward uses
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            if step == 12:
+                run.log({"grad_norm": 123.0}, step=12)
+            scaler.update(64.0 if step == 22 else None)
+            if step == 31:
+                scaler.set_growth_factor(4.0)
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm/0", "param_norm", "grad_norm", "scale"]}).json()
+    assert data["grad_norm/0"]["steps"] == list(range(0, 40, 5))
+    assert data["param_norm"]["steps"] == list(range(0, 40, 7))
+    assert data["grad_norm"]["steps"] == list(range(40))
+    assert data["grad_norm"]["values"][12] == 123.0
+    assert data["scale"]["values"] == scales  # set by hand at 22, growing by 4 after 31
+    assert scales[23] == 64.0 and any(b == 4 * a for a, b in zip(scales[32:], scales[33:]))
+
+
 def test_a_gradscaler_without_autocast_is_an_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     events = _loop(sqlite_server, 3, autocast=False)
     [config] = [e for e in events if e["type"] == "amp_config"]
