@@ -87,7 +87,6 @@ class Recorder:
         for name in names:
             if name in STANDARD:
                 self._user_names.add(name)
-                self._plain_until = 0
                 if name == "grad_norm" and step > self._norm_logged_at[1]:
                     self._norm_logged_at = (self._norm_logged_at[1], step)
 
@@ -274,19 +273,16 @@ class Recorder:
         optimizers = self._optimizers
         lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
         lr = lr if lr.__class__ is float else None
+        loss, total, params = self._loss, True, None
+        if self._user_step == step:
+            user = self._user_names
+            loss = None if "loss" in user else loss
+            lr = None if "lr" in user else lr
+            total = "grad_norm" not in user
         plain = step < self._plain_until and not self.arm_request
-        if plain:
-            entry = (STEP, step, self._loss, found, self._norm, True, None, None, lr, None)
-        else:
-            loss, total, params = self._loss, True, None
-            if optimizers and (step % self.param_interval == 0 or self._probing):
-                params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
-            if self._user_step == step:
-                user = self._user_names
-                loss = None if "loss" in user else loss
-                lr = None if "lr" in user else lr
-                total = "grad_norm" not in user
-            entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)
+        if not plain and optimizers and (step % self.param_interval == 0 or self._probing):
+            params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
+        entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)
         append = self._append
         if append is not None and step & (FAST_RECORDS - 1):
             append(entry)
@@ -309,14 +305,14 @@ class Recorder:
     def _plan(self, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that
         checks the parameters, takes per-layer norms or precedes one, or anchors the scale; 0 while probing.
-        (What else makes a step special resets it: a standard name the user logs, `request_anchor`.)"""
+        (`request_anchor` resets it.)"""
         if self._probing or self.reanchor:
             return 0
         layer = self.layer_interval
         until = min(_next_multiple(step, self.param_interval), _next_multiple(step, ANCHOR_EVERY))
         if self._probe is not None:  # per-layer norms are taken at multiples of `layer_interval` (see on_unscaled)
             until = min(until, _next_multiple(step, layer), _next_multiple(step + 1, layer) - 1)
-        return min(until, self._user_step) if self._user_step > step else until
+        return until
 
     def _add_norms(self, group: tuple[list[Any], bool, Any]) -> None:
         held = self._norm
