@@ -97,17 +97,18 @@ class Recorder:
 
         self._tensor, self._foreach_norm = torch.Tensor, torch._foreach_norm
         wrapped = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
-        self._optimizers = optimizers = [_unwrap(o) for o in wrapped]
+        optimizers = [_unwrap(o) for o in wrapped]
+        self._optimizers = optimizers or self._optimizers  # (a later watch of only a model or a scaler keeps them)
         if model is not None:
             self._model = model
             self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in model.named_parameters()}
             self._probe = OriginProbe(model)
             self._layers_due = self.step % self.layer_interval == 0
             self._first_forward_hook = model.register_forward_pre_hook(self._first_forward)
-            self._plain_until = 0  # (per-layer steps are planned from now on)
         if scaler is not None:
             _scaler.attach(scaler, self)
             self._scaler = scaler
+            self.reanchor = True  # the shadow copies this scaler's scale and rule at its next update()
             if scaler.is_enabled():
                 _scaler.listen_to_clipping(self)
         if optimizers and (scaler is None or not scaler.is_enabled()):
@@ -115,6 +116,7 @@ class Recorder:
             self._hooks.append(optimizers[0].register_step_post_hook(self._after_optimizer_step))
         for problem in watch_config_problems(wrapped, scaler):
             self._config(*problem)
+        self._plain_until = 0  # what is due is planned again from the next step
 
     def unwatch(self) -> None:
         """Remove every hook; the scaler is its own class again."""

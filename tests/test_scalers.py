@@ -108,6 +108,33 @@ def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(sqlite_serve
     assert data["scale"]["values"] == used
 
 
+def test_a_new_scaler_watched_mid_run_is_shadowed_from_its_own_scale(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # (e.g. a training script that rebuilds its scaler when it resumes from a checkpoint without one)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    used = []
+    with ampwatch.init("scalers", "new-scaler", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(8):
+            if step == 4:
+                run.watch(scaler=(scaler := torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(2, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            used.append(scaler.get_scale())
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["scale", "lr"]}).json()
+    assert used == [8.0, 8.0, 16.0, 16.0, 1024.0, 1024.0, 1024.0, 2048.0]
+    assert data["scale"]["steps"] == list(range(8))
+    assert data["scale"]["values"] == used
+    assert data["lr"]["steps"] == list(range(8))  # the optimizer watched first is still watched
+
+
 def _clipping_loop(run: ampwatch.Run, steps: int, clip: Any, params_to_clip: Callable[[torch.nn.Module], Any]) -> list[float]:
     """An AMP loop that clips after unscale_; returns the true (pre-clip) gradient norm of every step."""
     torch.manual_seed(0)
