@@ -125,7 +125,7 @@ class Run:
             elif isinstance(value, (int, float)):
                 names.append(name)
                 floats.append(float(value))
-            elif getattr(value, "numel", None) is not None and value.numel() == 1 and not (value.is_complex() or value.is_meta):
+            elif getattr(value, "numel", None) is not None and _readable_scalar(value):
                 # Read later, off this thread: a tensor without autograd history may be an accumulator that
                 # changes in place, and a GPU tensor may be a CUDA graph's static output that the next replay
                 # overwrites, so those are copied (asynchronously on a GPU); a CPU forward's results are not.
@@ -154,6 +154,13 @@ class Run:
         delivered = self._worker is None or self._worker.close(self._settings.finish_timeout_s)
         if not delivered and self._settings.mode == "online":  # offline runs deliver nothing, by design
             log.warning("ampwatch: could not deliver everything to %s before finish()", self._settings.url)
+
+
+def _readable_scalar(tensor: Any) -> bool:
+    """A 1-element tensor the sender can read as a real number: dense (strided, not quantized or nested), real,
+    with data (not on the meta device)."""
+    return (tensor.numel() == 1 and tensor.layout is sys.modules["torch"].strided
+            and not (tensor.is_complex() or tensor.is_meta or tensor.is_quantized or tensor.is_nested))  # fmt: skip
 
 
 def _discard(entry: tuple) -> None:

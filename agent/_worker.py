@@ -16,6 +16,7 @@ import time
 import weakref
 from typing import Any, Callable, Protocol
 
+from ampwatch._guard import warn_once
 from ampwatch._host import to_host
 from ampwatch._outbox import Outbox
 from ampwatch._settings import AgentSettings
@@ -123,7 +124,7 @@ class Worker:
         flushed = self.flush(timeout_s)
         delivered = flushed and self._online
         if self.dropped or self.outbox.dropped:
-            log.warning("ampwatch: this run dropped %d record(s) (buffer full) and %d batch(es) (no room on disk "
+            log.warning("ampwatch: this run dropped %d record(s) (buffer full, or unreadable) and %d batch(es) (no room on disk "
                         "or in memory); the `%s` series counts them", self.dropped, self.outbox.dropped, DROPPED)  # fmt: skip
         self._stop = True
         self._wake.set()
@@ -189,15 +190,11 @@ class Worker:
                 parts[-1].append(e)
             else:
                 parts.append(e)
-        tensors: list[Any] = []
-        for part in parts:
-            if part.__class__ is list:
-                step_tensors(part, tensors)
-            elif part[0] == VALUES and part[3].__class__ is not tuple:
-                tensors.append(part[3])
-            elif part[0] == ORIGIN:
-                tensors.extend(t for t in (part[4], part[6]) if t is not None)
-        host = to_host(tensors)
+        try:
+            host = to_host(tensors := _tensors(parts))
+        except Exception:  # a logged tensor the sender cannot read (run.log refuses those it knows of): drop it alone
+            parts = [p for p in parts if p.__class__ is list or p[0] != VALUES or self._readable(p)]
+            host = to_host(tensors := _tensors(parts))
         at = 0
         points: Points = {}
         events: list[dict[str, Any]] = []
@@ -244,6 +241,17 @@ class Worker:
             self._report_drops(points, step)
         self._enqueue(points, events, status)
 
+    def _readable(self, values: tuple) -> bool:
+        """Whether a VALUES record's values can be read; if not, it is dropped (counted, and said once)."""
+        try:
+            to_host([values[3]] if values[3].__class__ is not tuple else [])
+            return True
+        except Exception as error:
+            self.dropped += 1
+            warn_once("unreadable-" + values[2][0], "ampwatch: a value logged as %r (step %d) cannot be read as a number (%s); "
+                      "dropped, and any like it", values[2][0], values[1], error)  # fmt: skip
+            return False
+
     def _report_drops(self, points: dict[str, tuple[list[int], list[Any]]], step: int) -> None:
         """Say on the server how much was dropped, as a cumulative series (a later batch carries it if this one
         is dropped too)."""
@@ -287,3 +295,16 @@ class Worker:
         for seq, done in [w for w in self._waiters if w[0] < pending]:
             done.set()
         self._waiters = [w for w in self._waiters if w[0] >= pending]
+
+
+def _tensors(parts: list[Any]) -> list[Any]:
+    """The tensors of a chunk's parts (runs of step records and other records), in the order they are decoded."""
+    tensors: list[Any] = []
+    for part in parts:
+        if part.__class__ is list:
+            step_tensors(part, tensors)
+        elif part[0] == VALUES and part[3].__class__ is not tuple:
+            tensors.append(part[3])
+        elif part[0] == ORIGIN:
+            tensors.extend(t for t in (part[4], part[6]) if t is not None)
+    return tensors
