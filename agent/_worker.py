@@ -191,10 +191,10 @@ class Worker:
             else:
                 parts.append(e)
         try:
-            host = to_host(tensors := _tensors(parts))
+            host = to_host(_tensors(parts))
         except Exception:  # a logged tensor the sender cannot read (run.log refuses those it knows of): drop it alone
             parts = [p for p in parts if p.__class__ is list or p[0] != VALUES or self._readable(p)]
-            host = to_host(tensors := _tensors(parts))
+            host = to_host(_tensors(parts))
         at = 0
         points: Points = {}
         events: list[dict[str, Any]] = []
