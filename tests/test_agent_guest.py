@@ -4,7 +4,6 @@ and adds no host-device read to a training step."""
 from __future__ import annotations
 
 import copy
-import fractions
 import os
 import pickle
 import socket
@@ -12,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections import Counter
 from typing import Any
 
@@ -176,43 +174,6 @@ def test_bad_arguments_never_raise() -> None:
     run.log({"x": 1.0}, step="seven")  # type: ignore[arg-type]
     run.finish()
     run.finish()
-
-
-def test_values_that_have_no_real_number_are_refused_at_log_and_the_rest_arrives(sqlite_server, caplog) -> None:  # type: ignore[no-untyped-def]
-    """Complex, meta, sparse, quantized and nested tensors cannot be read as a float on the sender thread:
-    refused (and said once) when logged, so they cannot cost the points recorded beside them."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (quantized and nested tensors are deprecated or a prototype)
-        odd = {"complex": torch.tensor(1 + 2j), "meta": torch.empty((), device="meta"), "sparse": torch.tensor([1.0]).to_sparse(),
-               "quantized": torch.quantize_per_tensor(torch.tensor([1.0]), 0.1, 0, torch.quint8),
-               "nested": torch.nested.nested_tensor([torch.tensor([1.0])])}  # fmt: skip
-    with ampwatch.init("guest", "odd-values", url=sqlite_server.url) as run:
-        run.log({"before": 1.0, **odd, "t": torch.tensor(3.0)})
-        run.log({"after": 2.0, "fraction": fractions.Fraction(3, 2)})  # any numbers.Real (NumPy scalars too) is a value
-    with sqlite_server.client() as http:
-        series = http.get(f"/api/v1/runs/{run.id}/series").json()
-    assert {name: data["values"] for name, data in series.items()} == {"before": [1.0], "t": [3.0], "after": [2.0], "fraction": [1.5]}
-    for name in odd:
-        assert f"{name!r} is not a real number" in caplog.text
-
-
-class Unreadable(torch.Tensor):
-    """A tensor the agent's checks at log time pass but whose value cannot be read (as some subclasses)."""
-
-    def tolist(self) -> Any:
-        raise RuntimeError("this tensor cannot be read")
-
-
-def test_a_logged_value_that_cannot_be_read_on_the_sender_costs_only_itself(sqlite_server, caplog) -> None:  # type: ignore[no-untyped-def]
-    with ampwatch.init("guest", "unreadable", url=sqlite_server.url) as run:
-        _train(run, steps=10)
-        run.log({"ok": torch.tensor(1.0), "bad": torch.tensor(2.0).as_subclass(Unreadable), "plain": 3.0})
-    with sqlite_server.client() as http:
-        series = http.get(f"/api/v1/runs/{run.id}/series").json()
-    assert "bad" not in series and series["ok"]["values"] == [1.0] and series["plain"]["values"] == [3.0]
-    assert series["loss"]["steps"] == list(range(10))  # the steps in the same batch arrived
-    assert series["dropped_records"]["values"] == [1.0]  # counted where the user looks for losses
-    assert "logged as 'bad' (step 10) cannot be read" in caplog.text
 
 
 def test_an_unknown_mode_gives_a_run_that_records_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]

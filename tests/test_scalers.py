@@ -84,24 +84,34 @@ def test_state_dict_round_trip_mid_run_keeps_scaling_and_recording(sqlite_server
     assert data["scale"]["values"] == [512.0, 512.0, 512.0, 64.0, 64.0, 64.0]
 
 
-def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def _scale_loop(run: ampwatch.Run, scaler: torch.amp.GradScaler, steps: int, before: Callable[[int, Any], Any]) -> list[float]:
+    """An fp16 AMP loop on a linear model; `before(step, scaler)` runs first at each step and returns the scaler
+    to go on with. Returns the scale each step ran with (read after scale(): the test may sync)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
-    used = []  # the scale each step ran with (read here, after scale(): the test may sync)
+    run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    used = []
+    for step in range(steps):
+        scaler = before(step, scaler)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(2, 4)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        used.append(scaler.get_scale())
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return used
+
+
+def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    def before(step: int, scaler: Any) -> Any:
+        if step == 3:  # the agent copies the rule only along with a scale anchor: these setters must re-anchor
+            scaler.set_growth_factor(4.0)
+        return scaler
+
     with ampwatch.init("scalers", "growth-rule", url=sqlite_server.url) as run:
-        run.watch(model=model, optimizer=optimizer, scaler=scaler)
-        for step in range(8):
-            if step == 3:  # the agent copies the rule only along with a scale anchor: these setters must re-anchor
-                scaler.set_growth_factor(4.0)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(2, 4)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            used.append(scaler.get_scale())
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+        used = _scale_loop(run, torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2), 8, before)
     with sqlite_server.client() as http:
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "scale"}).json()
     assert used == [8.0, 8.0, 16.0, 16.0, 64.0, 64.0, 256.0, 256.0]
@@ -110,23 +120,14 @@ def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(sqlite_serve
 
 def test_a_new_scaler_watched_mid_run_is_shadowed_from_its_own_scale(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     # (e.g. a training script that rebuilds its scaler when it resumes from a checkpoint without one)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
-    used = []
+    def before(step: int, scaler: Any) -> Any:
+        if step == 4:
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+            run.watch(scaler=scaler)
+        return scaler
+
     with ampwatch.init("scalers", "new-scaler", url=sqlite_server.url) as run:
-        run.watch(model=model, optimizer=optimizer, scaler=scaler)
-        for step in range(8):
-            if step == 4:
-                run.watch(scaler=(scaler := torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)))
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(2, 4)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            used.append(scaler.get_scale())
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+        used = _scale_loop(run, torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2), 8, before)
     with sqlite_server.client() as http:
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["scale", "lr"]}).json()
     assert used == [8.0, 8.0, 16.0, 16.0, 1024.0, 1024.0, 1024.0, 2048.0]
