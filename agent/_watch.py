@@ -307,8 +307,8 @@ class Recorder:
     def _plan(self, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that
         checks the parameters, takes per-layer norms or precedes one, or anchors the scale; 0 while probing.
-        (`request_anchor` resets it.)"""
-        if self._probing or self.reanchor:
+        (Whatever asks for an anchor, `watch` or `request_anchor`, resets it to 0 along with `reanchor`.)"""
+        if self._probing:
             return 0
         layer = self.layer_interval
         until = min(_next_multiple(step, self.param_interval), _next_multiple(step, ANCHOR_EVERY))

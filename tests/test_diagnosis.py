@@ -265,6 +265,28 @@ def test_steps_between_the_due_ones_skip_no_per_layer_check_logged_value_or_scal
     assert scales[23] == 64.0 and any(b == 4 * a for a, b in zip(scales[32:], scales[33:]))
 
 
+def test_without_a_scaler_the_due_steps_still_take_per_layer_norms_and_parameter_checks(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # (bf16: steps are counted through the optimizer, and the steps between the due ones take the short path too)
+    monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "5")
+    monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "7")
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer)
+        for _ in range(30):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm/0", "param_norm", "grad_norm"]}).json()
+    assert data["grad_norm/0"]["steps"] == list(range(0, 30, 5))
+    assert data["param_norm"]["steps"] == list(range(0, 30, 7))
+    assert data["grad_norm"]["steps"] == list(range(30))
+    assert run._recorder._plain_until > 0  # (private: the short path was in use)
+
+
 def test_a_gradscaler_without_autocast_is_an_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     events = _loop(sqlite_server, 3, autocast=False)
     [config] = [e for e in events if e["type"] == "amp_config"]
