@@ -1,7 +1,10 @@
 """Ordered, at-least-once delivery of batches; the server stores each (run, rank, seq) once.
 
-Batches are persisted to the spool before the first attempt, sent oldest first, retried with backoff
-and jitter while the server is unreachable or overloaded, and removed once acknowledged.
+A batch that can go out at once (nothing waits before it, no backoff) is sent from memory; any other,
+and any the server did not take at the first attempt, is persisted to the spool, sent oldest first, retried
+with backoff and jitter while the server is unreachable or overloaded, and removed once acknowledged.
+(Writing every batch first would cost the sender a file write and delete per batch for the milliseconds of
+its first attempt, a window in which the records not yet batched are just as exposed.)
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ class Outbox:
         self._run_path = f"/api/v1/runs/{run_id}"
         self._run_body = encode(run_doc)
         self.spool = spool
-        self._queue: collections.deque[tuple[int, bytes | None]] = collections.deque()
+        # (seq, body or None when only the spool holds it, whether the spool holds it)
+        self._queue: collections.deque[tuple[int, bytes | None, bool]] = collections.deque()
         self._registered = False
         self.retry_at = 0.0
         self._failures = 0
         self.dropped = 0
         if spool is not None:
-            self._queue.extend((seq, None) for seq in spool.pending())
+            self._queue.extend((seq, None, True) for seq in spool.pending())
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -52,7 +56,8 @@ class Outbox:
             self.dropped += 1
             log.error("ampwatch: batch %d could not be encoded (%s); dropped (counted)", seq, error)
             return
-        stored = self.spool is not None and self.spool.put(seq, body)
+        at_once = send and not self._queue and time.monotonic() >= self.retry_at
+        stored = not at_once and self.spool is not None and self.spool.put(seq, body)
         if not send:
             return
         if not stored and len(self._queue) >= MEMORY_ONLY_CAP:
@@ -60,7 +65,13 @@ class Outbox:
             if self.dropped == 1:
                 log.warning("ampwatch: dropping batches the server has not taken (counted)")
             return
-        self._queue.append((seq, body if not stored or len(self._queue) < IN_MEMORY else None))
+        self._queue.append((seq, body if not stored or len(self._queue) < IN_MEMORY else None, stored))
+
+    def spill(self) -> None:
+        """Persist the batches only memory holds (they were to go out at once, and have not)."""
+        if self.spool is not None:
+            spool = self.spool
+            self._queue = collections.deque((seq, body, stored or spool.put(seq, body)) for seq, body, stored in self._queue)  # type: ignore[arg-type]
 
     def deliver(self) -> bool:
         """Send what is due, in order; False when the server could not take it (retry later)."""
@@ -71,7 +82,7 @@ class Outbox:
                 if not self._send("PUT", self._run_path, self._run_body):
                     return False
                 self._registered = True
-            seq, body = self._queue[0]
+            seq, body, stored = self._queue[0]
             if body is None:
                 body = self._load(seq)
                 if body is None:
@@ -88,8 +99,8 @@ class Outbox:
                 log.error("ampwatch: batch %d rejected (%d): %s", seq, reply.status, reply.body[:500])
             self._failures = 0
             self._queue.popleft()
-            if self.spool is not None:
-                self.spool.remove(seq)
+            if stored:
+                self.spool.remove(seq)  # type: ignore[union-attr]
         return True
 
     def close(self) -> None:
@@ -117,6 +128,7 @@ class Outbox:
         return False
 
     def _backoff(self, reply: Response) -> None:
+        self.spill()
         self._failures += 1
         if self._failures == 1 and reply.refused:
             log.error(

@@ -131,6 +131,8 @@ class Worker:
         if flushed and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(1.0)  # its last steps must not overlap the interpreter's shutdown
         self.outbox.close()
+        if not delivered:
+            self.outbox.spill()  # a batch whose first attempt did not end in time waits on disk too
         spool = self.outbox.spool
         if spool is not None and delivered and not len(self.outbox):
             spool.discard()

@@ -12,6 +12,7 @@ import httpx
 
 import _runs
 import ampwatch
+from ampwatch._spool import Spool
 from ampwatch.server import Settings
 
 
@@ -37,6 +38,17 @@ def test_a_server_down_for_the_middle_third_of_a_run_loses_nothing(db_url, serve
     _runs.train(run, range(300), outage)
     run.finish()
     _runs.assert_every_step_once(holder["server"].url, run.id, 300)
+
+
+def test_batches_the_server_takes_at_once_never_touch_the_disk(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0.02")  # several batches in this short run
+    written: list[int] = []
+    put = Spool.put  # a spy, not a mock: the real write still happens if the agent asks for one
+    monkeypatch.setattr(Spool, "put", lambda self, seq, data: written.append(seq) or put(self, seq, data))
+    with ampwatch.init("spool", "at-once", url=sqlite_server.url) as run:
+        _runs.train(run, range(40), lambda step: time.sleep(0.005))
+    _runs.assert_every_step_once(sqlite_server.url, run.id, 40)
+    assert written == []  # (the outage tests show that batches the server did not take are on disk)
 
 
 def test_offline_mode_spools_and_sync_uploads_exactly_once(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
