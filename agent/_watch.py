@@ -149,7 +149,9 @@ class Recorder:
         self._scale_calls += 1
         self._ever_scaled = True
         if isinstance(outputs, self._tensor) and outputs.numel() == 1:
-            loss, held = outputs.detach(), self._loss
+            # `.data`: a view of the value without the graph, as detach() gives, at half its cost on the thread
+            # (no dispatch); the agent only ever reads it.
+            loss, held = outputs.data, self._loss
             self._loss = loss if held is None else [*held, loss] if held.__class__ is list else [held, loss]
 
     def on_unscaled(self, optimizer: Any, scale: Any = None) -> None:
