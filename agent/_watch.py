@@ -15,6 +15,7 @@ from ampwatch import _scaler
 from ampwatch._guard import guarded
 from ampwatch._misuse import SILENT_UNSCALED, Signature, classify, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe
+from ampwatch._steady import Steady
 from ampwatch._steps import ANCHOR_EVERY
 from ampwatch._worker import EVENT, FAST_RECORDS, ORIGIN, STEP
 
@@ -23,11 +24,12 @@ STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm
 ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event
 
 
-class Recorder:
+class Recorder(Steady):
     """Per-run step state: the step counter and what the current iteration has seen so far.
 
     The methods the scaler wrappers call (`on_scale`, `on_unscaled`, `on_clipped`, `before_step`,
-    `before_update`) run every step on the training thread: they keep references and build one tuple.
+    `before_update`) run every step on the training thread: they keep references and build one tuple (on the
+    steps between planned ones, lean versions of them: see `ampwatch._steady`).
     """
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 25, param_interval: int = 50) -> None:
@@ -86,6 +88,7 @@ class Recorder:
             self._user_step, self._user_names = step, set()
         for name in names:
             if name in STANDARD:
+                self._leave_steady()
                 self._user_names.add(name)
                 if name == "grad_norm" and step > self._norm_logged_at[1]:
                     self._norm_logged_at = (self._norm_logged_at[1], step)
@@ -117,9 +120,11 @@ class Recorder:
         for problem in watch_config_problems(wrapped, scaler):
             self._config(*problem)
         self._plain_until = 0  # what is due is planned again from the next step
+        self._leave_steady()
 
     def unwatch(self) -> None:
         """Remove every hook; the scaler is its own class again."""
+        self._leave_steady()
         for handle in [*self._hooks, self._first_forward_hook]:
             if handle is not None:
                 handle.remove()
@@ -203,11 +208,8 @@ class Recorder:
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
         """Remember the stage for diagnosis; fused optimizers unscale in their kernel: norm of grads / scale."""
-        if self._deferred is optimizer:  # no clip came after all: the gradients are as unscale_ left them
-            self._deferred = None
-            self._clip_trusted = False
-            self._normed.discard(id(optimizer))
-            self.on_unscaled(optimizer)
+        if self._deferred is optimizer:
+            self._settle_deferred()
         self._unscaled = None
         state = scaler._per_optimizer_states.get(id(optimizer))
         self._stage_before = state["stage"] if state else None
@@ -219,6 +221,13 @@ class Recorder:
             self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             self.on_unscaled(optimizer, scaler._scale)
+
+    def _settle_deferred(self) -> None:
+        """No clip came after all (before step(), or unscale_ ran inside it): the gradients are as unscale_ left them."""
+        optimizer, self._deferred, self._clip_trusted = self._deferred, None, False
+        self._clip_seen = ()  # the next clip decides again whether to trust it
+        self._normed.discard(id(optimizer))
+        self.on_unscaled(optimizer)
 
     def on_error(self, optimizer: Any, error: BaseException) -> None:
         """GradScaler raised: record the likely cause and its fix (the error itself propagates)."""
@@ -240,6 +249,8 @@ class Recorder:
     def before_update(self, scaler: Any, scale_set_by_hand: bool = False) -> None:
         """The iteration ends: keep found_inf (update() discards it), copy the scale when the shadow needs an
         anchor, and record the step."""
+        if self._deferred is not None:  # step() called unscale_ itself, after before_step()
+            self._settle_deferred()
         found: Any = None  # (one tensor in the usual case: no list is built; a disabled scaler has none)
         for state in scaler._per_optimizer_states.values():
             for flag in state["found_inf_per_device"].values():
@@ -258,6 +269,7 @@ class Recorder:
         """Something outside update() changed the scale or its rule: copy both at the next update()."""
         self.reanchor = True
         self._plain_until = 0
+        self._leave_steady()
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -305,18 +317,8 @@ class Recorder:
                 self._probing = probe.armed
             self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
         self._plain_until = self._plan(step)
-
-    def _plan(self, step: int) -> int:
-        """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that
-        checks the parameters, takes per-layer norms or precedes one, or anchors the scale; 0 while probing.
-        (Whatever asks for an anchor, `watch` or `request_anchor`, resets it to 0 along with `reanchor`.)"""
-        if self._probing:
-            return 0
-        layer = self.layer_interval
-        until = min(_next_multiple(step, self.param_interval), _next_multiple(step, ANCHOR_EVERY))
-        if self._probe is not None:  # per-layer norms are taken at multiples of `layer_interval` (see on_unscaled)
-            until = min(until, _next_multiple(step, layer), _next_multiple(step + 1, layer) - 1)
-        return until
+        if self._plain_until > step + 1:
+            self._enter_steady()
 
     def _add_norms(self, group: tuple[list[Any], bool, Any]) -> None:
         held = self._norm
@@ -377,11 +379,6 @@ class Recorder:
     def _event(self, kind: str, severity: str, message: str, details: dict[str, Any]) -> dict[str, Any]:
         return {"step": self.step, "rank": self.rank, "type": kind, "severity": severity, "message": message,
                 "details": details, "time": time.time()}  # fmt: skip
-
-
-def _next_multiple(step: int, every: int) -> int:
-    """The first multiple of `every` after `step`."""
-    return (step // every + 1) * every
 
 
 def _unwrap(optimizer: Any) -> Any:

@@ -1,0 +1,87 @@
+"""The steady path (ampwatch._steady): lean hooks for the steps between the planned ones. Whatever a loop does
+on those steps, a run records exactly what it records without them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import ampwatch
+from ampwatch import _steady
+
+SERIES = ["loss", "scale", "skipped", "grad_norm", "lr", "param_norm", "grad_norm/0", "grad_norm/2"]
+
+
+# Steps that break the loop's pattern, each in a different stretch of plain steps (layer norms every 10 steps,
+# parameter checks every 14: the steps between those, and not just before a layer step, are plain).
+NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, ARMED = 3, 12, 16, 22, 32, 44, 47, 54, 52, 57
+
+
+def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
+    """A clipping fp16 loop whose steps break its own pattern now and then; the series and events the server
+    has for it. `steady_seen` gets the steps that began with the lean hooks in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+    batches = [torch.randn(4, 8) for _ in range(60)]
+    with ampwatch.init("steady", url=server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step, x in enumerate(batches):
+            if run._recorder._steady is not None:  # (private: which path this step begins on)
+                steady_seen.append(step)
+            if step == ARMED:
+                run._recorder.arm_request = True  # (private: what the sender's diagnosis asks after a non-finite value)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            if step == TWO_LOSSES:  # two micro-batches: their losses are summed
+                scaler.scale(loss / 2).backward(retain_graph=True)
+                loss = loss / 2
+            scaler.scale(loss).backward()
+            if step != NO_CLIP:  # (without a clip, the agent takes the norm itself)
+                scaler.unscale_(optimizer)
+                if step == SUBSET_CLIP:
+                    torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1.0)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0 if step == L1_CLIP else 2.0)
+            scaler.step(optimizer)
+            if step == STEP_TWICE:
+                with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+                    scaler.step(optimizer)
+            if step == LOGGED:
+                run.log({"grad_norm": 5.0})
+            scaler.update(2.0**12 if step == SCALE_SET else None)
+            if step == RULE_SET:
+                scaler.set_backoff_factor(0.25)
+            if step == RELOADED:
+                scaler.load_state_dict(scaler.state_dict())
+            scheduler.step()
+            optimizer.zero_grad()
+    with server.client() as http:
+        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": SERIES}).json()
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+    return {"series": series, "events": [(e["type"], e["step"], e["details"].get("cause")) for e in events]}
+
+
+def test_a_run_records_the_same_with_and_without_the_steady_path(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "10")
+    monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "14")
+    steady: list[int] = []
+    lean = _train(sqlite_server, steady)
+    monkeypatch.setattr(_steady.Steady, "_enter_steady", lambda self: None)
+    full = _train(sqlite_server, [])
+    assert lean == full
+    # It was a test of something: each of those steps began on the steady path.
+    assert {NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, ARMED} <= set(steady)
+    series = lean["series"]
+    # Every step has its norm, the one without a clip too; but where a clip the agent did not expect (over other
+    # parameters, or an L1 one) changed the gradients before their norm was taken, that step has none.
+    assert series["grad_norm"]["steps"] == [s for s in range(60) if s not in (SUBSET_CLIP, L1_CLIP)]
+    assert dict(zip(series["grad_norm"]["steps"], series["grad_norm"]["values"]))[LOGGED] == 5.0
+    assert series["loss"]["steps"] == list(range(60)) and series["lr"]["values"][10] == 0.005
+    assert series["grad_norm/0"]["steps"] == [0, 10, 20, 30, 40, 50, 58, 59]  # and every step while the probe is armed
+    assert series["scale"]["values"][SCALE_SET + 1] == 2.0**12
+    assert ("scaler_misuse", STEP_TWICE, "step_twice") in lean["events"]
