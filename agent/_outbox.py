@@ -69,9 +69,10 @@ class Outbox:
 
     def spill(self) -> None:
         """Persist the batches only memory holds (they were to go out at once, and have not)."""
-        if self.spool is not None:
-            spool = self.spool
-            self._queue = collections.deque((seq, body, stored or spool.put(seq, body)) for seq, body, stored in self._queue)  # type: ignore[arg-type]
+        spool = self.spool
+        if spool is not None:
+            queue = [(seq, body, stored or spool.put(seq, body)) for seq, body, stored in self._queue]  # type: ignore[arg-type]
+            self._queue = collections.deque(queue)
 
     def deliver(self) -> bool:
         """Send what is due, in order; False when the server could not take it (retry later)."""
