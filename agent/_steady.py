@@ -12,6 +12,7 @@ then sees exactly the state it would have left itself. What is recorded is the s
 
 from __future__ import annotations
 
+from operator import is_
 from typing import Any
 
 from ampwatch._steps import ANCHOR_EVERY
@@ -77,11 +78,12 @@ class Steady:
         optimizer = self._unscaled
         if optimizer is None:  # not between this run's unscale_ and step: nothing to do, as in on_clipped
             return
-        groups = optimizer.param_groups
+        groups, same = optimizer.param_groups, self._clip_params
+        norm_type = args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0) if kwargs else 2.0
+        # The clip the full path trusted: the same parameters (by identity, cheaper than their ids), a 2-norm.
         if (self._deferred is optimizer and self._norm is None and groups is self._clip_groups
-                and not isinstance(parameters, self._tensor)
-                and (tuple(map(id, parameters)), args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0), len(groups))
-                == self._clip_seen):  # fmt: skip
+                and len(groups) == self._clip_seen[2] and norm_type == 2.0 and parameters.__class__ is list
+                and len(parameters) == len(same) and all(map(is_, parameters, same))):  # fmt: skip
             self._deferred = None
             self._norm = total
         else:

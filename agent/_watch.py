@@ -58,6 +58,7 @@ class Recorder(Steady):
         self._clip_trusted = False  # the last clip_grad_norm_ covered the optimizer's parameters: reuse its norm
         self._clip_seen: tuple[Any, ...] = ()  # what that verdict was reached for: parameter ids, norm type, group count
         self._clip_groups: Any = None  # and the optimizer's parameter-group list
+        self._clip_params: Any = None  # and the parameters themselves (the steady path compares identities)
         self._unscaled: Any = None  # the optimizer between its unscale_ and step
         self._deferred: Any = None  # the optimizer whose norm waits for clip_grad_norm_
         self._param_ids_of: tuple[Any, int, set[int]] | None = None
@@ -195,7 +196,7 @@ class Recorder(Steady):
             own = self._param_ids(optimizer)
             # The same parameters (ids are distinct, so equal counts and inclusion mean the same set), 2-norm.
             self._clip_trusted = seen[1] == 2.0 and len(ids) == len(own) and all(map(own.__contains__, ids))
-            self._clip_seen, self._clip_groups = seen, groups
+            self._clip_seen, self._clip_groups, self._clip_params = seen, groups, parameters
         if self._deferred is optimizer:
             if self._clip_trusted:
                 self._deferred = None

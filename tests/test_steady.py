@@ -16,7 +16,9 @@ SERIES = ["loss", "scale", "skipped", "grad_norm", "lr", "param_norm", "grad_nor
 
 # Steps that break the loop's pattern, each in a different stretch of plain steps (layer norms every 10 steps,
 # parameter checks every 14: the steps between those, and not just before a layer step, are plain).
-NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, ARMED = 3, 12, 16, 22, 32, 44, 47, 54, 52, 57
+NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, OTHER_CLIP, ARMED = (
+    3, 12, 16, 22, 32, 44, 47, 54, 52, 57, 61)
+STEPS = 70
 
 
 def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
@@ -24,10 +26,11 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
     has for it. `steady_seen` gets the steps that began with the lean hooks in place."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))  # not trained
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
-    batches = [torch.randn(4, 8) for _ in range(60)]
+    batches = [torch.randn(4, 8) for _ in range(STEPS)]
     with ampwatch.init("steady", url=server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step, x in enumerate(batches):
@@ -45,6 +48,8 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
                 scaler.unscale_(optimizer)
                 if step == SUBSET_CLIP:
                     torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1.0)
+                elif step == OTHER_CLIP:  # as many parameters, but another model's (without gradients: its norm is 0)
+                    torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
                 else:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0 if step == L1_CLIP else 2.0)
             scaler.step(optimizer)
@@ -75,13 +80,15 @@ def test_a_run_records_the_same_with_and_without_the_steady_path(sqlite_server, 
     full = _train(sqlite_server, [])
     assert lean == full
     # It was a test of something: each of those steps began on the steady path.
-    assert {NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, ARMED} <= set(steady)
+    assert {NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, OTHER_CLIP, ARMED} <= set(steady)
     series = lean["series"]
     # Every step has its norm, the one without a clip too; but where a clip the agent did not expect (over other
     # parameters, or an L1 one) changed the gradients before their norm was taken, that step has none.
-    assert series["grad_norm"]["steps"] == [s for s in range(60) if s not in (SUBSET_CLIP, L1_CLIP)]
+    assert series["grad_norm"]["steps"] == [s for s in range(STEPS) if s not in (SUBSET_CLIP, L1_CLIP)]
     assert dict(zip(series["grad_norm"]["steps"], series["grad_norm"]["values"]))[LOGGED] == 5.0
-    assert series["loss"]["steps"] == list(range(60)) and series["lr"]["values"][10] == 0.005
-    assert series["grad_norm/0"]["steps"] == [0, 10, 20, 30, 40, 50, 58, 59]  # and every step while the probe is armed
+    assert series["loss"]["steps"] == list(range(STEPS)) and series["lr"]["values"][10] == 0.005
+    assert series["grad_norm/0"]["steps"] == [0, 10, 20, 30, 40, 50, 60, *range(ARMED + 1, STEPS)]  # and every step while the probe is armed
     assert series["scale"]["values"][SCALE_SET + 1] == 2.0**12
+    norms = dict(zip(series["grad_norm"]["steps"], series["grad_norm"]["values"]))
+    assert norms[OTHER_CLIP] > 0  # the agent's own norm, not the other model's 0
     assert ("scaler_misuse", STEP_TWICE, "step_twice") in lean["events"]
