@@ -27,9 +27,10 @@ HOOKED = ("scale", "unscale_", "step", "update", "__reduce_ex__", *SETTERS)  # t
 
 
 def attach(scaler: Any, recorder: Any) -> None:
-    """Route `scaler`'s scale/unscale_/step/update through `recorder`."""
+    """Route `scaler`'s scale/unscale_/step/update through `recorder` (another recorder's steady-path hooks,
+    if any are in place, make way for the full wrappers)."""
     state = scaler.__dict__
-    if state.get(RECORDER) is None:
+    if state.get(RECORDER) is not recorder:
         state.update(_wrappers(scaler, state))
     state[RECORDER] = recorder
 
@@ -62,7 +63,7 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
         try:
             base_unscale_(scaler, optimizer)
         except (AssertionError, RuntimeError) as error:
-            _on_error(rec, optimizer, error)
+            diagnose_error(rec, optimizer, error)
             raise
         if rec is not None:
             try:
@@ -80,7 +81,7 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
         try:
             return base_step(scaler, optimizer, *args, **kwargs)
         except (AssertionError, RuntimeError) as error:
-            _on_error(rec, optimizer, error)
+            diagnose_error(rec, optimizer, error)
             raise
 
     def update(new_scale: Any = None) -> None:
@@ -93,7 +94,7 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
         try:
             base_update(scaler, new_scale)
         except (AssertionError, RuntimeError) as error:
-            _on_error(rec, None, error)
+            diagnose_error(rec, None, error)
             raise
 
     def reanchoring(name: str) -> Any:
@@ -124,7 +125,8 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
     return {**hooks, **{name: reanchoring(name) for name in SETTERS}}
 
 
-def _on_error(rec: Any, optimizer: Any, error: BaseException) -> None:
+def diagnose_error(rec: Any, optimizer: Any, error: BaseException) -> None:
+    """GradScaler raised (the caller re-raises): let the Recorder record the likely cause."""
     if rec is not None:
         try:
             rec.on_error(optimizer, error)
@@ -133,7 +135,8 @@ def _on_error(rec: Any, optimizer: Any, error: BaseException) -> None:
 
 
 # -- clip_grad_norm_ --------------------------------------------------------------------------
-_clip_listeners: list[Any] = []  # Recorders that want the norms clip_grad_norm_ returns
+_clip_listeners: dict[Any, Any] = {}  # Recorders that want the norms clip_grad_norm_ returns -> what to call with them
+_clip_calls: tuple[Any, ...] = ()  # the latter, as the wrapper goes through them
 _clip_original: Any = None
 _Tensor: Any = None  # torch.Tensor, once a run listens
 
@@ -154,14 +157,28 @@ def listen_to_clipping(recorder: Any) -> None:
         torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_
         if torch.nn.utils.clip_grad.clip_grad_norm_ is current:
             torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
-    _clip_listeners.append(recorder)
+    _clip_listeners[recorder] = recorder.on_clipped
+    _listeners_changed()
+
+
+def route_clipping(recorder: Any, on_clipped: Any) -> None:
+    """What `recorder` listens to goes to `on_clipped` (same arguments as `Recorder.on_clipped`) from now on."""
+    if recorder in _clip_listeners:
+        _clip_listeners[recorder] = on_clipped
+        _listeners_changed()
+
+
+def _listeners_changed() -> None:
+    global _clip_calls
+    _clip_calls = tuple(_clip_listeners.values())
 
 
 def stop_listening(recorder: Any) -> None:
     """Undo `listen_to_clipping`; the last listener puts the original function back (if still ours there)."""
     if recorder not in _clip_listeners:  # (never imports torch: this runs at exit too)
         return
-    _clip_listeners.remove(recorder)
+    del _clip_listeners[recorder]
+    _listeners_changed()
     if not _clip_listeners:
         for name in ("torch.nn.utils", "torch.nn.utils.clip_grad"):
             module = sys.modules.get(name)
@@ -170,13 +187,13 @@ def stop_listening(recorder: Any) -> None:
 
 
 def _clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-    listeners = _clip_listeners
-    if listeners and not isinstance(parameters, _Tensor):
+    calls = _clip_calls
+    if calls and not isinstance(parameters, _Tensor):
         parameters = list(parameters)  # as clip_grad_norm_ does itself: a generator can be read only once
     total = _clip_original(parameters, *args, **kwargs)
-    for rec in listeners:
+    for on_clipped in calls:
         try:
-            rec.on_clipped(parameters, args, kwargs, total)
+            on_clipped(parameters, args, kwargs, total)
         except Exception:
-            report(rec.on_clipped)
+            report(on_clipped)
     return total

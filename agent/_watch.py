@@ -29,8 +29,19 @@ class Recorder(Steady):
 
     The methods the scaler wrappers call (`on_scale`, `on_unscaled`, `on_clipped`, `before_step`,
     `before_update`) run every step on the training thread: they keep references and build one tuple (on the
-    steps between planned ones, lean versions of them: see `ampwatch._steady`).
+    steps between planned ones, lean wrappers do their work instead: see `ampwatch._steady`).
     """
+
+    # Slots, the ones every step reads first: next to each other in memory. Timed in place, the hooks' cost is
+    # mostly memory they touch, and a dict of fifty attributes spreads them over many more cache lines.
+    __slots__ = (
+        "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "arm_request",
+        "_record", "_steady", "_full_hooks", "rank", "layer_interval", "param_interval", "disarm_request", "reanchor",
+        "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted", "_clip_seen",
+        "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
+        "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
+        "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error",
+    )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 25, param_interval: int = 50) -> None:
         self._record = record  # may return the buffer's append, for the next step records (see Worker.record)
@@ -43,6 +54,8 @@ class Recorder(Steady):
         self.disarm_request = False
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
+        self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
+        self._full_hooks: Any = None  # and the scaler's wrappers they replaced (see ampwatch._steady)
         # the current iteration
         # (kept as a bare tensor in the usual case, a list only when there are several: each object the record
         # keeps alive until the sender reads it adds to the garbage collector's work on the training thread)
@@ -310,6 +323,8 @@ class Recorder(Steady):
         self._scale_calls = 0
         self._normed.clear()
         if plain:
+            if step + 1 >= self._plain_until:
+                self._end_plain(step)
             return
         probe = self._probe
         if probe is not None:
