@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ampwatch import _scaler
 from ampwatch._guard import report
 from ampwatch._steps import ANCHOR_EVERY
-from ampwatch._worker import FAST_RECORDS, STEP
+from ampwatch._worker import FAST_RECORDS, PLAIN
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 
@@ -134,14 +134,16 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
         lean = False
         try:
             found: Any = None
+            flags = 0
             for state in scaler._per_optimizer_states.values():
-                for flag in state["found_inf_per_device"].values():
-                    found = flag if found is None else [*found, flag] if found.__class__ is list else [found, flag]
-            if found is not None and new_scale is None and not rec.arm_request and scaler._scale is not None:
-                # What _finish_step records on a plain step (the user logged no standard name: that left the steady path).
+                for found in state["found_inf_per_device"].values():
+                    flags += 1
+            if flags == 1 and new_scale is None and not rec.arm_request and scaler._scale is not None:
+                # What _finish_step records on a plain step, as a plain record (the user logged no standard name:
+                # that left the steady path).
                 step = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
-                entry = (STEP, step, rec._loss, found, rec._norm, True, None, None, lr if lr.__class__ is float else None, None)
+                entry = (PLAIN, step, rec._loss, found, rec._norm, lr if lr.__class__ is float else None)
                 append = rec._append
                 if append is not None and step & (FAST_RECORDS - 1):
                     append(entry)

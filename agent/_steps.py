@@ -34,6 +34,10 @@ Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, valu
 #   lr      the first parameter group's float learning rate, or None
 #   params  per-parameter norms of the parameters (a periodic finiteness check), or None
 STEP_FIELDS = ("kind", "step", "loss", "found", "norm", "total", "anchor", "rule", "lr", "params")
+# A plain step record, which the steady path makes (ampwatch._steady): (kind, step, loss, found, norm, lr), the
+# three a tensor each (the loss one value), the norm clip_grad_norm_'s total; a step record would have had the
+# same, with total True and no anchor, rule or params.
+PLAIN_FIELDS = ("kind", "step", "loss", "found", "norm", "lr")
 
 
 def step_tensors(records: list[tuple], out: list[Any]) -> None:
@@ -60,6 +64,11 @@ def step_tensors(records: list[tuple], out: list[Any]) -> None:
             out += anchor
         if params is not None:
             out += params
+
+
+def plain_tensors(records: list[tuple], out: list[Any]) -> None:
+    """Append the tensors of plain step records to `out`, in the order `StepDecoder.decode_plain` consumes them."""
+    out += [t for _, _, loss, found, norm, _ in records for t in (loss, found, norm)]
 
 
 def _f32(value: float) -> float:
@@ -124,6 +133,39 @@ class StepDecoder:
                 series[1].append(math.sqrt(sum(p * p for p in host[at : at + n])))
                 at += n
         return at
+
+    def decode_plain(self, records: list[tuple], host: list[Any], at: int, points: Points) -> int:
+        """`decode` for plain step records (see PLAIN_FIELDS): the same series, a column at a time."""
+        n = len(records)
+        end = at + 3 * n
+        steps = [r[1] for r in records]
+        series = _series(points, "loss")
+        series[0].extend(steps)
+        series[1].extend(map(float, host[at:end:3]))
+        if self._scale is not None:
+            flags = [1 if flag else 0 for flag in host[at + 1 : end : 3]]
+            if 1 not in flags and self._tracker + n < self._rule[2]:  # the usual stretch: no skip, no growth
+                scales = [self._scale] * n
+                self._tracker += n
+            else:
+                scales = []
+                for flag in flags:
+                    scales.append(self._scale)
+                    self._advance(flag == 1)
+            for name, values in (("scale", scales), ("skipped", flags)):
+                series = _series(points, name)
+                series[0].extend(steps)
+                series[1].extend(values)
+        series = _series(points, "grad_norm")
+        series[0].extend(steps)
+        series[1].extend(map(abs, host[at + 2 : end : 3]))
+        lrs = [r[5] for r in records]
+        series = _series(points, "lr")
+        if None in lrs:
+            steps, lrs = [s for s, lr in zip(steps, lrs) if lr is not None], [lr for lr in lrs if lr is not None]
+        series[0].extend(steps)
+        series[1].extend(lrs)
+        return end
 
     def _advance(self, skipped: bool) -> None:
         growth, backoff, interval = self._rule

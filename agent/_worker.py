@@ -21,14 +21,14 @@ from ampwatch._host import to_host
 from ampwatch._outbox import Outbox
 from ampwatch._settings import AgentSettings
 from ampwatch._spool import Spool, default_root
-from ampwatch._steps import Points, StepDecoder, step_tensors
+from ampwatch._steps import Points, StepDecoder, plain_tensors, step_tensors
 from ampwatch._transport import Transport, packed
 
 log = logging.getLogger("ampwatch")
 
 # Record kinds appended by the training thread.
-VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP = "v", "e", "s", "f", "o", "t"
-_DATA = (VALUES, ORIGIN, STEP)  # the records the buffer cap may drop
+VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP, PLAIN = "v", "e", "s", "f", "o", "t", "p"
+_DATA = (VALUES, ORIGIN, STEP, PLAIN)  # the records the buffer cap may drop
 STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
 FAST_RECORDS = 1024  # step records appended without the checks of `Worker.record` in a row, at most (a power of 2)
 DROPPED = "dropped_records"  # series: how many records and batches this rank dropped so far
@@ -184,10 +184,12 @@ class Worker:
     def _seal(self, entries: list[tuple]) -> None:
         if not entries:
             return
-        parts: list[Any] = []  # in order: runs of step records (lists, decoded column by column) and other records
+        parts: list[Any] = []  # in order: runs of step records of one kind (lists, decoded column by column), other records
         for e in entries:
-            if e[0] == STEP:
-                if not parts or parts[-1].__class__ is not list or len(parts[-1]) == STEPS_PER_PASS:
+            kind = e[0]
+            if kind == PLAIN or kind == STEP:
+                run = parts[-1] if parts else None
+                if run.__class__ is not list or run[0][0] != kind or len(run) == STEPS_PER_PASS:
                     parts.append([])
                 parts[-1].append(e)
             else:
@@ -202,11 +204,11 @@ class Worker:
         events: list[dict[str, Any]] = []
         status = None
         count, step = 0, None
-        decode, diagnosis = self._decoder.decode, self.diagnosis
+        decoder, diagnosis = self._decoder, self.diagnosis
         for part in parts:
             kind = part[0] if part.__class__ is tuple else STEP
             if kind == STEP:
-                at = decode(part, host, at, points)
+                at = (decoder.decode_plain if part[0][0] == PLAIN else decoder.decode)(part, host, at, points)
                 step = part[-1][1]
                 count = sum(len(series[0]) for series in points.values())
             elif kind == VALUES:
@@ -304,7 +306,7 @@ def _tensors(parts: list[Any]) -> list[Any]:
     tensors: list[Any] = []
     for part in parts:
         if part.__class__ is list:
-            step_tensors(part, tensors)
+            (plain_tensors if part[0][0] == PLAIN else step_tensors)(part, tensors)
         elif part[0] == VALUES and part[3].__class__ is not tuple:
             tensors.append(part[3])
         elif part[0] == ORIGIN:

@@ -91,3 +91,39 @@ def test_a_run_records_the_same_with_and_without_the_steady_path(sqlite_server, 
     assert series["grad_norm/0"]["steps"] == [0, 10, 20, 30, 40, 50, 60, *range(ARMED + 1, STEPS)]  # and every step while the probe is armed
     assert series["scale"]["values"][SCALE_SET + 1] == 2.0**12
     assert ("scaler_misuse", STEP_TWICE, "step_twice") in lean["events"]
+
+
+def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
+    """The sender decodes the steady path's plain records a column at a time: the same points as the step records
+    the full path would have made, through a stretch without skips, skips (backoff), growth, non-finite values and
+    a missing lr."""
+    from ampwatch._steps import StepDecoder, plain_tensors, step_tensors
+    from ampwatch._worker import PLAIN, STEP
+
+    losses = [0.5, 0.75, 1.0, 0.5, float("nan"), 0.25, float("inf"), 0.125, 2.0, 1.0, 3.0, 0.0, -1.5]
+    skips = [0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1]
+    norms = [1.0, 1.5, 0.5, 1.0, float("nan"), 2.0, float("inf"), 3.0, 4.0, 5.0, 6.0, 7.0, float("nan")]
+    lrs = [0.1, 0.1, 0.1, 0.1, 0.1, None, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
+    tensors = [(torch.tensor(l), torch.tensor(float(f)), torch.tensor(n)) for l, f, n in zip(losses, skips, norms)]
+    anchor = (STEP, 0, None, tensors[0][1], None, True, (torch.tensor([1024.0]), torch.tensor([0])), (2.0, 0.5, 3), None, None)
+    decoded = []
+    for kind in (STEP, PLAIN):
+        decoder, points = StepDecoder(), {}
+        runs = [[anchor]]
+        for start, end in ((0, 1), (1, len(losses))):  # (a stretch of one step, without a skip, then the rest)
+            steps = range(start, end)
+            if kind == STEP:
+                runs.append([(STEP, s + 1, *tensors[s], True, None, None, lrs[s], None) for s in steps])
+            else:
+                runs.append([(PLAIN, s + 1, *tensors[s], lrs[s]) for s in steps])
+        for run in runs:
+            values: list = []
+            (plain_tensors if run[0][0] == PLAIN else step_tensors)(run, values)
+            host = [v for t in values for v in (t.tolist() if t.dim() else [t.item()])]
+            at = (decoder.decode_plain if run[0][0] == PLAIN else decoder.decode)(run, host, 0, points)
+            assert at == len(host)
+        decoded.append({name: (steps, [repr(v) for v in vals]) for name, (steps, vals) in points.items()})
+    assert decoded[0] == decoded[1]
+    # (it was a test of both ways: the scale stayed, then backed off at the skips and grew after three good steps)
+    assert [float(v) for v in decoded[1]["scale"][1]] == [1024, 1024, 1024, 2048, 2048, 2048, 1024, 1024, 512, 512, 512, 1024, 1024, 1024]
+    assert decoded[1]["lr"][0] == [s + 1 for s in range(len(lrs)) if lrs[s] is not None]
