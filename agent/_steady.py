@@ -1,14 +1,16 @@
-"""Plain steps and the steady path: what the Recorder does on the steps between the ones that do more.
+"""The end of a step, and the steady path: the Recorder's work on the steps between the ones that do more.
 
-A step does more when it takes per-layer norms, checks the parameters, or anchors the scale; `_plan` finds the next such step, and the steps before it are plain: `_finish_step` takes its short
-path on them. On plain steps, a loop that clips with `clip_grad_norm_` after `unscale_` also repeats one
-pattern: one scale(), unscale_, a clip over the optimizer's parameters, step, update. For those steps the
-scaler's wrappers (and the Recorder's clip listener) are replaced by the lean ones built here: each is the
-wrapper and the Recorder's method in one function, checking with an identity or two that its step still has
-the pattern. If not, it puts the full wrappers back and calls them, and the Recorder then sees exactly the
-state it would have left itself. What is recorded is the same either way (tests/test_steady.py); the
-training thread only does less per step: timed in place, the hooks of a step cost about half as much as
-the full ones, mostly for touching less (two calls fewer per hook, no lookups of the Recorder's methods).
+A step does more when it takes per-layer norms, checks the parameters, or anchors the scale; `_plan` finds
+the next such step, and the steps before it are plain: `_finish_step` takes its short path on them (and the
+last of them says whether per-layer norms are due next). On plain steps, a loop that clips with
+`clip_grad_norm_` after `unscale_` also repeats one pattern: one scale(), unscale_, a clip over the
+optimizer's parameters, step, update. For those steps the scaler's wrappers (and the Recorder's clip
+listener) are replaced by the lean ones built here: each is the wrapper and the Recorder's method in one
+function, checking with an identity or two that its step still has the pattern. If not, it puts the full
+wrappers back and calls them, and the Recorder then sees exactly the state it would have left itself. What
+is recorded is the same either way (tests/test_steady.py); the training thread only does less per step.
+Timed in place, what hooks cost is mostly the memory they touch between the training step's own work: hence
+one function per hook, and the Recorder's attributes in slots.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Callable
 from ampwatch import _scaler
 from ampwatch._guard import report
 from ampwatch._steps import ANCHOR_EVERY
-from ampwatch._worker import FAST_RECORDS, PLAIN
+from ampwatch._worker import FAST_RECORDS, PLAIN, STEP
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 
@@ -28,6 +30,46 @@ class Steady:
     """Part of `ampwatch._watch.Recorder`: its attributes are the Recorder's."""
 
     __slots__ = ()
+
+    def _finish_step(self: Any, found: Any, rule: tuple[float, float, int] | None) -> None:
+        """Record this iteration at its step (what the user logged under a standard name wins); `found`: the
+        scaler's found_inf tensor, a list of them, or None. Steps before `_plain_until` take the short way."""
+        step = self.step
+        optimizers = self._optimizers
+        lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
+        lr = lr if lr.__class__ is float else None
+        loss, total, params = self._loss, True, None
+        if self._user_step == step:
+            user = self._user_names
+            loss = None if "loss" in user else loss
+            lr = None if "lr" in user else lr
+            total = "grad_norm" not in user
+        plain = step < self._plain_until and not self.arm_request
+        if not plain and optimizers and (step % self.param_interval == 0 or self._probing):
+            params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
+        entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)
+        append = self._append
+        if append is not None and step & (FAST_RECORDS - 1):
+            append(entry)
+        else:
+            self._append = self._record(entry)
+        self.step = step + 1
+        self._loss = self._norm = self._anchor = self._unscaled = self._deferred = None
+        self._scale_calls = 0
+        self._normed.clear()
+        if plain:
+            if step + 1 >= self._plain_until:
+                self._end_plain(step)
+            return
+        probe = self._probe
+        if probe is not None:
+            if self._probing or self.arm_request:
+                self._probe_step(step)
+                self._probing = probe.armed
+            self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
+        self._plain_until = self._plan(step)
+        if self._plain_until > step + 1:
+            self._enter_steady()
 
     def _plan(self: Any, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that
@@ -134,26 +176,26 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
         lean = False
         try:
             found: Any = None
-            flags = 0
+            count = 0  # found_inf tensors (one per optimizer and device)
             for state in scaler._per_optimizer_states.values():
                 for found in state["found_inf_per_device"].values():
-                    flags += 1
-            if flags == 1 and new_scale is None and not rec.arm_request and scaler._scale is not None:
+                    count += 1
+            if count == 1 and new_scale is None and not rec.arm_request and scaler._scale is not None:
                 # What _finish_step records on a plain step, as a plain record (the user logged no standard name:
                 # that left the steady path).
-                step = rec.step
+                at = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
-                entry = (PLAIN, step, rec._loss, found, rec._norm, lr if lr.__class__ is float else None)
+                entry = (PLAIN, at, rec._loss, found, rec._norm, lr if lr.__class__ is float else None)
                 append = rec._append
-                if append is not None and step & (FAST_RECORDS - 1):
+                if append is not None and at & (FAST_RECORDS - 1):
                     append(entry)
                 else:
                     rec._append = rec._record(entry)
-                rec.step = step + 1
+                rec.step = at + 1
                 rec._loss = rec._norm = None
                 rec._scale_calls = 0
-                if step + 1 >= rec._plain_until:
-                    rec._end_plain(step)
+                if at + 1 >= rec._plain_until:
+                    rec._end_plain(at)
                 lean = True
         except Exception:  # never into the training loop: this step's record is lost, as in the full wrapper
             report(update)

@@ -17,7 +17,7 @@ from ampwatch._misuse import SILENT_UNSCALED, Signature, classify, forward_confi
 from ampwatch._origin import OriginProbe
 from ampwatch._steady import Steady
 from ampwatch._steps import ANCHOR_EVERY
-from ampwatch._worker import EVENT, FAST_RECORDS, ORIGIN, STEP
+from ampwatch._worker import EVENT, ORIGIN
 
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
@@ -296,46 +296,6 @@ class Recorder(Steady):
         guarded(self._finish_step, None, None)
 
     # -- shared ---------------------------------------------------------------------------
-    def _finish_step(self, found: Any, rule: tuple[float, float, int] | None) -> None:
-        """Record this iteration at its step (what the user logged under a standard name wins); `found`: the
-        scaler's found_inf tensor, a list of them, or None. Steps before `_plain_until` take the short way."""
-        step = self.step
-        optimizers = self._optimizers
-        lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
-        lr = lr if lr.__class__ is float else None
-        loss, total, params = self._loss, True, None
-        if self._user_step == step:
-            user = self._user_names
-            loss = None if "loss" in user else loss
-            lr = None if "lr" in user else lr
-            total = "grad_norm" not in user
-        plain = step < self._plain_until and not self.arm_request
-        if not plain and optimizers and (step % self.param_interval == 0 or self._probing):
-            params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
-        entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)
-        append = self._append
-        if append is not None and step & (FAST_RECORDS - 1):
-            append(entry)
-        else:
-            self._append = self._record(entry)
-        self.step = step + 1
-        self._loss = self._norm = self._anchor = self._unscaled = self._deferred = None
-        self._scale_calls = 0
-        self._normed.clear()
-        if plain:
-            if step + 1 >= self._plain_until:
-                self._end_plain(step)
-            return
-        probe = self._probe
-        if probe is not None:
-            if self._probing or self.arm_request:
-                self._probe_step(step)
-                self._probing = probe.armed
-            self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
-        self._plain_until = self._plan(step)
-        if self._plain_until > step + 1:
-            self._enter_steady()
-
     def _add_norms(self, group: tuple[list[Any], bool, Any]) -> None:
         held = self._norm
         if held is None:
