@@ -24,7 +24,7 @@ class AgentSettings:
     max_batch_points: int = 50_000
     heartbeat_interval_s: float = 10.0
     spool_max_bytes: int = 1 << 30
-    layer_norm_interval: int = 25
+    layer_norm_interval: int = 50
     param_check_interval: int = 50
 
     @classmethod

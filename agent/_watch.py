@@ -43,7 +43,7 @@ class Recorder(Steady):
         "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error",
     )  # fmt: skip
 
-    def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 25, param_interval: int = 50) -> None:
+    def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
         self._record = record  # may return the buffer's append, for the next step records (see Worker.record)
         self._append: Callable[[tuple], None] | None = None
         self.rank = rank

@@ -241,7 +241,7 @@ def print_tables(results: dict[str, Result], base_step_s: float, count_steps: in
 
 LEGEND = """\
 on-thread = mean over adjacent pairs of (condition step - none step) / median none step, the top and bottom 1 %
-of pairs left out (one-off preemptions; what the agent does every 25 or 50 steps stays in, which the median of
+of pairs left out (one-off preemptions; what the agent does every 50 steps stays in, which the median of
 the pairs, printed next to it, leaves out); IQR of pairs shows the per-step spread. background = CPU of the
 threads the condition started (sender, writer) per step of the sustained blocks, final flush included. ceiling = on-thread + background: the most the agent itself can cost the training thread when
 a spare core runs its sender (they then compete only for the GIL). sustained = median over shuffled rounds of
