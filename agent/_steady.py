@@ -8,7 +8,9 @@ optimizer's parameters, step, update. For those steps the scaler's wrappers (and
 listener) are replaced by the lean ones built here: each is the wrapper and the Recorder's method in one
 function, checking with an identity or two that its step still has the pattern. If not, it puts the full
 wrappers back and calls them, and the Recorder then sees exactly the state it would have left itself. What
-is recorded is the same either way (tests/test_steady.py); the training thread only does less per step.
+is recorded is the same either way (tests/test_steady.py); the training thread only does less per step, and
+the sender too: a lean step whose optimizer step ran (the optimizer's post-step hook says so) keeps no found_inf
+tensor, as GradScaler runs the step only where it found no inf.
 Timed in place, what hooks cost is mostly the memory they touch between the training step's own work: hence
 one function per hook, and the Recorder's attributes in slots.
 """
@@ -21,7 +23,7 @@ from typing import Any, Callable
 from ampwatch import _scaler
 from ampwatch._guard import report
 from ampwatch._steps import ANCHOR_EVERY
-from ampwatch._worker import FAST_RECORDS, PLAIN, STEP
+from ampwatch._worker import FAST_RECORDS, PLAIN, RAN, STEP
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 
@@ -97,6 +99,9 @@ class Steady:
                 or getattr(optimizer, "_step_supports_amp_scaling", False)
                 or scaler.__dict__.get(_scaler.RECORDER) is not self):  # fmt: skip
             return
+        if self._ran_on is not optimizer and hasattr(optimizer, "register_step_post_hook"):
+            self._hooks.append(optimizer.register_step_post_hook(_ran_hook(self)))
+            self._ran_on = optimizer
         self._steady = optimizer
         state = scaler.__dict__
         self._full_hooks = (state, {name: state[name] for name in LEAN})
@@ -107,7 +112,7 @@ class Steady:
     def _leave_steady(self: Any) -> None:
         """Back to the full hooks (until the next plan)."""
         if self._steady is not None:
-            self._steady = None
+            self._steady = self._ran = None
             state, full = self._full_hooks
             if state.get(_scaler.RECORDER) is self:  # (else another recorder took the scaler, with its own wrappers)
                 state.update(full)
@@ -165,27 +170,34 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
             leave()
             return scaler.step(opt, *args, **kwargs)
         rec._unscaled = None
+        rec._ran = False  # (the optimizer's post-step hook sets True if its step runs in here)
         try:
-            return base_step(scaler, opt, *args, **kwargs)
+            result = base_step(scaler, opt, *args, **kwargs)
         except (AssertionError, RuntimeError) as error:
             leave()
             diagnose(rec, opt, error)
             raise
+        if rec._ran is False:
+            rec._ran = None
+        return result
 
     def update(new_scale: Any = None) -> None:
         lean = False
+        ran, rec._ran = rec._ran, None
         try:
             found: Any = None
-            count = 0  # found_inf tensors (one per optimizer and device)
-            for state in scaler._per_optimizer_states.values():
-                for found in state["found_inf_per_device"].values():
-                    count += 1
+            count = 1  # found_inf tensors (one per optimizer and device): none needed where the step ran
+            if ran is not True:
+                count = 0
+                for state in scaler._per_optimizer_states.values():
+                    for found in state["found_inf_per_device"].values():
+                        count += 1
             if count == 1 and new_scale is None and not rec.arm_request and scaler._scale is not None:
                 # What _finish_step records on a plain step, as a plain record (the user logged no standard name:
                 # that left the steady path).
                 at = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
-                entry = (PLAIN, at, rec._loss, found, rec._norm, lr if lr.__class__ is float else None)
+                entry = (RAN if found is None else PLAIN, at, rec._loss, found, rec._norm, lr if lr.__class__ is float else None)
                 append = rec._append
                 if append is not None and at & (FAST_RECORDS - 1):
                     append(entry)
@@ -212,6 +224,18 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
             raise
 
     return {"scale": scale, "unscale_": unscale_, "step": step, "update": update}, on_clipped
+
+
+def _ran_hook(rec: Any) -> Callable[..., None]:
+    """The optimizer's post-step hook for the steady path: a lean step() that sees its optimizer step run knows,
+    without reading found_inf, that GradScaler found no inf there (it only runs the step then), and its record
+    holds one tensor fewer for the sender to read and free."""
+
+    def ran(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if rec._ran is False:  # (only inside a lean step(): the flag is None at any other time)
+            rec._ran = True
+
+    return ran
 
 
 def _next_multiple(step: int, every: int) -> int:

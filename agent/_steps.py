@@ -36,7 +36,8 @@ Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, valu
 STEP_FIELDS = ("kind", "step", "loss", "found", "norm", "total", "anchor", "rule", "lr", "params")
 # A plain step record, which the steady path makes (ampwatch._steady): (kind, step, loss, found, norm, lr), the
 # three a tensor each (the loss one value), the norm clip_grad_norm_'s total; a step record would have had the
-# same, with total True and no anchor, rule or params.
+# same, with total True and no anchor, rule or params. Of kind PLAIN, found is GradScaler's found_inf; of kind RAN,
+# None: the optimizer's step ran (its post-step hook said so), so GradScaler found no inf and did not skip it.
 PLAIN_FIELDS = ("kind", "step", "loss", "found", "norm", "lr")
 
 
@@ -67,8 +68,12 @@ def step_tensors(records: list[tuple], out: list[Any]) -> None:
 
 
 def plain_tensors(records: list[tuple], out: list[Any]) -> None:
-    """Append the tensors of plain step records to `out`, in the order `StepDecoder.decode_plain` consumes them."""
-    out += [t for _, _, loss, found, norm, _ in records for t in (loss, found, norm)]
+    """Append the tensors of plain step records of one kind to `out`, in the order `StepDecoder.decode_plain`
+    consumes them."""
+    if records[0][3] is None:
+        out += [t for _, _, loss, _, norm, _ in records for t in (loss, norm)]
+    else:
+        out += [t for _, _, loss, found, norm, _ in records for t in (loss, found, norm)]
 
 
 def _f32(value: float) -> float:
@@ -135,15 +140,17 @@ class StepDecoder:
         return at
 
     def decode_plain(self, records: list[tuple], host: list[Any], at: int, points: Points) -> int:
-        """`decode` for plain step records (see PLAIN_FIELDS): the same series, a column at a time."""
+        """`decode` for plain step records of one kind (see PLAIN_FIELDS): the same series, a column at a time."""
         n = len(records)
-        end = at + 3 * n
+        found = records[0][3] is not None
+        width = 3 if found else 2
+        end = at + width * n
         steps = [r[1] for r in records]
         series = _series(points, "loss")
         series[0].extend(steps)
-        series[1].extend(map(float, host[at:end:3]))
+        series[1].extend(map(float, host[at:end:width]))
         if self._scale is not None:
-            flags = [1 if flag else 0 for flag in host[at + 1 : end : 3]]
+            flags = [1 if flag else 0 for flag in host[at + 1 : end : 3]] if found else [0] * n
             if 1 not in flags and self._tracker + n < self._rule[2]:  # the usual stretch: no skip, no growth
                 scales = [self._scale] * n
                 self._tracker += n
@@ -158,7 +165,7 @@ class StepDecoder:
                 series[1].extend(values)
         series = _series(points, "grad_norm")
         series[0].extend(steps)
-        series[1].extend(map(abs, host[at + 2 : end : 3]))
+        series[1].extend(map(abs, host[at + width - 1 : end : width]))
         lrs = [r[5] for r in records]
         series = _series(points, "lr")
         if None in lrs:

@@ -40,7 +40,7 @@ class Recorder(Steady):
         "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted", "_clip_seen",
         "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
         "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
-        "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error",
+        "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error", "_ran", "_ran_on",
     )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
@@ -56,6 +56,8 @@ class Recorder(Steady):
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
         self._full_hooks: Any = None  # and the scaler's wrappers they replaced (see ampwatch._steady)
+        self._ran: bool | None = None  # on a lean step: whether its optimizer step ran (None: not known)
+        self._ran_on: Any = None  # the optimizer the post-step hook that tells so is registered on
         # the current iteration
         # (kept as a bare tensor in the usual case, a list only when there are several: each object the record
         # keeps alive until the sender reads it adds to the garbage collector's work on the training thread)
@@ -143,6 +145,7 @@ class Recorder(Steady):
             if handle is not None:
                 handle.remove()
         self._hooks.clear()
+        self._ran_on = None
         if self._probe is not None:
             self._probe.disarm()
             self._probing = False

@@ -27,8 +27,9 @@ from ampwatch._transport import Transport, packed
 log = logging.getLogger("ampwatch")
 
 # Record kinds appended by the training thread.
-VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP, PLAIN = "v", "e", "s", "f", "o", "t", "p"
-_DATA = (VALUES, ORIGIN, STEP, PLAIN)  # the records the buffer cap may drop
+VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP, PLAIN, RAN = "v", "e", "s", "f", "o", "t", "p", "r"
+_STEPS = (STEP, PLAIN, RAN)  # step records (see ampwatch._steps), decoded a run of one kind at a time
+_DATA = (VALUES, ORIGIN, *_STEPS)  # the records the buffer cap may drop
 STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
 FAST_RECORDS = 1024  # step records appended without the checks of `Worker.record` in a row, at most (a power of 2)
 DROPPED = "dropped_records"  # series: how many records and batches this rank dropped so far
@@ -187,7 +188,7 @@ class Worker:
         parts: list[Any] = []  # in order: runs of step records of one kind (lists, decoded column by column), other records
         for e in entries:
             kind = e[0]
-            if kind == PLAIN or kind == STEP:
+            if kind in _STEPS:
                 run = parts[-1] if parts else None
                 if run.__class__ is not list or run[0][0] != kind or len(run) == STEPS_PER_PASS:
                     parts.append([])
@@ -208,7 +209,7 @@ class Worker:
         for part in parts:
             kind = part[0] if part.__class__ is tuple else STEP
             if kind == STEP:
-                at = (decoder.decode_plain if part[0][0] == PLAIN else decoder.decode)(part, host, at, points)
+                at = (decoder.decode if part[0][0] == STEP else decoder.decode_plain)(part, host, at, points)
                 step = part[-1][1]
                 count = sum(len(series[0]) for series in points.values())
             elif kind == VALUES:
@@ -306,7 +307,7 @@ def _tensors(parts: list[Any]) -> list[Any]:
     tensors: list[Any] = []
     for part in parts:
         if part.__class__ is list:
-            (plain_tensors if part[0][0] == PLAIN else step_tensors)(part, tensors)
+            (step_tensors if part[0][0] == STEP else plain_tensors)(part, tensors)
         elif part[0] == VALUES and part[3].__class__ is not tuple:
             tensors.append(part[3])
         elif part[0] == ORIGIN:

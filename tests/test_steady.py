@@ -96,9 +96,10 @@ def test_a_run_records_the_same_with_and_without_the_steady_path(sqlite_server, 
 def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
     """The sender decodes the steady path's plain records a column at a time: the same points as the step records
     the full path would have made, through a stretch without skips, skips (backoff), growth, non-finite values and
-    a missing lr."""
+    a missing lr; and so do runs of plain records where those of the steps whose optimizer step ran hold no
+    found_inf (kind RAN), as the sender groups them."""
     from ampwatch._steps import StepDecoder, plain_tensors, step_tensors
-    from ampwatch._worker import PLAIN, STEP
+    from ampwatch._worker import PLAIN, RAN, STEP
 
     losses = [0.5, 0.75, 1.0, 0.5, float("nan"), 0.25, float("inf"), 0.125, 2.0, 1.0, 3.0, 0.0, -1.5]
     skips = [0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1]
@@ -107,23 +108,73 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
     tensors = [(torch.tensor(l), torch.tensor(float(f)), torch.tensor(n)) for l, f, n in zip(losses, skips, norms)]
     anchor = (STEP, 0, None, tensors[0][1], None, True, (torch.tensor([1024.0]), torch.tensor([0])), (2.0, 0.5, 3), None, None)
     decoded = []
-    for kind in (STEP, PLAIN):
+    for kind in (STEP, PLAIN, RAN):
         decoder, points = StepDecoder(), {}
         runs = [[anchor]]
         for start, end in ((0, 1), (1, len(losses))):  # (a stretch of one step, without a skip, then the rest)
             steps = range(start, end)
             if kind == STEP:
                 runs.append([(STEP, s + 1, *tensors[s], True, None, None, lrs[s], None) for s in steps])
-            else:
+            elif kind == PLAIN:
                 runs.append([(PLAIN, s + 1, *tensors[s], lrs[s]) for s in steps])
+            else:  # the skipped steps' records hold found_inf, the others do not: runs of one kind each
+                for s in steps:
+                    loss, found, norm = tensors[s]
+                    entry = (PLAIN, s + 1, loss, found, norm, lrs[s]) if skips[s] else (RAN, s + 1, loss, None, norm, lrs[s])
+                    if runs[-1][0][0] != entry[0]:
+                        runs.append([])
+                    runs[-1].append(entry)
+        assert kind != RAN or len(runs) == 7  # (it was a test of mixed runs: the anchor, then r p r p r p)
         for run in runs:
             values: list = []
-            (plain_tensors if run[0][0] == PLAIN else step_tensors)(run, values)
+            (step_tensors if run[0][0] == STEP else plain_tensors)(run, values)
             host = [v for t in values for v in (t.tolist() if t.dim() else [t.item()])]
-            at = (decoder.decode_plain if run[0][0] == PLAIN else decoder.decode)(run, host, 0, points)
+            at = (decoder.decode if run[0][0] == STEP else decoder.decode_plain)(run, host, 0, points)
             assert at == len(host)
         decoded.append({name: (steps, [repr(v) for v in vals]) for name, (steps, vals) in points.items()})
-    assert decoded[0] == decoded[1]
+    assert decoded[0] == decoded[1] == decoded[2]
     # (it was a test of both ways: the scale stayed, then backed off at the skips and grew after three good steps)
     assert [float(v) for v in decoded[1]["scale"][1]] == [1024, 1024, 1024, 2048, 2048, 2048, 1024, 1024, 512, 512, 512, 1024, 1024, 1024]
     assert decoded[1]["lr"][0] == [s + 1 for s in range(len(lrs)) if lrs[s] is not None]
+
+
+def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A lean step whose optimizer step ran keeps no found_inf (the optimizer's post-step hook says GradScaler did not
+    skip it); one GradScaler skipped keeps it. In a loop whose scale grows into fp16 overflows every other step, the
+    skipped series is exactly what GradScaler did, and the lean path made both kinds of record."""
+    from ampwatch._steps import StepDecoder
+    from ampwatch._worker import PLAIN, RAN
+
+    kinds: list[tuple[str, int]] = []
+    decode_plain = StepDecoder.decode_plain
+
+    def spy(self: StepDecoder, records: list[tuple], *args: Any) -> int:
+        kinds.extend((r[0], r[1]) for r in records)
+        return decode_plain(self, records, *args)
+
+    monkeypatch.setattr(StepDecoder, "decode_plain", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # doubles after every good step
+    skipped = []
+    with ampwatch.init("skips", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(120):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped.append(1 if scaler.get_scale() < before else 0)  # GradScaler backs off exactly on a skip
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["skipped"]}).json()["skipped"]
+    assert series["steps"] == list(range(120)) and series["values"] == skipped
+    ran = {step for kind, step in kinds if kind == RAN}
+    held = {step for kind, step in kinds if kind == PLAIN}
+    assert sum(skipped) > 20 and len(ran) > 20 and len(held) > 20  # (it was a test of both)
+    assert all(skipped[step] for step in held) and not any(skipped[step] for step in ran)
