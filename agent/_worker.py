@@ -9,7 +9,9 @@ training loop never waits on any of it.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -30,6 +32,7 @@ log = logging.getLogger("ampwatch")
 VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP, PLAIN, RAN = "v", "e", "s", "f", "o", "t", "p", "r"
 _STEPS = (STEP, PLAIN, RAN)  # step records (see ampwatch._steps), decoded a run of one kind at a time
 _DATA = (VALUES, ORIGIN, *_STEPS)  # the records the buffer cap may drop
+_KIND = operator.itemgetter(0)
 STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
 FAST_RECORDS = 1024  # step records appended without the checks of `Worker.record` in a row, at most (a power of 2)
 DROPPED = "dropped_records"  # series: how many records and batches this rank dropped so far
@@ -186,15 +189,12 @@ class Worker:
         if not entries:
             return
         parts: list[Any] = []  # in order: runs of step records of one kind (lists, decoded column by column), other records
-        for e in entries:
-            kind = e[0]
+        for kind, group in itertools.groupby(entries, _KIND):
             if kind in _STEPS:
-                run = parts[-1] if parts else None
-                if run.__class__ is not list or run[0][0] != kind or len(run) == STEPS_PER_PASS:
-                    parts.append([])
-                parts[-1].append(e)
+                run = list(group)
+                parts += [run[i : i + STEPS_PER_PASS] for i in range(0, len(run), STEPS_PER_PASS)]
             else:
-                parts.append(e)
+                parts += group
         try:
             host = to_host(_tensors(parts))
         except Exception:  # a logged tensor the sender cannot read (run.log refuses those it knows of): drop it alone
@@ -280,10 +280,16 @@ class Worker:
             return
         self._last_batch_at = time.monotonic()
         self._seq += 1
+        body: dict[str, dict[str, str]] = {}
+        last_steps, last_packed = None, ""
+        for name, (steps, values) in points.items():
+            if steps != last_steps:  # (the standard series of a pass share their steps: packed once)
+                last_steps, last_packed = steps, packed(steps, "q")
+            body[name] = {"steps": last_packed, "values": packed(values, "d")}
         doc = {
             "rank": self._rank,
             "seq": self._seq,
-            "points": {n: {"steps": packed(s, "q"), "values": packed(v, "d")} for n, (s, v) in points.items()},
+            "points": body,
             "events": events,
             "status": status,
         }
