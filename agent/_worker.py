@@ -175,6 +175,9 @@ class Worker:
 
     def _absorb(self, entries: list[tuple]) -> None:
         """Turn records into batches in the outbox; flush markers wait for what precedes them."""
+        if FLUSH not in map(_KIND, entries):  # the usual case: one chunk
+            self._seal(entries)
+            return
         chunk: list[tuple] = []
         for entry in entries:
             if entry[0] == FLUSH:
