@@ -141,7 +141,7 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
 def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A lean step whose optimizer step ran keeps no found_inf (the optimizer's post-step hook says GradScaler did not
     skip it); one GradScaler skipped keeps it. In a loop whose scale grows into fp16 overflows every other step, the
-    skipped series is exactly what GradScaler did, and the lean path made both kinds of record."""
+    skipped and scale series are exactly what GradScaler did, and the lean path made both kinds of record."""
     from ampwatch._steps import StepDecoder
     from ampwatch._worker import PLAIN, RAN
 
@@ -157,7 +157,7 @@ def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(sqlite_server, m
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # doubles after every good step
-    skipped = []
+    skipped, scales = [], []
     with ampwatch.init("skips", url=sqlite_server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for _ in range(120):
@@ -167,13 +167,15 @@ def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(sqlite_server, m
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             before = scaler.get_scale()
+            scales.append(before)
             scaler.step(optimizer)
             scaler.update()
             skipped.append(1 if scaler.get_scale() < before else 0)  # GradScaler backs off exactly on a skip
             optimizer.zero_grad()
     with sqlite_server.client() as http:
-        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["skipped"]}).json()["skipped"]
-    assert series["steps"] == list(range(120)) and series["values"] == skipped
+        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["skipped", "scale"]}).json()
+    assert series["skipped"]["steps"] == list(range(120)) and series["skipped"]["values"] == skipped
+    assert series["scale"]["values"] == scales  # (the scale each step ran with, shadowed from the skips)
     ran = {step for kind, step in kinds if kind == RAN}
     held = {step for kind, step in kinds if kind == PLAIN}
     assert sum(skipped) > 20 and len(ran) > 20 and len(held) > 20  # (it was a test of both)

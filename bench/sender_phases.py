@@ -1,0 +1,126 @@
+"""Where the agent's sender thread spends its CPU, per training step, and what its bursts cost the training thread.
+
+The benchmark step of `agent_overhead.py` (~1 ms on the CPU) runs for `--seconds` on the first CPU, watched by a
+run that sends to a real `ampwatch server` (SQLite); the sender thread and the server get the other CPU. The
+sender's phases are timed with the thread's CPU clock by wrapping the agent's own functions (private names: this
+is a profiling tool, not an API): reading the records' tensors, decoding them into series, diagnosis, packing,
+JSON, delivery (HTTP), and freeing the records, which happens when a burst lets go of them.
+
+stall = what the steps that end during a burst (or within 4 ms after it) took beyond the mean step outside the
+bursts, per step of the whole run: the training thread's wait for the GIL while the sender holds it. On a spare
+core the sender's CPU and this stall should read about the same (see the README's note on the ceiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from _common import Server
+from _conditions import Ampwatch
+from _step import build, calibrate
+
+
+def _timed(totals: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.thread_time() - started
+
+    return wrapper
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=40.0, help="training time measured (default 40)")
+    parser.add_argument("--hidden", type=int, help="MLP width (default: calibrated to a ~1 ms step)")
+    args = parser.parse_args()
+
+    import torch
+
+    from ampwatch import _diagnose, _outbox, _steps, _worker
+
+    torch.set_num_threads(1)
+    totals: dict[str, float] = collections.defaultdict(float)
+    for module, name, label in ((_worker, "to_host", "read"), (_worker, "_tensors", "list tensors"), (_worker, "packed", "pack"),
+                                (_outbox, "encode", "JSON"), (_steps.StepDecoder, "decode_plain", "decode"),
+                                (_steps.StepDecoder, "decode", "decode"), (_diagnose.Diagnosis, "observe_columns", "diagnose"),
+                                (_outbox.Outbox, "deliver", "deliver (HTTP)")):  # fmt: skip
+        setattr(module, name, _timed(totals, label, getattr(module, name)))
+    bursts: list[tuple[float, float, float]] = []  # (start, end, CPU) of each pass of the sender's loop
+
+    def loop(self: Any) -> None:  # Worker._loop, with the records freed in a phase of their own
+        while True:
+            self._wake.wait(self._settings.flush_interval_s)
+            self._wake.clear()
+            start, cpu = time.perf_counter(), time.thread_time()
+            entries = self._drain()
+            self._absorb(entries)
+            freeing = time.thread_time()
+            del entries
+            totals["free records"] += time.thread_time() - freeing
+            self._release_waiters()
+            self._heartbeat()
+            self._deliver()
+            bursts.append((start, time.perf_counter(), time.thread_time() - cpu))
+            if self._stop and not self.records:
+                return
+
+    _worker.Worker._loop = loop
+    hidden = args.hidden or calibrate(1e-3, 64)[0]
+    pin = len(os.sched_getaffinity(0)) > 1
+    steps: list[tuple[float, float]] = []  # (end, duration)
+    with tempfile.TemporaryDirectory() as tmp, Server(f"sqlite:///{tmp}/db.sqlite", Path(tmp) / "server.log",
+                                                      cpus={1} if pin else None, nice=19 if pin else 0) as server:  # fmt: skip
+        server.wait_ready()
+        trainer = build(hidden, 64)
+        condition = Ampwatch("ampwatch", server.url)
+        if pin:  # the sender thread (started by init) on the helper CPU, the training thread on the first
+            os.sched_setaffinity(0, {1})
+        variant = condition.start(trainer)
+        if pin:
+            os.sched_setaffinity(0, {0})
+        for _ in range(300):  # warm-up
+            trainer.step(variant)
+        totals.clear()
+        bursts.clear()
+        clock = time.perf_counter
+        end = clock() + args.seconds
+        while True:
+            started = clock()
+            trainer.step(variant)
+            done = clock()
+            steps.append((done, done - started))
+            if done > end:
+                break
+        measured = dict(totals)
+        measured_bursts = [b for b in bursts if b[0] <= end]
+        condition.stop()
+        condition.close()
+    ends = [t for t, _ in steps]
+    inside = [False] * len(steps)
+    for start, stop, _ in measured_bursts:
+        for i in range(bisect.bisect_left(ends, start), bisect.bisect_left(ends, stop + 0.004)):
+            inside[i] = True
+    outside = [d for (_, d), hit in zip(steps, inside) if not hit]
+    baseline = sum(outside) / len(outside)
+    stall = sum(d - baseline for (_, d), hit in zip(steps, inside) if hit)
+    n = len(steps)
+    print(f"hidden {hidden}: {n} steps in {args.seconds:.0f} s, mean step outside the bursts {baseline * 1e6:.1f} us, "
+          f"{len(measured_bursts)} bursts")  # fmt: skip
+    print(f"sender CPU per step   {sum(b[2] for b in measured_bursts) / n * 1e6:6.2f} us")
+    for name, seconds in measured.items():
+        print(f"  {name:19s} {seconds / n * 1e6:6.2f} us")
+    print(f"stall per step        {stall / n * 1e6:6.2f} us (training thread, during the bursts)")
+
+
+if __name__ == "__main__":
+    main()
