@@ -4,6 +4,7 @@ never delays ingestion."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -68,4 +69,4 @@ def test_a_slow_channel_does_not_delay_ingest(alert_server, receiver) -> None:  
     assert time.monotonic() - started < 3.5, "ingest finished while the slow delivery was still in flight"
     # A post that waited for the channel would take the rest of its 4 s (these take ~5-20 ms); 1 s tells the two
     # apart and leaves room for a slow fsync on a busy machine (one CI run saw a single 0.52 s post).
-    assert max(timings) < 1.0, timings
+    assert max(timings) < 1.0 and statistics.median(timings) < 0.1, timings
