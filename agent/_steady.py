@@ -99,9 +99,9 @@ class Steady:
                 or getattr(optimizer, "_step_supports_amp_scaling", False)
                 or scaler.__dict__.get(_scaler.RECORDER) is not self):  # fmt: skip
             return
-        if self._ran_on is not optimizer and hasattr(optimizer, "register_step_post_hook"):
+        if optimizer not in self._ran_on and hasattr(optimizer, "register_step_post_hook"):
             self._hooks.append(optimizer.register_step_post_hook(_ran_hook(self)))
-            self._ran_on = optimizer
+            self._ran_on.add(optimizer)
         self._steady = optimizer
         state = scaler.__dict__
         self._full_hooks = (state, {name: state[name] for name in LEAN})

@@ -57,7 +57,7 @@ class Recorder(Steady):
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
         self._full_hooks: Any = None  # and the scaler's wrappers they replaced (see ampwatch._steady)
         self._ran: bool | None = None  # on a lean step: whether its optimizer step ran (None: not known)
-        self._ran_on: Any = None  # the optimizer the post-step hook that tells so is registered on
+        self._ran_on: set[Any] = set()  # the optimizers the post-step hook that tells so is registered on (once each)
         # the current iteration
         # (kept as a bare tensor in the usual case, a list only when there are several: each object the record
         # keeps alive until the sender reads it adds to the garbage collector's work on the training thread)
@@ -145,7 +145,7 @@ class Recorder(Steady):
             if handle is not None:
                 handle.remove()
         self._hooks.clear()
-        self._ran_on = None
+        self._ran_on.clear()
         if self._probe is not None:
             self._probe.disarm()
             self._probing = False

@@ -180,3 +180,29 @@ def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(sqlite_server, m
     held = {step for kind, step in kinds if kind == PLAIN}
     assert sum(skipped) > 20 and len(ran) > 20 and len(held) > 20  # (it was a test of both)
     assert all(skipped[step] for step in held) and not any(skipped[step] for step in ran)
+
+
+def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_finish(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """A loop that steps one optimizer for a while, then the other, and back: the steady path takes each in turn,
+    and each keeps one hook of the agent's, however often it comes back; finish() removes them."""
+    model = torch.nn.Linear(4, 1)
+    first, second = (torch.optim.SGD(model.parameters(), lr=1e-3) for _ in range(2))
+    scaler = torch.amp.GradScaler("cpu")
+    steady = set()
+    with ampwatch.init("alternating", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=[first, second], scaler=scaler)
+        for step in range(400):
+            optimizer = first if (step // 60) % 2 == 0 else second
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if run._recorder._steady is not None:  # (private: which optimizer the lean hooks are for)
+                steady.add(run._recorder._steady)
+        assert steady == {first, second}  # (it was a test of coming back: 400 steps are 3 switches)
+        assert len(first._optimizer_step_post_hooks) == len(second._optimizer_step_post_hooks) == 1
+    assert not first._optimizer_step_post_hooks and not second._optimizer_step_post_hooks
