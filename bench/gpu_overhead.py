@@ -108,11 +108,12 @@ class Loop:
     def block(self, steps: int) -> float:
         import torch
 
-        torch.cuda.synchronize() if self.device == "cuda" else None
+        sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        sync()
         start = time.perf_counter()
         for _ in range(steps):
             self.step()
-        torch.cuda.synchronize() if self.device == "cuda" else None
+        sync()
         return (time.perf_counter() - start) / steps
 
     def close(self) -> None:
