@@ -96,6 +96,7 @@ class Analyzer:
         self._collapsed = False
         self._nonfinite_loss = False
         self._nan_grad_streak = 0
+        self._nan_alarm: int | None = None  # the step of a NaN-gradient event in this skip streak
         self._param_bad = False
         self._grad_median = _Median(self.t.window)
         self._loss_median = _Median(self.t.window)
@@ -181,11 +182,20 @@ class Analyzer:
                         f"Start-up calibration: {self._calibration_skips} skipped step(s) while the loss scale fell "
                         f"from {pow2(self._calibration_start or scale)} to {pow2(scale)}. This is normal.",
                         {"calibration": True, "skips": self._calibration_skips, "scale": scale}))  # fmt: skip
+            elif self._nan_alarm is not None:  # the evidence the NaN-gradient event could not have yet
+                out.append(self.event(step, "skipped_step", "info",
+                    f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}. The "
+                    f"NaN gradients reported at step {self._nan_alarm} went away once the scale was low enough: they were "
+                    "fp16 overflow (gradients or activations too large for fp16 at the higher scale, and inf - inf is "
+                    "NaN), not an operation that makes NaN at any scale. If it comes back, look for activations that "
+                    "keep growing; bf16 has the range of fp32.",
+                    {"recovered": True, "streak": self._streak, "scale": scale, "overflow": True,
+                     "nonfinite_grad_step": self._nan_alarm}))  # fmt: skip
             elif self._streak >= self.t.warn_streak:
                 out.append(self.event(step, "skipped_step", "info",
                     f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}.",
                     {"recovered": True, "streak": self._streak, "scale": scale}))  # fmt: skip
-            self._streak, self._collapsed = 0, False
+            self._streak, self._collapsed, self._nan_alarm = 0, False, None
             return
         if self._streak == 0:
             self._streak_start_scale = scale
@@ -253,8 +263,14 @@ class Analyzer:
         if self._nan_grad_streak not in (first, critical_at):
             return
         severity = "critical" if self._nan_grad_streak >= critical_at else "warning"
-        cause = ("The loss is finite, so the backward pass made the NaN: look for sqrt, log, pow or a norm of "
-                 "zero, or a division by a value that can be 0.")  # fmt: skip
+        cause = "The loss is finite, so the backward pass made the NaN: "
+        if scaled:  # which of the two, only a lower scale tells (see _check_skip)
+            self._nan_alarm = step if self._nan_alarm is None else self._nan_alarm
+            cause += ("either it overflows fp16 at this scale (inf - inf is NaN), which stops once GradScaler has lowered "
+                      "the scale enough, or an operation in it makes NaN at any scale: look for sqrt, log, pow or a norm "
+                      "of zero, or a division by a value that can be 0.")  # fmt: skip
+        else:
+            cause += "look for sqrt, log, pow or a norm of zero, or a division by a value that can be 0."
         fate = " GradScaler skipped the step." if scaled else " No GradScaler skipped it: the parameters may be NaN next."
         count = f"{self._nan_grad_streak} steps in a row" if self._nan_grad_streak > 1 else f"step {step}"
         out.append(self.event(step, "nonfinite_grad", severity, f"NaN gradients at {count} with a finite loss. {cause}{fate}",
@@ -370,7 +386,8 @@ class Diagnosis:
             where = f"in the backward of `{module}`" if index > 0 else "in the loss's own backward"
             message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}: its gradient "
                        f"input was finite and the gradient it passed on (to `{received}`) was not, while the forward "
-                       "was finite. Look there for sqrt, log, pow or a norm at 0.")  # fmt: skip
+                       "was finite. Look there for sqrt, log, pow or a norm at 0 (or, if steps come back at a lower loss scale, "
+                       "for values too large for fp16).")  # fmt: skip
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward]}
             kind = "nonfinite_grad"
         log.error("ampwatch: %s", message)

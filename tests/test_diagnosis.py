@@ -64,6 +64,7 @@ def _loop(
     lr: float = 1e-3,
     scheduler: bool = False,
     autocast: bool = True,
+    new_scale: dict[int, float] | None = None,  # step -> the scale that step's update() sets
 ) -> list[dict[str, Any]]:
     """A standard AMP loop with the agent attached; returns the run's events as the server has them."""
     model = _model()
@@ -82,7 +83,7 @@ def _loop(
                 loss = torch.nn.functional.mse_loss(model(x).float(), torch.full((16, 1), target(step)))
             scaler.scale(loss).backward()
             scaler.step(optimizer)
-            scaler.update()
+            scaler.update((new_scale or {}).get(step))
             if sched:
                 sched.step()
             optimizer.zero_grad()
@@ -168,6 +169,20 @@ def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(sqlite_s
     first, before = layers["grad_norm/0"], layers["grad_norm/4"]
     assert all(v == "NaN" for s, v in zip(first["steps"], first["values"]) if s in armed)
     assert all(isinstance(v, float) for s, v in zip(before["steps"], before["values"]) if s in armed)
+
+
+def test_nan_gradients_that_stop_at_a_lower_scale_are_called_fp16_overflow_once_the_steps_come_back(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # After calibration the scale is set to 2^24: the fp16 backward overflows, and in the last layer's weight
+    # gradient inf - inf is NaN. Real arithmetic, no NaN put in: it lasts until GradScaler has halved the scale
+    # enough. While it lasts the agent cannot tell it from an operation that makes NaN; once steps come back it can.
+    events = _loop(sqlite_server, 80, new_scale={59: 2.0**24})
+    grads = [e for e in events if e["type"] == "nonfinite_grad" and "origin" not in e["details"]]
+    assert [(e["severity"], e["step"]) for e in grads[:2]] == [("warning", 61), ("critical", 62)]
+    assert "overflows fp16" in grads[1]["message"] and "sqrt" in grads[1]["message"]
+    [back] = [e for e in events if e["details"].get("overflow")]
+    assert back["type"] == "skipped_step" and back["severity"] == "info" and back["details"]["nonfinite_grad_step"] == 61
+    assert 64 <= back["step"] <= 75 and "fp16 overflow" in back["message"]
+    assert not [e for e in events if e["type"] == "nonfinite_loss"]
 
 
 def test_parameters_gone_nonfinite_without_a_scaler_are_reported(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
