@@ -185,10 +185,11 @@ class Analyzer:
             elif self._nan_alarm is not None:  # the evidence the NaN-gradient event could not have yet
                 out.append(self.event(step, "skipped_step", "info",
                     f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}. The "
-                    f"NaN gradients reported at step {self._nan_alarm} went away once the scale was low enough: they were "
-                    "fp16 overflow (gradients or activations too large for fp16 at the higher scale, and inf - inf is "
-                    "NaN), not an operation that makes NaN at any scale. If it comes back, look for activations that "
-                    "keep growing; bf16 has the range of fp32.",
+                    f"NaN gradients reported at step {self._nan_alarm} stopped once the scale was lower, so they were most "
+                    "likely fp16 overflow (gradients or activations too large for fp16 at the higher scale; inf - inf is "
+                    "NaN) rather than an operation that makes NaN. If they come back at this scale or lower, look for one "
+                    "that does on some batches (sqrt, log, a division by 0); if the scale keeps having to fall, for "
+                    "activations that keep growing (bf16 has the range of fp32).",
                     {"recovered": True, "streak": self._streak, "scale": scale, "overflow": True,
                      "nonfinite_grad_step": self._nan_alarm}))  # fmt: skip
             elif self._streak >= self.t.warn_streak:
@@ -265,7 +266,8 @@ class Analyzer:
         severity = "critical" if self._nan_grad_streak >= critical_at else "warning"
         cause = "The loss is finite, so the backward pass made the NaN: "
         if scaled:  # which of the two, only a lower scale tells (see _check_skip)
-            self._nan_alarm = step if self._nan_alarm is None else self._nan_alarm
+            if self._nan_alarm is None:
+                self._nan_alarm = step
             cause += ("either it overflows fp16 at this scale (inf - inf is NaN), which stops once GradScaler has lowered "
                       "the scale enough, or an operation in it makes NaN at any scale: look for sqrt, log, pow or a norm "
                       "of zero, or a division by a value that can be 0.")  # fmt: skip
