@@ -6,6 +6,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
+# CUDA device -> the streams the training thread has run steps on (see `note_stream`). The sender reads on its own
+# stream, which must first wait for these: a loop under `torch.cuda.stream(side)` writes its values there.
+_streams: dict[Any, tuple[Any, ...]] = {}
+
+
+def note_stream(torch: Any) -> None:
+    """On the training thread, at a step that does more (see ampwatch._steady): remember its current CUDA stream."""
+    if torch.cuda.is_initialized():  # (never initializes CUDA for a CPU run)
+        stream = torch.cuda.current_stream()
+        known = _streams.get(stream.device, ())
+        if stream not in known:  # rare: a new stream; the tuple is replaced whole, so the sender reads either one
+            _streams[stream.device] = (*known, stream)
+
 
 def to_host(tensors: list[Any]) -> list[Any]:
     """The values of all `tensors`, flattened, in order (read off the training thread)."""
@@ -37,6 +50,11 @@ def to_host(tensors: list[Any]) -> list[Any]:
 def _host_values(torch: Any, tensors: list[Any], device: Any) -> list[Any]:
     if device.type == "cpu":
         return _cpu_values(tensors)
+    if device.type == "cuda":
+        current = torch.cuda.current_stream(device)
+        for stream in _streams.get(device, ()):
+            if stream != current:
+                current.wait_stream(stream)  # on the device: the copy below starts after what the loop queued there
     with torch.no_grad():  # everything here is already detached; this only saves the checks
         if all(t.dim() == 0 for t in tensors):  # one stack, no per-tensor reshape
             stacked = torch.stack(tensors).float()

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from ampwatch import _scaler
 from ampwatch._guard import report
+from ampwatch._host import note_stream
 from ampwatch._steps import ANCHOR_EVERY
 from ampwatch._worker import FAST_RECORDS, PLAIN, RAN, STEP
 
@@ -47,6 +48,8 @@ class Steady:
             lr = None if "lr" in user else lr
             total = "grad_norm" not in user
         plain = step < self._plain_until and not self.arm_request
+        if not plain and self._torch is not None:
+            note_stream(self._torch)  # (the sender's CUDA reads wait for this step's stream)
         if not plain and optimizers and (step % self.param_interval == 0 or self._probing):
             params = self._foreach_norm([p.detach() for o in optimizers for g in o.param_groups for p in g["params"]])
         entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)

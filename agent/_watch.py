@@ -41,6 +41,7 @@ class Recorder(Steady):
         "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
         "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
         "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error", "_ran", "_ran_on",
+        "_torch",
     )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
@@ -80,6 +81,7 @@ class Recorder(Steady):
         # what is watched
         self._tensor: type = type(None)  # torch.Tensor and torch._foreach_norm once watching
         self._foreach_norm: Callable[[list[Any]], list[Any]] | None = None
+        self._torch: Any = None
         self._hooks: list[Any] = []
         self._scaler: Any = None
         self._optimizers: list[Any] = []
@@ -114,7 +116,7 @@ class Recorder(Steady):
         """Hook the scaler when it is enabled, else count steps through the optimizer."""
         import torch
 
-        self._tensor, self._foreach_norm = torch.Tensor, torch._foreach_norm
+        self._tensor, self._foreach_norm, self._torch = torch.Tensor, torch._foreach_norm, torch
         wrapped = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
         optimizers = [_unwrap(o) for o in wrapped]
         self._optimizers = optimizers or self._optimizers  # (a later watch of only a model or a scaler keeps them)

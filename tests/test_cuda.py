@@ -58,3 +58,32 @@ def test_autocast_on_cuda_around_a_model_left_on_the_cpu_is_an_amp_config_warnin
     with sqlite_server.client() as http:
         events = http.get(f"/api/v1/runs/{run.id}/events").json()
     assert [e["details"]["check"] for e in events if e["type"] == "amp_config"] == ["autocast_device"]
+
+
+def test_a_loop_on_a_side_stream_is_read_after_its_own_work(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # The whole loop runs on a non-default stream (PyTorch's pool streams do not wait for the default one), with
+    # ~20 ms of GPU sleep queued ahead of each step: the CPU runs far ahead, and a read on the sender's own stream
+    # that did not wait for this one would copy the losses before they are written.
+    torch.manual_seed(0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1)).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        scaler = torch.amp.GradScaler("cuda")
+        losses = []
+        with ampwatch.init("cuda", "side-stream", url=sqlite_server.url) as run:
+            run.watch(model=model, optimizer=optimizer, scaler=scaler)
+            for _ in range(40):
+                torch.cuda._sleep(20_000_000)  # (cycles: about 10-20 ms)
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(torch.randn(32, 64, device="cuda")).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+        truth = [v.item() for v in losses]
+    with sqlite_server.client() as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss"]}).json()
+    assert data["loss"]["steps"] == list(range(40))
+    assert data["loss"]["values"] == pytest.approx(truth, rel=1e-6)
