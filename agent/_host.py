@@ -9,6 +9,7 @@ from typing import Any
 # CUDA device -> the streams the training thread has run steps on (see `note_stream`). The sender reads on its own
 # stream, which must first wait for these: a loop under `torch.cuda.stream(side)` writes its values there.
 _streams: dict[Any, tuple[Any, ...]] = {}
+KEEP_STREAMS = 8  # the latest ones: a loop that makes a new stream now and then must not make every read slower
 
 
 def note_stream(torch: Any) -> None:
@@ -17,7 +18,7 @@ def note_stream(torch: Any) -> None:
         stream = torch.cuda.current_stream()
         known = _streams.get(stream.device, ())
         if stream not in known:  # rare: a new stream; the tuple is replaced whole, so the sender reads either one
-            _streams[stream.device] = (*known, stream)
+            _streams[stream.device] = (*known, stream)[-KEEP_STREAMS:]
 
 
 def to_host(tensors: list[Any]) -> list[Any]:
