@@ -1,0 +1,40 @@
+"""The benchmark scripts behind the README's numbers still run: each once, with a tiny configuration, against
+its real server. Their numbers are not checked here (speed targets are the scripts' own business, and a tiny
+run measures nothing); that each finishes and prints its result is."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+RUNS = {
+    "agent_overhead": (["--conditions", "none,ampwatch", "--hidden", "16", "--rounds", "1", "--pairs", "20",
+                        "--sustained-rounds", "1", "--sustained-steps", "50", "--count-steps", "5"],
+                       ["server check ampwatch:", "target: ampwatch <= 2%"]),
+    "gpu_overhead": (["--device", "cpu", "--sizes", "32x1", "--batch", "2", "--seq", "8", "--vocab", "64", "--rounds", "2",
+                      "--steps", "5", "--pairs", "10", "--conditions", "none,ampwatch,ampwatch-off"],
+                     ["syncs/step", "\nampwatch-off "]),
+    "hook_phases": (["--pairs", "50", "--hidden", "16"], ["lean steps:"]),
+    "sender_phases": (["--seconds", "2", "--hidden", "16"], ["stall per step"]),
+    "alert_latency": (["--backend", "sqlite", "--trials", "2", "--healthy-steps", "20"], ["target p95 < 2 s"]),
+    "ingest": (["--backends", "sqlite", "--batch-sizes", "500", "--clients", "1", "--points", "5000"], [" ok\n"]),
+    "load": (["--backends", "sqlite", "--agents", "2", "--steps", "50", "--procs", "1"], ["every point once"]),
+    "series_query": (["--backends", "sqlite", "--repeat", "1", "--sends", "1"], ["1M-point SQLite series"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_a_benchmark_script_runs_and_prints_its_result(script: str, tmp_path: Path) -> None:
+    args, expected = RUNS[script]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
+    done = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *args], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path, env={**env, "HOME": str(tmp_path)})  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for text in expected:
+        assert text in done.stdout, done.stdout[-3000:]
