@@ -1,5 +1,6 @@
 """On a GPU, the agent adds no synchronizing call: torch.cuda.set_sync_debug_mode("error") turns any into
-an exception. Runs only where CUDA is present (the CPU suite proves the same with a dispatch counter)."""
+an exception; and its reads wait for the stream the loop runs on. Runs only where CUDA is present (the CPU suite
+proves the first with a dispatch counter)."""
 
 from __future__ import annotations
 
