@@ -9,6 +9,9 @@ JSON, delivery (HTTP), and freeing the records, which happens when a burst lets 
 stall = what the steps that end during a burst (or within 4 ms after it) took beyond the mean step outside the
 bursts, per step of the whole run: the training thread's wait for the GIL while the sender holds it. On a spare
 core the sender's CPU and this stall should read about the same (see the README's note on the ceiling).
+wake-ups = the training thread's voluntary context switches per step (Linux): each is a wait for the GIL, and
+each costs the thread its wake-up (tens of µs of CPU on some VMs). The sender lets go of the GIL at every tensor
+it frees (torch's tensor release does), so these count how often its bursts interrupt the training thread.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import bisect
 import collections
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +40,15 @@ def _timed(totals: dict[str, float], name: str, fn: Callable[..., Any]) -> Calla
             totals[name] += time.thread_time() - started
 
     return wrapper
+
+
+def _wakeups() -> int | None:
+    """This thread's voluntary context switches so far (None where /proc does not say)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def main() -> None:
@@ -93,6 +106,7 @@ def main() -> None:
         totals.clear()
         bursts.clear()
         clock = time.perf_counter
+        wakeups = _wakeups()
         end = clock() + args.seconds
         while True:
             started = clock()
@@ -102,6 +116,7 @@ def main() -> None:
             if done > end:
                 break
         measured = dict(totals)
+        woken = _wakeups()
         measured_bursts = [b for b in bursts if b[0] <= end]
         condition.stop()
         condition.close()
@@ -120,6 +135,8 @@ def main() -> None:
     for name, seconds in measured.items():
         print(f"  {name:19s} {seconds / n * 1e6:6.2f} us")
     print(f"stall per step        {stall / n * 1e6:6.2f} us (training thread, during the bursts)")
+    if wakeups is not None and woken is not None:
+        print(f"wake-ups per step     {(woken - wakeups) / n:6.3f}    (training thread; {(woken - wakeups) / max(1, len(measured_bursts)):.1f} per burst)")
 
 
 if __name__ == "__main__":
