@@ -84,7 +84,7 @@ class Run:
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "Run":
         """Record loss, scale, skipped steps and gradient norms from now on, with no other code."""
         if self._worker is not None:  # a disabled run does not even hook: it costs nothing
-            guarded(self._recorder.watch, model, optimizer, scaler)
+            guarded(self._recorder.watch, *guarded(_watchable, model, optimizer, scaler) or (None, None, None))
         return self
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
@@ -113,6 +113,12 @@ class Run:
             self._worker.record(entry)
 
     def _log(self, metrics: dict[str, Any], step: int | None) -> None:
+        if not isinstance(metrics, dict):
+            warn_once("log-metrics", "ampwatch: log() takes a dict of names to values, got %s; ignored", type(metrics).__name__)
+            return
+        if step is not None and not isinstance(step, numbers.Integral):
+            warn_once("log-step-type", "ampwatch: log()'s step must be an integer, got %r; ignored", step)
+            return
         step = self._recorder.step if step is None else int(step)
         if not 0 <= step < MAX_STEP:  # the server would refuse the whole batch it travels in
             warn_once("log-step", "ampwatch: steps must be in [0, 2**63), got %r; ignored", step)
@@ -154,6 +160,21 @@ class Run:
         delivered = self._worker is None or self._worker.close(self._settings.finish_timeout_s)
         if not delivered and self._settings.mode == "online":  # offline runs deliver nothing, by design
             log.warning("ampwatch: could not deliver everything to %s before finish()", self._settings.url)
+
+
+def _watchable(model: Any, optimizer: Any, scaler: Any) -> tuple[Any, Any, Any]:
+    """watch()'s arguments, with any of the wrong kind left out (and said once)."""
+    kinds = (("model", "a torch.nn.Module", ("named_parameters", "register_forward_pre_hook")),
+             ("optimizer", "a torch.optim.Optimizer (or a list of them)", ("param_groups",)),
+             ("scaler", "a GradScaler", ("scale", "is_enabled")))  # fmt: skip
+    kept = []
+    for value, (name, kind, needs) in zip((model, optimizer, scaler), kinds):
+        items = value if name == "optimizer" and isinstance(value, (list, tuple)) else [value]
+        if value is not None and not all(all(hasattr(item, need) for need in needs) for item in items):
+            warn_once(f"watch-{name}", "ampwatch: watch(%s=...) takes %s, got %s; not watched", name, kind, type(value).__name__)
+            value = None
+        kept.append(value)
+    return kept[0], kept[1], kept[2]
 
 
 def _readable_scalar(tensor: Any) -> bool:
@@ -228,7 +249,13 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     """Runs in the main thread between two bytecodes of the training loop."""
     previous = _sigterm["previous"]
     if callable(previous):  # the user's handler: it may checkpoint and carry on, or exit (then `with`/atexit finish)
-        previous(signum, frame)
+        try:
+            previous(signum, frame)
+        except SystemExit as exc:  # atexit is not told the exit code: a run outside `with` learns it here
+            if _is_failure(exc) and _sigterm["pid"] == os.getpid():
+                for run in list(_UNFINISHED):
+                    guarded(run._finish, "crashed", exc)
+            raise
         return
     if _sigterm["pid"] == os.getpid():  # not in a forked child: its copies of the runs are not its own
         for run in list(_UNFINISHED):

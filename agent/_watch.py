@@ -230,7 +230,8 @@ class Recorder(Steady):
         if self._deferred is optimizer:
             self._settle_deferred()
         self._unscaled = None
-        state = scaler._per_optimizer_states.get(id(optimizer))
+        states = getattr(scaler, "_per_optimizer_states", None)  # (a disabled scaler may have none of its state)
+        state = states.get(id(optimizer)) if states else None
         self._stage_before = state["stage"] if state else None
         self._last_optimizer = optimizer
         if not scaler._enabled:
@@ -271,7 +272,7 @@ class Recorder(Steady):
         if self._deferred is not None:  # step() called unscale_ itself, after before_step()
             self._settle_deferred()
         found: Any = None  # (one tensor in the usual case: no list is built; a disabled scaler has none)
-        for state in scaler._per_optimizer_states.values():
+        for state in getattr(scaler, "_per_optimizer_states", {}).values():
             for flag in state["found_inf_per_device"].values():
                 found = flag if found is None else [*found, flag] if found.__class__ is list else [found, flag]
         if found is not None and scaler._scale is not None:

@@ -15,9 +15,9 @@ from ampwatch.server import auth
 from ampwatch.server.app import create_app
 from ampwatch.server.settings import Settings
 
-# Where the demo's story turns, as fractions of its steps.
+# Where the demo's story turns: fractions of its steps, and one offset.
 NAN_STEP_FRACTION = 0.35  # a corrupt sample: NaN loss, GradScaler skips, parameters intact
-NAN_AGAIN_FRACTION = 0.40  # the same again: the armed probe names the input batch as the origin
+NAN_AGAIN_AFTER = 5  # steps later, the same again: the probe the first armed names the input batch as the origin
 SPIKE_FRACTION = 0.55  # a target jump: gradient explosion without a skip
 OVERFLOW_FRACTION = 0.80  # a layer's weights blow up: fp16 overflow every step, the scale collapses
 
@@ -108,8 +108,8 @@ def train(url: str, *, steps: int, step_delay_s: float = 0.0, seed: int = 0) -> 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=25)
     target = torch.randn(32, 1)
-    turns = {name: int(steps * f) for name, f in [("nan", NAN_STEP_FRACTION), ("nan_again", NAN_AGAIN_FRACTION),
-                                                   ("spike", SPIKE_FRACTION), ("overflow", OVERFLOW_FRACTION)]}  # fmt: skip
+    turns = {name: int(steps * f) for name, f in [("nan", NAN_STEP_FRACTION), ("spike", SPIKE_FRACTION), ("overflow", OVERFLOW_FRACTION)]}
+    turns["nan_again"] = turns["nan"] + NAN_AGAIN_AFTER
     config = {"lr": 3e-3, "dtype": "float16", "growth_interval": 25, "steps": steps, **{f"{k}_at": v for k, v in turns.items()}}
     with ampwatch.init(project="demo", name=f"unstable-{time.strftime('%H%M%S')}", url=url, config=config) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
@@ -131,8 +131,12 @@ def train(url: str, *, steps: int, step_delay_s: float = 0.0, seed: int = 0) -> 
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            if step == turns["nan"] and run._worker is not None:
+                # Wait for the agent to read this step (it arms its NaN-origin probe then) before the next bad batch,
+                # which a live run's slower steps would give it time for anyway: the demo's story is the same each time.
+                run._worker.flush(5.0)
             if step_delay_s:
                 time.sleep(step_delay_s)
-            elif step in (turns["nan"], turns["overflow"]):
+            elif step == turns["overflow"]:
                 time.sleep(0.3)  # even at full speed, let the agent arm its NaN-origin probe as in a live run
     return run.url

@@ -152,6 +152,7 @@ def test_the_agent_adds_zero_host_reads_per_step(sqlite_server, fused: bool) -> 
     assert sum(without[1].values()) >= (0 if fused else 20)
 
 
+@pytest.mark.internal_errors
 def test_an_internal_agent_error_never_reaches_the_training_loop(sqlite_server, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("agent bug")
@@ -166,14 +167,18 @@ def test_an_internal_agent_error_never_reaches_the_training_loop(sqlite_server, 
     assert "agent bug" in caplog.text
 
 
-def test_bad_arguments_never_raise() -> None:
+def test_bad_arguments_never_raise_and_each_is_named_in_a_warning(caplog) -> None:  # type: ignore[no-untyped-def]
     run = ampwatch.init("guest", url="not a url at all")
-    run.watch(model=object(), optimizer=object(), scaler=object())
+    run.watch(model=object(), optimizer=[object()], scaler="fp16")
     run.log({"ok": 1.0, "none": None, 3: 1.0, "vector": torch.ones(3), "text": "x"})  # type: ignore[dict-item]
     run.log("not a dict")  # type: ignore[arg-type]
     run.log({"x": 1.0}, step="seven")  # type: ignore[arg-type]
     run.finish()
     run.finish()
+    for said in ("watch(model=...) takes a torch.nn.Module, got object", "watch(optimizer=...) takes a torch.optim",
+                 "watch(scaler=...) takes a GradScaler, got str", "'none' is not a real number", "got 3",
+                 "log() takes a dict of names to values, got str", "step must be an integer, got 'seven'"):  # fmt: skip
+        assert said in caplog.text, said
 
 
 def test_an_unknown_mode_gives_a_run_that_records_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ampwatch.server import db, store
-from ampwatch.server.demo import NAN_AGAIN_FRACTION, NAN_STEP_FRACTION, OVERFLOW_FRACTION, SPIKE_FRACTION
+from ampwatch.server.demo import NAN_AGAIN_AFTER, NAN_STEP_FRACTION, OVERFLOW_FRACTION, SPIKE_FRACTION
 
 
 def _free_port() -> int:
@@ -33,7 +33,8 @@ def test_demo_trains_an_unstable_run_and_prints_the_dashboard(tmp_path: Path) ->
         data = store.read_series(session, run_id=run.id, names=["loss", "scale"])
         events = [(e.step, e.type, e.details.get("origin")) for e in store.list_events(session, run_id=run.id)]
     engine.dispose()
-    nan, again, spike, overflow = (int(steps * f) for f in (NAN_STEP_FRACTION, NAN_AGAIN_FRACTION, SPIKE_FRACTION, OVERFLOW_FRACTION))
+    nan, spike, overflow = (int(steps * f) for f in (NAN_STEP_FRACTION, SPIKE_FRACTION, OVERFLOW_FRACTION))
+    again = nan + NAN_AGAIN_AFTER
     nan_steps = [s for s, v in zip(*data["loss"]) if v is None or math.isnan(v)]
     assert nan_steps[:2] == [nan, again] and nan_steps[2] >= overflow
     assert min(data["scale"][1]) < 1.0 < max(data["scale"][1])

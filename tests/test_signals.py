@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import ampwatch
 
 # A real training loop that prints each finished step and trains until it is stopped. The long flush
@@ -90,7 +92,8 @@ def test_sigterm_marks_the_run_crashed_delivers_every_queued_step_and_still_kill
     assert crash["step"] >= last + 1 >= 40
 
 
-def test_a_users_own_sigterm_handler_is_chained_and_decides_how_the_process_ends(sqlite_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("inside_with", [True, False])
+def test_a_users_own_sigterm_handler_is_chained_and_decides_how_the_process_ends(sqlite_server, tmp_path, inside_with: bool) -> None:  # type: ignore[no-untyped-def]
     marker = tmp_path / "handler-ran"
     prelude = f"""
     def checkpoint_and_exit(signum, frame):
@@ -99,7 +102,7 @@ def test_a_users_own_sigterm_handler_is_chained_and_decides_how_the_process_ends
 
     signal.signal(signal.SIGTERM, checkpoint_and_exit)
     """
-    loop = "with run:\n" + textwrap.indent(textwrap.dedent(LOOP), "    ")
+    loop = "with run:\n" + textwrap.indent(textwrap.dedent(LOOP), "    ") if inside_with else LOOP
     process = _start(tmp_path, sqlite_server.url, "chained", prelude, loop)
     status, last, err = _stop_after(process, 30, signal.SIGTERM)
     assert status == 3, err  # the user's handler ran and chose the exit code
