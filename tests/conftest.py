@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from ampwatch import _guard
 from ampwatch.server import Settings, create_app
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -168,6 +169,7 @@ class _InternalErrors(logging.Handler):
 def _no_internal_agent_errors(request: pytest.FixtureRequest) -> Iterator[None]:
     """An agent error is caught and logged so training goes on, which also hides it from a test that only checks
     the data: every test fails on one, unless marked `internal_errors` (the tests that inject them)."""
+    _guard._reported.clear()  # (the agent says each error and warning once per process: once per test here)
     handler = _InternalErrors()
     agent_log = logging.getLogger("ampwatch")
     agent_log.addHandler(handler)

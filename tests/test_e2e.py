@@ -90,7 +90,7 @@ def test_accumulated_micro_batches_add_up_and_fused_adamw_norm_is_unscaled(sqlit
     assert data["skipped"]["values"] == [0] * 6
 
 
-def test_without_a_scaler_steps_are_counted_by_the_optimizer(sqlite_server, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_without_a_scaler_steps_are_counted_by_the_optimizer(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     disabled = torch.amp.GradScaler("cpu", enabled=False)  # what nanoGPT builds under bf16
@@ -108,7 +108,6 @@ def test_without_a_scaler_steps_are_counted_by_the_optimizer(sqlite_server, capl
     assert data["loss"]["steps"] == data["grad_norm"]["steps"] == data["loss_seen"]["steps"] == list(range(5))
     assert data["loss"]["values"] == pytest.approx(data["loss_seen"]["values"])
     assert data["scale"] == {"steps": [], "values": []}  # no scale to report: it does not exist
-    assert "internal error" not in caplog.text  # (a disabled scaler has none of an enabled one's state)
 
 
 @pytest.mark.parametrize("every", [1, 3])
