@@ -179,8 +179,9 @@ class Analyzer:
                 self.calibrating = False
                 if self._calibration_skips:
                     out.append(self.event(step, "skipped_step", "info",
-                        f"Start-up calibration: {self._calibration_skips} skipped step(s) while the loss scale fell "
-                        f"from {pow2(self._calibration_start or scale)} to {pow2(scale)}. This is normal.",
+                        f"Start-up calibration: {self._calibration_skips} skipped step(s) while GradScaler searched for "
+                        f"its loss scale ({pow2(self._calibration_start or scale)} at the first skip, {pow2(scale)} now). "
+                        "This is normal.",
                         {"calibration": True, "skips": self._calibration_skips, "scale": scale}))  # fmt: skip
             elif self._nan_alarm is not None:  # the evidence the NaN-gradient event could not have yet
                 out.append(self.event(step, "skipped_step", "info",
@@ -237,7 +238,8 @@ class Analyzer:
         self._nonfinite_loss = True
         what = "NaN" if math.isnan(loss) else ("+Inf" if loss > 0 else "-Inf")
         if skipped:
-            fate = f"GradScaler skipped the step (loss scale {pow2(scale or 0)} → {pow2((scale or 0) / 2)}); the parameters are intact."
+            fate = (f"GradScaler skipped the step (loss scale {pow2(scale or 0)} → {pow2((scale or 0) / 2)}), so this step "
+                    "did not change the parameters.")
         elif scale is None:
             fate = "There is no GradScaler to skip the step: the optimizer may now write NaN into the parameters."
         else:

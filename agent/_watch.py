@@ -41,7 +41,7 @@ class Recorder(Steady):
         "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
         "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
         "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error", "_ran", "_ran_on",
-        "_torch",
+        "_torch", "_step_hooks",
     )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
@@ -83,6 +83,7 @@ class Recorder(Steady):
         self._foreach_norm: Callable[[list[Any]], list[Any]] | None = None
         self._torch: Any = None
         self._hooks: list[Any] = []
+        self._step_hooks: tuple[Any, ...] = ()  # the optimizer's step hooks that count steps without an enabled scaler
         self._scaler: Any = None
         self._optimizers: list[Any] = []
         self._model: Any = None
@@ -132,9 +133,15 @@ class Recorder(Steady):
             self.reanchor = True  # the shadow copies this scaler's scale and rule at its next update()
             if scaler.is_enabled():
                 _scaler.listen_to_clipping(self)
-        if optimizers and (scaler is None or not scaler.is_enabled()):
-            self._hooks.append(optimizers[0].register_step_pre_hook(self._before_optimizer_step))
-            self._hooks.append(optimizers[0].register_step_post_hook(self._after_optimizer_step))
+        # Steps are counted by an enabled scaler's update() or else by the first optimizer's step, never both: decided
+        # again whenever watch() changes either (they may come in separate calls, in any order).
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = ()
+        first = self._optimizers[0] if self._optimizers else None
+        if first is not None and (self._scaler is None or not self._scaler.is_enabled()):
+            self._step_hooks = (first.register_step_pre_hook(self._before_optimizer_step),
+                                first.register_step_post_hook(self._after_optimizer_step))  # fmt: skip
         for problem in watch_config_problems(wrapped, scaler):
             self._config(*problem)
         self._plain_until = 0  # what is due is planned again from the next step
@@ -143,10 +150,11 @@ class Recorder(Steady):
     def unwatch(self) -> None:
         """Remove every hook; the scaler is its own class again."""
         self._leave_steady()
-        for handle in [*self._hooks, self._first_forward_hook]:
+        for handle in [*self._hooks, *self._step_hooks, self._first_forward_hook]:
             if handle is not None:
                 handle.remove()
         self._hooks.clear()
+        self._step_hooks = ()
         self._ran_on.clear()
         if self._probe is not None:
             self._probe.disarm()

@@ -130,7 +130,7 @@ def test_a_bad_batch_is_a_nonfinite_loss_and_its_next_occurrence_names_the_input
     events = _loop(sqlite_server, 25, batch=corrupt, pause_after={5})
     losses = [e for e in events if e["type"] == "nonfinite_loss"]
     assert (losses[0]["severity"], losses[0]["step"]) == ("critical", 5)
-    assert "GradScaler skipped the step" in losses[0]["message"] and "parameters are intact" in losses[0]["message"]
+    assert "GradScaler skipped the step" in losses[0]["message"] and "did not change the parameters" in losses[0]["message"]
     [origin] = [e for e in losses if "origin" in e["details"]]
     assert (origin["step"], origin["details"]["origin"], origin["details"]["phase"]) == (15, "(input batch)", "forward")
     assert "data problem" in origin["message"]

@@ -110,6 +110,31 @@ def test_without_a_scaler_steps_are_counted_by_the_optimizer(sqlite_server) -> N
     assert data["scale"] == {"steps": [], "values": []}  # no scale to report: it does not exist
 
 
+@pytest.mark.parametrize("split", ["optimizer, then scaler", "scaler, then optimizer", "all, then a new optimizer"])
+def test_watch_split_over_calls_records_each_step_once(sqlite_server, split: str) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("e2e", "split", url=sqlite_server.url) as run:
+        if split == "optimizer, then scaler":
+            run.watch(model=model, optimizer=optimizer).watch(scaler=scaler)
+        elif split == "scaler, then optimizer":
+            run.watch(model=model, scaler=scaler).watch(optimizer=optimizer)
+        else:
+            run.watch(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+            run.watch(optimizer=optimizer)  # the one the loop steps
+        for _ in range(12):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 16)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    data = _series(sqlite_server, run.id, "loss", "scale", "lr")
+    assert data["loss"]["steps"] == data["scale"]["steps"] == data["lr"]["steps"] == list(range(12))
+    assert data["lr"]["values"] == [0.01] * 12
+
+
 @pytest.mark.parametrize("every", [1, 3])
 def test_a_norm_the_user_logs_replaces_the_agents_and_leaves_no_gap_between(sqlite_server, every: int) -> None:  # type: ignore[no-untyped-def]
     """Logged at every step, the user's norm is the series; logged every third step, the agent's own fills in."""
