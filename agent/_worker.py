@@ -18,7 +18,7 @@ import time
 import weakref
 from typing import Any, Callable, Protocol
 
-from ampwatch._guard import warn_once
+from ampwatch._guard import report, warn_once
 from ampwatch._host import to_host
 from ampwatch._outbox import Outbox
 from ampwatch._settings import AgentSettings
@@ -201,7 +201,7 @@ class Worker:
         try:
             host = to_host(_tensors(parts))
         except Exception:  # a logged tensor the sender cannot read (run.log refuses those it knows of): drop it alone
-            parts = [p for p in parts if p.__class__ is list or p[0] != VALUES or self._readable(p)]
+            parts = [p for p in parts if self._readable(p)]
             host = to_host(_tensors(parts))
         at = 0
         points: Points = {}
@@ -249,15 +249,20 @@ class Worker:
             self._report_drops(points, step)
         self._enqueue(points, events, status)
 
-    def _readable(self, values: tuple) -> bool:
-        """Whether a VALUES record's values can be read; if not, it is dropped (counted, and said once)."""
+    def _readable(self, part: Any) -> bool:
+        """Whether a part's values can be read; if not, it is dropped (counted, and said once), and the rest of its
+        chunk goes on: a run's end must never be lost with it."""
         try:
-            to_host([values[3]] if values[3].__class__ is not tuple else [])
+            to_host(_tensors([part]))
             return True
         except Exception as error:
-            self.dropped += 1
-            warn_once("unreadable-" + values[2][0], "ampwatch: a value logged as %r (step %d) cannot be read as a number (%s); "
-                      "dropped, and any like it", values[2][0], values[1], error)  # fmt: skip
+            if part.__class__ is tuple and part[0] == VALUES:
+                self.dropped += 1
+                warn_once("unreadable-" + part[2][0], "ampwatch: a value logged as %r (step %d) cannot be read as a number "
+                          "(%s); dropped, and any like it", part[2][0], part[1], error)  # fmt: skip
+            else:  # a record the agent made itself: a bug of ours
+                self.dropped += len(part) if part.__class__ is list else 1
+                report(self._readable)
             return False
 
     def _report_drops(self, points: dict[str, tuple[list[int], list[Any]]], step: int) -> None:

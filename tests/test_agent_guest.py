@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampwatch
 from ampwatch import _watch
+from ampwatch._worker import RAN
 
 
 def _train(run: Any, steps: int = 30, *, fused: bool = False, nan_step: int | None = 7) -> list[torch.Tensor]:
@@ -165,6 +166,24 @@ def test_an_internal_agent_error_never_reaches_the_training_loop(sqlite_server, 
         watched = _train(run)
     assert _bitwise_equal(baseline, watched)
     assert "agent bug" in caplog.text
+
+
+@pytest.mark.internal_errors
+def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_ends(sqlite_server, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "60")  # one pass at finish(): the bad record shares its chunk with the end
+    with ampwatch.init("guest", "bad-record", url=sqlite_server.url) as run:
+        for step in range(20):
+            run.log({"x": float(step)}, step=step)
+        # Fault injection: a step record holding what is not a tensor, as a bug of the agent's could leave one.
+        run._worker.record((RAN, 20, object(), None, object(), None))  # type: ignore[union-attr]
+        run.log({"x": 21.0}, step=21)
+    with sqlite_server.client() as http:
+        status = http.get(f"/api/v1/runs/{run.id}").json()["status"]
+        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["x", "dropped_records"]}).json()
+    assert status == "finished"
+    assert series["x"]["steps"] == [*range(20), 21]
+    assert series["dropped_records"]["values"] == [1.0]
+    assert "internal error in Worker._readable" in caplog.text
 
 
 def test_bad_arguments_never_raise_and_each_is_named_in_a_warning(caplog) -> None:  # type: ignore[no-untyped-def]
