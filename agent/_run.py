@@ -139,7 +139,7 @@ class Run:
                 value = value.detach() if fresh else value.detach().clone()
                 self._record((VALUES, step, (name,), value))
                 self._recorder.user_logged(step, (name,))
-            elif isinstance(value, numbers.Real):  # NumPy scalars, Fractions
+            elif isinstance(value, numbers.Real) or _numpy_scalar(value):  # NumPy scalars and 0-d arrays, Fractions
                 names.append(name)
                 floats.append(float(value))
             else:
@@ -338,3 +338,8 @@ def _jsonable(value: Any) -> Any:
         return v
 
     return json.loads(json.dumps(fix(value), default=str))
+
+
+def _numpy_scalar(value: Any) -> bool:
+    """A NumPy bool, integer or float of no dimensions (`np.bool_` and 0-d arrays are not `numbers.Real`)."""
+    return getattr(getattr(value, "dtype", None), "kind", None) in ("b", "i", "u", "f") and getattr(value, "shape", None) == ()

@@ -7,6 +7,7 @@ import fractions
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 import _runs
@@ -23,11 +24,16 @@ def test_values_that_have_no_real_number_are_refused_at_log_and_the_rest_arrives
                "nested": torch.nested.nested_tensor([torch.tensor([1.0])])}  # fmt: skip
     with ampwatch.init("guest", "odd-values", url=sqlite_server.url) as run:
         run.log({"before": 1.0, **odd, "t": torch.tensor(3.0)})
-        run.log({"after": 2.0, "fraction": fractions.Fraction(3, 2)})  # any numbers.Real (NumPy scalars too) is a value
+        run.log({"after": 2.0, "fraction": fractions.Fraction(3, 2)})  # any numbers.Real is a value
+        run.log({"np_bool": np.bool_(True), "np_int": np.int64(7), "np_nan": np.float32("nan"), "np_0d": np.array(-np.inf),
+                 "np_vector": np.array([1.0, 2.0]), "np_complex": np.complex64(1)})  # fmt: skip
     with sqlite_server.client() as http:
         series = http.get(f"/api/v1/runs/{run.id}/series").json()
-    assert {name: data["values"] for name, data in series.items()} == {"before": [1.0], "t": [3.0], "after": [2.0], "fraction": [1.5]}
-    for name in odd:
+    values = {name: data["values"] for name, data in series.items()}
+    assert values.pop("np_nan") == ["NaN"]  # (how the API writes a stored NaN)
+    assert values == {"before": [1.0], "t": [3.0], "after": [2.0], "fraction": [1.5], "np_bool": [1.0], "np_int": [7.0],
+                      "np_0d": ["-Infinity"]}  # fmt: skip
+    for name in [*odd, "np_vector", "np_complex"]:
         assert f"{name!r} is not a real number" in caplog.text
 
 
