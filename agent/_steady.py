@@ -140,7 +140,7 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
         return scaler.scale(outputs)
 
     def unscale_(opt: Any) -> None:
-        if opt is not optimizer:
+        if opt is not optimizer or opt.param_groups is not groups or len(groups) != group_count:  # (see _clip_still_covers)
             leave()
             return scaler.unscale_(opt)
         try:

@@ -198,7 +198,7 @@ class Recorder(Steady):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
             modules = self._modules(params)
-        elif self._clip_trusted and scale is None:
+        elif self._clip_trusted and scale is None and self._clip_still_covers(optimizer):
             self._deferred = optimizer  # clip_grad_norm_ is about to compute it: take its result
             return
         elif self._norm_logged_at[1] >= self.step - 1 and self._norm_logged_at[0] == self._norm_logged_at[1] - 1:
@@ -249,6 +249,12 @@ class Recorder(Steady):
             self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             self.on_unscaled(optimizer, scaler._scale)
+
+    def _clip_still_covers(self, optimizer: Any) -> bool:
+        """The trusted clip was judged on this parameter-group list at this length: a group added since (unfrozen
+        layers) may leave the clip short of the optimizer, and then only a norm taken before the clip is right."""
+        groups = optimizer.param_groups
+        return groups is self._clip_groups and len(groups) == self._clip_seen[2]
 
     def _settle_deferred(self) -> None:
         """No clip came after all (before step(), or unscale_ ran inside it): the gradients are as unscale_ left them."""

@@ -180,3 +180,35 @@ def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(sqlite
     # Per step, one norm is this test's and one the clip's; the agent adds its own only where it cannot reuse the
     # clip's, and on its per-layer and parameter-check steps (0, 50 and 0, 50 here) whatever happens.
     assert len(calls) == 2 * 60 + (4 if how == "module attribute" else 60 + 2)
+
+
+def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """Layers unfrozen into a new parameter group while the loop still clips only the old ones: from that step the
+    clip's result is no longer the optimizer's norm, and the agent takes its own, before the clip, at that very step."""
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    model = torch.nn.Sequential(body, torch.nn.ReLU(), head)
+    head.requires_grad_(False)
+    optimizer = torch.optim.SGD(body.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    expected = []
+    with ampwatch.init("scalers", "add-param-group", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(160):
+            if step == 120:  # between the agent's planned steps (multiples of 50): on its steady path
+                head.requires_grad_(True)
+                optimizer.add_param_group({"params": head.parameters()})
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            expected.append(torch.nn.utils.get_total_norm(grads).item())
+            torch.nn.utils.clip_grad_norm_(body.parameters(), 1e-3)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()
+    assert data["grad_norm"]["steps"] == list(range(160))  # step 120's was lost before
+    assert data["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
