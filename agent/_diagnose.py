@@ -5,7 +5,6 @@ Nothing here touches a tensor, so none of it costs the training thread anything.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -13,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ampwatch._median import RollingMedian
 from ampwatch._origin import INPUT
 
 log = logging.getLogger("ampwatch")
@@ -42,46 +42,6 @@ def pow2(value: float) -> str:
     return f"{value:g}"
 
 
-class _Median:
-    """Rolling median over the last `size` finite values, kept sorted (O(log n) search, O(n) insert)."""
-
-    def __init__(self, size: int) -> None:
-        self._order: deque[float] = deque()
-        self._sorted: list[float] = []
-        self._size = size
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def add(self, value: float) -> None:
-        if len(self._order) == self._size:
-            old = self._order.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._order.append(value)
-        bisect.insort(self._sorted, value)
-
-    def value(self) -> float:
-        return self._sorted[len(self._sorted) // 2]
-
-    def extend(self, values: list[float]) -> None:
-        """Add many values at once (rebuilding the sorted copy is cheaper than inserting them one by one)."""
-        order = self._order
-        order.extend(values)
-        for _ in range(len(order) - self._size):
-            order.popleft()
-        self._sorted = sorted(order)
-
-    def stays_below(self, values: list[float], factor: float) -> bool:
-        """Whether each of `values`, added in order, is below `factor` times the median it is compared with.
-
-        Conservative, without replaying: every window these values meet is a subset of the current window plus
-        `values`, at least as large as the current one, so its median is at least the element at the current
-        median's rank in that union. Below `factor` times that bound (and the bound positive) means no spike."""
-        pooled = sorted(self._sorted + values)
-        bound = pooled[len(self._order) // 2]
-        return bound > 0 and max(values) < factor * bound
-
-
 class Analyzer:
     """Classifies each step from its standard series and emits events once per episode."""
 
@@ -94,12 +54,16 @@ class Analyzer:
         self._streak = 0
         self._streak_start_scale = 0.0
         self._collapsed = False
+        self._stepped = False  # a step was applied: a skip streak after one is no start-up calibration
+        self._below_floor = False  # a scale below the floor was reported; until it is back above
         self._nonfinite_loss = False
         self._nan_grad_streak = 0
+        self._nan_steps: deque[int] = deque()  # recent steps with NaN gradients and a finite loss (GradScaler skipped them)
+        self._last_loss: tuple[int, float] | None = None  # (a loss logged before its step's optimizer step comes a batch early)
         self._nan_alarm: int | None = None  # the step of a NaN-gradient event in this skip streak
         self._param_bad = False
-        self._grad_median = _Median(self.t.window)
-        self._loss_median = _Median(self.t.window)
+        self._grad_median = RollingMedian(self.t.window)
+        self._loss_median = RollingMedian(self.t.window)
         self._grad_spiking = False
         self._loss_spiking = False
         self._last_lr: float | None = None
@@ -125,7 +89,8 @@ class Analyzer:
     def _absorb_calm(self, c: Columns) -> bool:
         """If nothing in these series can raise an event, update the state as `observe` would and say so."""
         skipped, loss, norm, lr = c.get("skipped"), c.get("loss"), c.get("grad_norm"), c.get("lr")
-        if self._streak or self._grad_spiking or self._loss_spiking or (skipped and (self.calibrating or any(skipped[1]))):
+        if (self._streak or self._grad_spiking or self._loss_spiking or self._below_floor
+                or (skipped and (self.calibrating or any(skipped[1])))):  # fmt: skip
             return False
         for name in ("loss", "scale", "grad_norm", "param_norm"):  # a sum is finite only if every value is
             if name in c and not math.isfinite(sum(c[name][1])):
@@ -138,6 +103,7 @@ class Analyzer:
             return False
         if loss:
             self._nonfinite_loss = False
+            self._last_loss = (loss[0][-1], loss[1][-1])
             self._loss_median.extend(loss[1])
         if norm:
             self._nan_grad_streak = 0
@@ -145,6 +111,7 @@ class Analyzer:
             self._grad_median.extend(norm[1])
         if skipped:
             self._skipped_at = {step: False for step in skipped[0][-2:]}
+            self._stepped = True
         if "param_norm" in c:
             self._param_bad = False
         if lr:
@@ -193,25 +160,37 @@ class Analyzer:
                     "activations that keep growing (bf16 has the range of fp32).",
                     {"recovered": True, "streak": self._streak, "scale": scale, "overflow": True,
                      "nonfinite_grad_step": self._nan_alarm}))  # fmt: skip
-            elif self._streak >= self.t.warn_streak:
+            elif self._streak >= self.t.warn_streak and not self.calibrating:
                 out.append(self.event(step, "skipped_step", "info",
                     f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}.",
                     {"recovered": True, "streak": self._streak, "scale": scale}))  # fmt: skip
             self._streak, self._collapsed, self._nan_alarm = 0, False, None
+            self._below_floor = self._below_floor and scale < self.t.scale_floor
+            self._stepped = True
             return
         if self._streak == 0:
             self._streak_start_scale = scale
         self._streak += 1
+        if self.calibrating and step >= self.t.calibration_steps:
+            self.calibrating = False  # still skipping when calibration should be long over: not calibration
         if self.calibrating:
             self._calibration_skips += 1
             self._calibration_start = self._calibration_start or scale
-        collapsed = self._streak >= self.t.collapse_streak or (self._streak >= 2 and scale / 2 < self.t.scale_floor)
-        if collapsed and not self._collapsed:
-            self._collapsed = True
+        # A healthy start-up calibration skips the first steps, many in a row from a high initial scale, but never to
+        # below the floor.
+        below = scale / 2 < self.t.scale_floor and not self._below_floor
+        streak = self._streak >= self.t.collapse_streak and (self._stepped or not self.calibrating)
+        if (below or streak) and not self._collapsed:
+            self._collapsed, self._below_floor = True, self._below_floor or below
+            if self._streak > 1:
+                what = (f"{self._streak} consecutive skipped steps, scale {pow2(self._streak_start_scale)} → {pow2(scale / 2)}. "
+                        "Every step is being thrown away")  # fmt: skip
+            else:  # skips that come back again and again, each halving the scale
+                what = (f"the scale fell to {pow2(scale / 2)} at step {step}, below {self.t.scale_floor:g}, after skips that keep "
+                        "coming back")  # fmt: skip
             out.append(self.event(step, "scale_collapse", "critical",
-                f"Loss scale collapse: {self._streak} consecutive skipped steps, scale {pow2(self._streak_start_scale)} → "
-                f"{pow2(scale / 2)}. Every step is being thrown away: the gradients overflow or are NaN at any scale. "
-                "Check the data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows).",
+                f"Loss scale collapse: {what}: the gradients overflow or are NaN at any scale. {self._param_note()}Check the "
+                "data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows).",
                 {"streak": self._streak, "scale_before": self._streak_start_scale, "scale_after": scale / 2}))  # fmt: skip
         elif self.calibrating or self._collapsed:
             return
@@ -229,6 +208,7 @@ class Analyzer:
 
     # -- non-finite values -----------------------------------------------------------------
     def _check_loss(self, step: int, loss: float, scale: float | None, skipped: float | None, norm: float | None, out: list[Event]) -> None:
+        self._last_loss = (step, loss)
         if math.isfinite(loss):
             self._nonfinite_loss = False
             self._spike(step, "loss", loss, self._loss_median, self.t.loss_spike_factor, out)
@@ -245,8 +225,8 @@ class Analyzer:
         else:
             fate = "The step was not skipped."
         out.append(self.event(step, "nonfinite_loss", "critical",
-            f"{what} loss at step {step}: the forward pass produced a non-finite value (a bad batch, or a layer that "
-            f"overflows). {fate}", {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped),
+            f"{what} loss at step {step}: the forward pass produced a non-finite value "
+            f"({'the parameters are non-finite' if self._param_bad else 'a bad batch, or a layer that overflows'}). {fate}", {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped),
                                      "grad_norm_trend": self._trend()}))  # fmt: skip
 
     def _check_grad(self, step: int, norm: float, loss: float | None, skipped: bool, scaled: bool, out: list[Event]) -> None:
@@ -256,28 +236,48 @@ class Analyzer:
                 self._norm_history.append(norm)
                 self._spike(step, "grad_norm", norm, self._grad_median, self.t.spike_factor, out)
             return
-        if not math.isnan(norm) or (loss is not None and not math.isfinite(loss)):
-            return  # inf is an ordinary fp16 overflow; a NaN loss was reported already
-        if scaled and self.calibrating:
-            return  # an overflow at a too-high start-up scale can itself make NaN (inf - inf)
+        if loss is None and self._last_loss is not None and self._last_loss[0] == step:
+            loss = self._last_loss[1]  # (logged before its step's optimizer step, it came a batch early)
+        if loss is not None and not math.isfinite(loss):
+            return  # the nonfinite_loss event said it
+        if scaled and (not math.isnan(norm) or self.calibrating):
+            return  # inf is an ordinary fp16 overflow, and at a too-high start-up scale an overflow can make NaN (inf - inf)
         self._nan_grad_streak += 1
-        # With a scaler, one NaN skip can still be an overflow; NaN that survives the halved scale is not.
+        kind = "NaN" if math.isnan(norm) else "Inf"
+        # With a scaler, one NaN skip can still be an overflow; NaN that survives the halved scale is not, nor NaN that
+        # keeps coming back on single steps after the scale was lowered.
         first, critical_at = (2, self.t.warn_streak) if scaled else (1, 1)
-        if self._nan_grad_streak not in (first, critical_at):
+        recurring = False
+        if scaled:
+            nan_steps = self._nan_steps
+            nan_steps.append(step)
+            while nan_steps[0] <= step - self.t.window:
+                nan_steps.popleft()
+            recurring = self._nan_grad_streak == 1 and len(nan_steps) == self.t.warn_streak
+        if self._nan_grad_streak not in (first, critical_at) and not recurring:
             return
         severity = "critical" if self._nan_grad_streak >= critical_at else "warning"
-        cause = "The loss is finite, so the backward pass made the NaN: "
-        if scaled:  # which of the two, only a lower scale tells (see _check_skip)
+        if loss is None:
+            cause = f"No loss was recorded at this step, so the forward pass may have made the {kind}, or else the backward pass: "
+        else:
+            cause = f"The loss is finite, so the backward pass made the {kind}: "
+        look = "look for sqrt, log, pow or a norm of zero, or a division by a value that can be 0"
+        if recurring:
+            cause += f"it came back after GradScaler had lowered the scale, so an operation makes NaN on some batches: {look}."
+        elif scaled:  # which of the two, only a lower scale tells (see _check_skip)
             if self._nan_alarm is None:
                 self._nan_alarm = step
             cause += ("either it overflows fp16 at this scale (inf - inf is NaN), which stops once GradScaler has lowered "
-                      "the scale enough, or an operation in it makes NaN at any scale: look for sqrt, log, pow or a norm "
-                      "of zero, or a division by a value that can be 0.")  # fmt: skip
+                      f"the scale enough, or an operation in it makes NaN at any scale: {look}.")  # fmt: skip
         else:
-            cause += "look for sqrt, log, pow or a norm of zero, or a division by a value that can be 0."
+            cause += look + (", or gradients too large for their dtype (clip them, or lower the learning rate)." if kind == "Inf" else ".")
         fate = " GradScaler skipped the step." if scaled else " No GradScaler skipped it: the parameters may be NaN next."
-        count = f"{self._nan_grad_streak} steps in a row" if self._nan_grad_streak > 1 else f"step {step}"
-        out.append(self.event(step, "nonfinite_grad", severity, f"NaN gradients at {count} with a finite loss. {cause}{fate}",
+        if recurring:
+            count = f"{len(nan_steps)} steps in the last {self.t.window} ({', '.join(map(str, nan_steps))})"
+        else:
+            count = f"{self._nan_grad_streak} steps in a row" if self._nan_grad_streak > 1 else f"step {step}"
+        loss_note = "with a finite loss" if loss is not None else "(no loss recorded)"
+        out.append(self.event(step, "nonfinite_grad", severity, f"{kind} gradients at {count} {loss_note}. {cause}{fate}",
                               {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None}))  # fmt: skip
 
     def _check_params(self, step: int, param_norm: float, scale: float | None, out: list[Event]) -> None:
@@ -292,21 +292,31 @@ class Analyzer:
             "restore the last good checkpoint, and lower the learning rate or find the layer that overflows.",
             {"param_norm": _spell(param_norm), "grad_norm_trend": self._trend()}))  # fmt: skip
 
+    def _param_note(self) -> str:
+        """Said in later events while the parameters are known to be non-finite: that, not the data, is the cause."""
+        return "The parameters are non-finite already (see the nonfinite_param event): every step now is. " if self._param_bad else ""
+
     # -- spikes and schedules --------------------------------------------------------------
-    def _spike(self, step: int, name: str, value: float, median: _Median, factor: float, out: list[Event]) -> None:
+    def _spike(self, step: int, name: str, value: float, median: RollingMedian, factor: float, out: list[Event]) -> None:
         spiking = name == "grad_norm" and self._grad_spiking or name == "loss" and self._loss_spiking
-        if len(median) >= self.t.warmup and median.value() > 0:
-            ratio = value / median.value()
-            if ratio >= factor and not spiking:
+        if len(median) >= self.t.warmup:
+            # `factor` times the usual high end (the 90th percentile), which is the median for a steady series: noisy
+            # ones (small batches) reach several times their median now and then. Around or below 0 (a log-likelihood),
+            # twice `factor` interquartile ranges above the median.
+            mid, spread = median.value(), median.spread()
+            above = (value - mid) / spread if spread > 0 else 0.0
+            level = value / median.quantile(0.9) if mid > 0 else above / 2
+            if level >= factor and not spiking:
                 kind = "grad_spike" if name == "grad_norm" else "loss_spike"
                 what = "Gradient norm" if name == "grad_norm" else "Loss"
                 hint = (" No step was skipped: this is an explosion, not an fp16 overflow. Clip gradients or lower the "
                         "learning rate." if name == "grad_norm" else " Check the batch and the learning rate.")  # fmt: skip
+                how = f"{value / mid:.0f}× its median" if mid > 0 else f"{above:.0f} interquartile ranges above its median"
                 out.append(self.event(step, kind, "warning",
-                    f"{what} {value:.4g} at step {step} is {ratio:.0f}× its median over the last {len(median)} steps "
-                    f"({median.value():.4g}).{hint}", {name: value, "median": median.value(), "ratio": ratio}))  # fmt: skip
+                    f"{what} {value:.4g} at step {step} is {how} over the last {len(median)} steps ({mid:.4g}).{hint}",
+                    {name: value, "median": mid, "ratio": value / mid if mid > 0 else None, "spread": spread}))  # fmt: skip
                 spiking = True
-            elif ratio < factor / 2:
+            elif level < factor / 2:
                 spiking = False
         if name == "grad_norm":
             self._grad_spiking = spiking
@@ -319,7 +329,7 @@ class Analyzer:
         if self._last_lr is not None and self._skipped_at.get(step - 1) and lr != self._last_lr and not self._scheduler_reported:
             self._scheduler_reported = True
             out.append(self.event(step, "amp_config", "warning",
-                f"The learning rate changed ({self._last_lr:.3g} → {lr:.3g}) after step {step - 1}, which GradScaler skipped: the "
+                f"The learning rate changed ({self._last_lr:.6g} → {lr:.6g}) after step {step - 1}, which GradScaler skipped: the "
                 "scheduler advances on skipped steps, so the schedule runs ahead of the optimizer. Step the "
                 "scheduler only when the optimizer stepped.", {"lr_before": self._last_lr, "lr_after": lr}))  # fmt: skip
         self._last_lr = lr
@@ -378,8 +388,9 @@ class Diagnosis:
                 message = (f"Origin of the non-finite values at step {step}: the input batch itself contains NaN/Inf, "
                            "before any layer ran. A data problem, not the model: check the data pipeline.")  # fmt: skip
             else:
+                modules = [n for n, _ in forward if n != INPUT]
                 message = (f"Origin of the non-finite values at step {step}: first non-finite output: `{module}` "
-                           f"(forward, module {index + 1} of {len(forward)} in call order).")  # fmt: skip
+                           f"(forward, module {modules.index(module) + 1} of {len(modules)} in call order).")  # fmt: skip
             details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
             kind = "nonfinite_loss"
         else:

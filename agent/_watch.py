@@ -164,7 +164,10 @@ class Recorder(Steady):
         _scaler.stop_listening(self)
 
     def _first_forward(self, module: Any, args: Any) -> None:
-        """Configuration checks that need the forward's autocast state; runs once."""
+        """Configuration checks that need the forward's autocast state; run once, at the first forward that trains
+        (an evaluation pass under no_grad before training may well run without autocast)."""
+        if not self._torch.is_grad_enabled():
+            return
         if self._first_forward_hook is not None:
             self._first_forward_hook.remove()
             self._first_forward_hook = None

@@ -144,7 +144,7 @@ def test_the_origin_probe_names_the_first_layer_whose_output_went_nonfinite(sqli
     assert _of(events, "nonfinite_loss")[0] == ("nonfinite_loss", "critical", 4)
     [origin] = [e for e in events if "origin" in e["details"]]
     assert (origin["step"], origin["details"]["origin"]) == (12, "2")
-    assert "first non-finite output: `2`" in origin["message"]
+    assert "first non-finite output: `2` (forward, module 3 of 5 in call order)" in origin["message"]
 
 
 def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(sqlite_server) -> None:  # type: ignore[no-untyped-def]

@@ -108,3 +108,29 @@ def test_state_stays_small_when_steps_are_not_contiguous() -> None:
     for step in range(0, 50_000, 10):  # a loop that counts samples, say
         analyzer.observe(step, {"scale": 1024.0, "skipped": 0.0, "lr": 1e-3})
     assert len(analyzer._skipped_at) <= 2
+
+
+def test_noisy_losses_are_no_spikes_and_a_jump_from_a_negative_loss_is() -> None:
+    rng = random.Random(0)
+    noisy = Analyzer()  # batch size 1: squared errors (median ~0.45, 14x it now and then), norms as noisy
+    events = [e for step in range(2000) for e in noisy.observe(step, {"loss": rng.gauss(0, 1) ** 2, "grad_norm": rng.expovariate(1)})]
+    assert not events, [e["message"] for e in events]
+    steady = Analyzer()  # ... while a steady loss still spikes at 5x its median
+    events = [e for step in range(100) for e in steady.observe(step, {"loss": 2.0 + rng.gauss(0, 0.01)})]
+    assert not events and [e["type"] for e in steady.observe(100, {"loss": 10.5})] == ["loss_spike"]
+    nll = Analyzer()  # a negative log-likelihood, noisy around -1.7
+    events = [e for step in range(300) for e in nll.observe(step, {"loss": -1.7 + rng.gauss(0, 0.05)})]
+    assert not events
+    [spike] = nll.observe(300, {"loss": 1474638.0})
+    assert spike["type"] == "loss_spike" and "interquartile ranges above its median" in spike["message"]
+
+
+def test_a_loss_logged_before_its_optimizer_step_arrives_a_batch_early_and_still_counts() -> None:
+    # run.log({"loss": loss}) before the optimizer step (as with Accelerate): the NaN loss of step 7 can be in one batch
+    # and step 7's gradient norm in the next. No "NaN gradients with a finite loss" then.
+    analyzer = Analyzer()
+    assert [e["type"] for e in analyzer.observe_columns({"loss": ([7], [math.nan])})] == ["nonfinite_loss"]
+    assert analyzer.observe_columns({"grad_norm": ([7], [math.nan]), "lr": ([7], [1e-3])}) == []
+    unknown = Analyzer()  # a NaN norm where no loss was recorded at all does not claim the loss was finite
+    [grad] = unknown.observe_columns({"grad_norm": ([3], [math.nan])})
+    assert grad["type"] == "nonfinite_grad" and "(no loss recorded)" in grad["message"] and "finite loss" not in grad["message"]

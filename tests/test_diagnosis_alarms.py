@@ -1,0 +1,56 @@
+"""No false alarms on healthy runs, and no misses on unhealthy ones that look like them: start-up calibration from a
+very high scale, NaN that comes back on single steps, inf gradients without a scaler, an evaluation pass before
+training. Real CPU loops (the loop and its model: tests/test_diagnosis.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from test_diagnosis import _loop, _of
+
+
+def test_a_long_startup_calibration_from_a_very_high_scale_is_no_scale_collapse(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # From 2^32 the fp16 backward overflows for a dozen steps in a row before the scale is low enough: healthy.
+    events = _loop(sqlite_server, 60, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**32), batch=lambda s, x: x * 30)
+    [calibration] = [e for e in events if e["details"].get("calibration")]
+    assert calibration["details"]["skips"] >= 10  # (so the old streak rule would have called it a collapse)
+    assert {e["severity"] for e in events} == {"info"}, [e["message"] for e in events if e["severity"] != "info"]
+
+
+def test_nan_gradients_that_keep_coming_back_on_single_steps_are_reported_and_the_scale_below_1_is_a_collapse(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # A sqrt at 0 on some batches: each makes one NaN skip, the steps between are fine, and each skip halves the scale.
+    def sometimes(step: int, model: torch.nn.Sequential) -> None:
+        model[3].on = step in (60, 70, 80, 90)
+
+    events = _loop(sqlite_server, 100, scaler=torch.amp.GradScaler("cpu", init_scale=8.0), before=sometimes)
+    [grad] = [e for e in events if e["type"] == "nonfinite_grad" and "origin" not in e["details"]]
+    assert (grad["severity"], grad["step"]) == ("warning", 80)
+    assert "3 steps in the last 200 (60, 70, 80)" in grad["message"] and "came back" in grad["message"]
+    [collapse] = [e for e in events if e["type"] == "scale_collapse"]
+    assert (collapse["severity"], collapse["step"], collapse["details"]["scale_after"]) == ("critical", 90, 0.5)
+    assert "below 1" in collapse["message"]
+
+
+def test_inf_gradients_without_a_scaler_are_a_nonfinite_grad(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # bf16, no scaler: gradients 1e25 times too large are finite but their norm is inf, and Adam's state would be too.
+    hooks = []
+
+    def blow_up(step: int, model: torch.nn.Sequential) -> None:
+        if step == 30:
+            hooks.extend(p.register_hook(lambda g: g * 1e25) for p in model.parameters())
+
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    events = _loop(sqlite_server, 40, dtype=torch.bfloat16, scaler=disabled, before=blow_up)
+    grads = [e for e in events if e["type"] == "nonfinite_grad" and "origin" not in e["details"]]
+    assert [(e["severity"], e["step"]) for e in grads][:1] == [("critical", 30)]
+    assert grads[0]["message"].startswith("Inf gradients at step 30 with a finite loss")
+
+
+def test_an_evaluation_pass_without_autocast_before_training_is_no_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    def evaluate_first(step: int, model: torch.nn.Sequential) -> None:
+        if step == 0:
+            with torch.no_grad():
+                model(torch.randn(4, 8))  # a baseline validation, in fp32
+
+    assert not _of(_loop(sqlite_server, 3, before=evaluate_first), "amp_config")
+    assert _of(_loop(sqlite_server, 3, before=evaluate_first, autocast=False), "amp_config")  # training without it still is
