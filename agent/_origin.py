@@ -2,14 +2,19 @@
 
 The next occurrence names the first module whose output (forward) or output gradient (backward) went
 non-finite. Each hook adds one `isfinite().all()` per module on the device, read on the sender thread;
-nothing is replayed (replaying consumes RNG and moves BatchNorm statistics).
+nothing is replayed (replaying consumes RNG and moves BatchNorm statistics). `Diagnosis`, the sender's side,
+arms the probe after such an event and turns its first hit into an event naming the module.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from ampwatch._diagnose import Analyzer, Columns, Event, Thresholds
 from ampwatch._guard import guarded
+
+log = logging.getLogger("ampwatch")
 
 INPUT = "(input batch)"
 MAX_FLAGS = 10_000  # forwards without an optimizer step (evaluation) must not grow the lists forever
@@ -82,3 +87,61 @@ class OriginProbe:
         """True (on the device) where `tensor` holds a NaN or an Inf; sparse or nested tensors fail into the guard."""
         if tensor is not None and len(flags) < MAX_FLAGS:
             flags.append((name, ~tensor.detach().isfinite().all()))
+
+
+class Diagnosis:
+    """The analyzer plus the NaN-origin loop: a non-finite event arms the recorder's probe; the probe's
+    first hit names the module, and the probe is disarmed."""
+
+    _ARMING_TYPES = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
+
+    def __init__(self, recorder: Any, rank: int = 0, thresholds: Thresholds | None = None) -> None:
+        self.analyzer = Analyzer(rank, thresholds)
+        self._recorder = recorder
+        self._found: set[int] = set()
+
+    def observe_columns(self, columns: Columns) -> list[Event]:
+        """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
+        events = self.analyzer.observe_columns(columns)
+        for event in events:
+            if event["type"] in self._ARMING_TYPES:
+                self._recorder.arm_request = True
+            if event["severity"] == "critical":
+                log.error("ampwatch: %s", event["message"])
+        return events
+
+    def origin(self, step: int, arming: int, forward: list[tuple[str, float]], backward: list[tuple[str, float]]) -> list[Event]:
+        """An event naming the first module whose output, else output gradient, went non-finite."""
+        if arming in self._found:
+            return []
+        first_fwd = next(((i, n) for i, (n, bad) in enumerate(forward) if bad), None)
+        first_bwd = next(((i, n) for i, (n, bad) in enumerate(backward) if bad), None)
+        if first_fwd is None and first_bwd is None:
+            return []
+        self._found.add(arming)
+        self._recorder.disarm_request = True
+        if first_fwd is not None:
+            index, module = first_fwd
+            if module == INPUT:
+                message = (f"Origin of the non-finite values at step {step}: the input batch itself contains NaN/Inf, "
+                           "before any layer ran. A data problem, not the model: check the data pipeline.")  # fmt: skip
+            else:
+                modules = [n for n, _ in forward if n != INPUT]
+                message = (f"Origin of the non-finite values at step {step}: first non-finite output: `{module}` "
+                           f"(forward, module {modules.index(module) + 1} of {len(modules)} in call order).")  # fmt: skip
+            details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
+            kind = "nonfinite_loss"
+        else:
+            # Output gradients arrive in backward order: the first non-finite one was made by the backward of the
+            # module processed just before it (for the very first, by the loss itself).
+            index, received = first_bwd  # type: ignore[misc]
+            module = backward[index - 1][0] if index > 0 else "(loss)"
+            where = f"in the backward of `{module}`" if index > 0 else "in the loss's own backward"
+            message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}: its gradient "
+                       f"input was finite and the gradient it passed on (to `{received}`) was not, while the forward "
+                       "was finite. Look there for sqrt, log, pow or a norm at 0 (or, if steps come back at a lower loss scale, "
+                       "for values too large for fp16).")  # fmt: skip
+            details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward]}
+            kind = "nonfinite_grad"
+        log.error("ampwatch: %s", message)
+        return [self.analyzer.event(step, kind, "critical", message, details)]

@@ -22,7 +22,7 @@ import weakref
 from types import TracebackType
 from typing import Any
 
-from ampwatch._diagnose import Diagnosis
+from ampwatch._origin import Diagnosis
 from ampwatch._guard import guarded, warn_once
 from ampwatch._settings import AgentSettings
 from ampwatch._watch import Recorder

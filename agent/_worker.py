@@ -55,7 +55,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Diagnoser(Protocol):
-    """Turns host values into events (see `ampwatch._diagnose.Diagnosis`)."""
+    """Turns host values into events (see `ampwatch._origin.Diagnosis`)."""
 
     def observe_columns(self, columns: dict[str, tuple[list[int], list[float]]]) -> list[dict[str, Any]]: ...
 
