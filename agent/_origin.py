@@ -133,14 +133,20 @@ class Diagnosis:
             kind = "nonfinite_loss"
         else:
             # Output gradients arrive in backward order: the first non-finite one was made by the backward of the
-            # module processed just before it (for the very first, by the loss itself).
+            # module processed just before it, or of functional code between the two (for the very first, by the loss).
             index, received = first_bwd  # type: ignore[misc]
             module = backward[index - 1][0] if index > 0 else "(loss)"
-            where = f"in the backward of `{module}`" if index > 0 else "in the loss's own backward"
-            message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}: its gradient "
-                       f"input was finite and the gradient it passed on (to `{received}`) was not, while the forward "
-                       "was finite. Look there for sqrt, log, pow or a norm at 0 (or, if steps come back at a lower loss scale, "
-                       "for values too large for fp16).")  # fmt: skip
+            if index > 0:
+                where = (f"in the backward of `{module}`, or of an operation outside any module between `{received}` and "
+                         f"`{module}` (a functional call such as torch.sqrt in a parent's forward): the gradient `{module}` "
+                         f"received was finite and the one passed on to `{received}` was not")  # fmt: skip
+            else:
+                where = (f"in the loss computation: the gradient of the last module's output (`{received}`) is already "
+                         "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
+                         "division by 0)")  # fmt: skip
+            message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}, while every module's "
+                       "output was finite. Look there for sqrt, log, pow or a norm at 0 (or, if steps come back at a lower "
+                       "loss scale, for values too large for fp16).")  # fmt: skip
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward]}
             kind = "nonfinite_grad"
         log.error("ampwatch: %s", message)

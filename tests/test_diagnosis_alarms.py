@@ -4,9 +4,12 @@ training. Real CPU loops (the loop and its model: tests/test_diagnosis.py)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from test_diagnosis import _loop, _of
+import ampwatch
+from test_diagnosis import _events, _loop, _of
 
 
 def test_a_long_startup_calibration_from_a_very_high_scale_is_no_scale_collapse(sqlite_server) -> None:  # type: ignore[no-untyped-def]
@@ -54,3 +57,38 @@ def test_an_evaluation_pass_without_autocast_before_training_is_no_amp_config_wa
 
     assert not _of(_loop(sqlite_server, 3, before=evaluate_first), "amp_config")
     assert _of(_loop(sqlite_server, 3, before=evaluate_first, autocast=False), "amp_config")  # training without it still is
+
+
+class Functional(torch.nn.Module):
+    """A sqrt at 0 in the parent's own forward, between two leaf modules: no hook sees it run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.act, self.l2 = torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.l1(x))
+        return self.l2(h + torch.sqrt(torch.relu(h) * 0.0) if self.on else h)
+
+
+def test_a_backward_nan_made_between_two_modules_is_placed_between_them(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    model = Functional()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(90):
+            model.on = step >= 60
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if step == 61:
+                time.sleep(0.4)  # let the sender see the NaN and arm the probe
+    [origin] = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
+    assert origin["details"]["phase"] == "backward" and origin["details"]["origin"] == "l2"
+    assert "or of an operation outside any module between `act` and `l2`" in origin["message"]
