@@ -361,6 +361,8 @@ class Recorder(Steady):
             probe.steps_left -= 1  # type: ignore[union-attr]
             if probe.steps_left <= 0 or self.disarm_request:  # type: ignore[union-attr]
                 probe.disarm()  # type: ignore[union-attr]
+                # Found: a request still pending came from the same episode's earlier events (it would find it again).
+                self.arm_request = self.arm_request and not self.disarm_request
                 self.disarm_request = False
         if self.arm_request and not probe.armed:  # type: ignore[union-attr]
             self.arm_request = False
