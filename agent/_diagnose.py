@@ -53,7 +53,8 @@ class Analyzer:
         self._streak = 0
         self._streak_start_scale = 0.0
         self._collapsed = False
-        self._stepped = False  # a step was applied: a skip streak after one is no start-up calibration
+        self._stepped = False
+        self._applied_scale = math.inf  # the loss scale of the last step GradScaler applied  # a step was applied: a skip streak after one is no start-up calibration
         self._below_floor = False  # a scale below the floor was reported; until it is back above
         self._nonfinite_loss = False
         self._nan_grad_streak = 0
@@ -111,6 +112,8 @@ class Analyzer:
         if skipped:
             self._skipped_at = {step: False for step in skipped[0][-2:]}
             self._stepped = True
+            if "scale" in c:
+                self._applied_scale = c["scale"][1][-1]
         if "param_norm" in c:
             self._param_bad = False
         if lr:
@@ -129,7 +132,7 @@ class Analyzer:
         if skipped is not None and scale is not None:
             self._check_skip(step, bool(skipped), scale, loss, norm, events)
         if norm is not None:
-            self._check_grad(step, norm, loss, bool(skipped), scale is not None, events)
+            self._check_grad(step, norm, loss, bool(skipped), scale, events)
         if skipped is not None:
             self._skipped_at[step] = bool(skipped)
             if len(self._skipped_at) > 2:  # the last two steps are all the scheduler check reads
@@ -165,7 +168,7 @@ class Analyzer:
                     {"recovered": True, "streak": self._streak, "scale": scale}))  # fmt: skip
             self._streak, self._collapsed, self._nan_alarm = 0, False, None
             self._below_floor = self._below_floor and scale < self.t.scale_floor
-            self._stepped = True
+            self._stepped, self._applied_scale = True, scale
             return
         if self._streak == 0:
             self._streak_start_scale = scale
@@ -228,7 +231,8 @@ class Analyzer:
             f"({'the parameters are non-finite' if self._param_bad else 'a bad batch, or a layer that overflows'}). {fate}", {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped),
                                      "grad_norm_trend": self._trend()}))  # fmt: skip
 
-    def _check_grad(self, step: int, norm: float, loss: float | None, skipped: bool, scaled: bool, out: list[Event]) -> None:
+    def _check_grad(self, step: int, norm: float, loss: float | None, skipped: bool, scale: float | None, out: list[Event]) -> None:
+        scaled = scale is not None
         if math.isfinite(norm):
             self._nan_grad_streak = 0
             if not skipped:
@@ -249,10 +253,12 @@ class Analyzer:
         recurring = False
         if scaled:
             nan_steps = self._nan_steps
-            nan_steps.append(step)
-            while nan_steps[0] <= step - self.t.window:
+            # (only at a scale no higher than the last applied step's: the NaN of an overflow after the scale grew is not)
+            if scale <= self._applied_scale:  # type: ignore[operator]
+                nan_steps.append(step)
+            while nan_steps and nan_steps[0] <= step - self.t.window:
                 nan_steps.popleft()
-            recurring = self._nan_grad_streak == 1 and len(nan_steps) == self.t.warn_streak
+            recurring = self._nan_grad_streak == 1 and len(nan_steps) == self.t.warn_streak and nan_steps[-1] == step
         if self._nan_grad_streak not in (first, critical_at) and not recurring:
             return
         severity = "critical" if self._nan_grad_streak >= critical_at else "warning"

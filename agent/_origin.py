@@ -91,7 +91,7 @@ class OriginProbe:
 
 class Diagnosis:
     """The analyzer plus the NaN-origin loop: a non-finite event arms the recorder's probe; the probe's
-    first hit names the module, and the probe is disarmed."""
+    first hit names the module (once per arming; the probe stays armed its few steps for the per-layer heatmap)."""
 
     _ARMING_TYPES = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
 
@@ -119,7 +119,7 @@ class Diagnosis:
         if first_fwd is None and first_bwd is None:
             return []
         self._found.add(arming)
-        self._recorder.disarm_request = True
+        self._recorder.origin_found = True
         if first_fwd is not None:
             index, module = first_fwd
             if module == INPUT:

@@ -36,7 +36,7 @@ class Recorder(Steady):
     # mostly memory they touch, and a dict of fifty attributes spreads them over many more cache lines.
     __slots__ = (
         "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "arm_request",
-        "_record", "_steady", "_full_hooks", "rank", "layer_interval", "param_interval", "disarm_request", "reanchor",
+        "_record", "_steady", "_full_hooks", "rank", "layer_interval", "param_interval", "origin_found", "reanchor",
         "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted", "_clip_seen",
         "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
         "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
@@ -52,7 +52,7 @@ class Recorder(Steady):
         self.layer_interval = layer_interval
         self.param_interval = param_interval
         self.arm_request = False  # set by the sender thread's diagnosis
-        self.disarm_request = False
+        self.origin_found = False  # set by the sender thread once the armed probe has named an origin
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
@@ -359,11 +359,12 @@ class Recorder(Steady):
                 flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
                 self._record((ORIGIN, step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
             probe.steps_left -= 1  # type: ignore[union-attr]
-            if probe.steps_left <= 0 or self.disarm_request:  # type: ignore[union-attr]
+            if probe.steps_left <= 0:  # type: ignore[union-attr]
+                # (armed to the end, after an origin is found too: the per-layer norms it takes every step make the heatmap)
                 probe.disarm()  # type: ignore[union-attr]
                 # Found: a request still pending came from the same episode's earlier events (it would find it again).
-                self.arm_request = self.arm_request and not self.disarm_request
-                self.disarm_request = False
+                self.arm_request = self.arm_request and not self.origin_found
+                self.origin_found = False
         if self.arm_request and not probe.armed:  # type: ignore[union-attr]
             self.arm_request = False
             self._arming += 1

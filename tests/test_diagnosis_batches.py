@@ -134,3 +134,17 @@ def test_a_loss_logged_before_its_optimizer_step_arrives_a_batch_early_and_still
     unknown = Analyzer()  # a NaN norm where no loss was recorded at all does not claim the loss was finite
     [grad] = unknown.observe_columns({"grad_norm": ([3], [math.nan])})
     assert grad["type"] == "nonfinite_grad" and "(no loss recorded)" in grad["message"] and "finite loss" not in grad["message"]
+
+
+def test_nan_skips_each_right_after_the_scale_grew_are_overflow_not_a_recurring_nan() -> None:
+    # growth_interval 10: every 10 applied steps the scale doubles, and the next step overflows to NaN (inf - inf) and
+    # is skipped back down. NaN that comes back at a scale steps were applied at would be reported (see
+    # test_diagnosis_alarms.py); at a higher one, it is the scale's healthy oscillation.
+    analyzer, scale, good, events = Analyzer(), 1024.0, 0, []
+    for step in range(300):
+        overflow = scale >= 2048  # fp16 overflows above 2^10 here
+        values = {"loss": 1.0, "grad_norm": math.nan if overflow else 0.5, "scale": scale, "skipped": float(overflow)}
+        events += analyzer.observe(step, values)
+        scale, good = (scale / 2, 0) if overflow else (scale * 2, 0) if good == 9 else (scale, good + 1)
+    assert sum(e["details"].get("streak") == 1 and e["type"] == "nonfinite_grad" for e in events) == 0, [e["message"] for e in events]
+    assert {e["severity"] for e in events} <= {"info"}
