@@ -29,6 +29,7 @@ class Thresholds:
     warn_streak: int = 3  # consecutive skips after calibration worth a warning
     spike_factor: float = 10.0  # grad norm this many times its rolling median
     loss_spike_factor: float = 5.0
+    spike_steps: int = 5  # steps in a row at the factor times the median that are a spike too (a steady divergence)
     window: int = 200  # rolling median window (steps)
     warmup: int = 20  # finite values needed before spikes are judged
     calibration_steps: int = 50  # skips before this step (outside a collapse) are start-up calibration
@@ -58,6 +59,7 @@ class Analyzer:
         self._below_floor = False  # a scale below the floor was reported; until it is back above
         self._nonfinite_loss = False
         self._nan_grad_streak = 0
+        self._skip_steps: deque[int] = deque()  # recent skipped steps
         self._nan_steps: deque[int] = deque()  # recent steps with NaN gradients and a finite loss (GradScaler skipped them)
         self._last_loss: tuple[int, float] | None = None  # (a loss logged before its step's optimizer step comes a batch early)
         self._nan_alarm: int | None = None  # the step of a NaN-gradient event in this skip streak
@@ -66,6 +68,7 @@ class Analyzer:
         self._loss_median = RollingMedian(self.t.window)
         self._grad_spiking = False
         self._loss_spiking = False
+        self._high = {"loss": 0, "grad_norm": 0}  # consecutive values at `factor` times their median or more
         self._last_lr: float | None = None
         self._skipped_at: dict[int, bool] = {}
         self._scheduler_reported = False
@@ -102,10 +105,12 @@ class Analyzer:
         if norm and not self._grad_median.stays_below(norm[1], self.t.spike_factor):
             return False
         if loss:
+            self._high["loss"] = 0
             self._nonfinite_loss = False
             self._last_loss = (loss[0][-1], loss[1][-1])
             self._loss_median.extend(loss[1])
         if norm:
+            self._high["grad_norm"] = 0
             self._nan_grad_streak = 0
             self._norm_history.extend(norm[1][-30:])
             self._grad_median.extend(norm[1])
@@ -173,6 +178,10 @@ class Analyzer:
         if self._streak == 0:
             self._streak_start_scale = scale
         self._streak += 1
+        recent = self._skip_steps
+        recent.append(step)
+        while recent[0] <= step - self.t.window:
+            recent.popleft()
         if self.calibrating and step >= self.t.calibration_steps:
             self.calibrating = False  # still skipping when calibration should be long over: not calibration
         if self.calibrating:
@@ -180,7 +189,8 @@ class Analyzer:
             self._calibration_start = self._calibration_start or scale
         # A healthy start-up calibration skips the first steps, many in a row from a high initial scale, but never to
         # below the floor.
-        below = scale / 2 < self.t.scale_floor and not self._below_floor
+        # (outside a streak, from skips that keep coming back: one overflow of gradients too large for fp16 is no collapse)
+        below = scale / 2 < self.t.scale_floor and not self._below_floor and (self._streak > 1 or len(recent) >= self.t.warn_streak)
         streak = self._streak >= self.t.collapse_streak and (self._stepped or not self.calibrating)
         if (below or streak) and not self._collapsed:
             self._collapsed, self._below_floor = True, self._below_floor or below
@@ -189,7 +199,7 @@ class Analyzer:
                         "Every step is being thrown away")  # fmt: skip
             else:  # skips that come back again and again, each halving the scale
                 what = (f"the scale fell to {pow2(scale / 2)} at step {step}, below {self.t.scale_floor:g}, after skips that keep "
-                        "coming back")  # fmt: skip
+                        f"coming back ({len(recent)} in the last {self.t.window} steps)")  # fmt: skip
             out.append(self.event(step, "scale_collapse", "critical",
                 f"Loss scale collapse: {what}: the gradients overflow or are NaN at any scale. {self._param_note()}Check the "
                 "data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows).",
@@ -243,9 +253,11 @@ class Analyzer:
             loss = self._last_loss[1]  # (logged before its step's optimizer step, it came a batch early)
         if loss is not None and not math.isfinite(loss):
             return  # the nonfinite_loss event said it
-        if scaled and (not math.isnan(norm) or self.calibrating):
-            return  # inf is an ordinary fp16 overflow, and at a too-high start-up scale an overflow can make NaN (inf - inf)
-        self._nan_grad_streak += 1
+        if scaled and not math.isnan(norm):
+            return  # inf is an ordinary fp16 overflow
+        self._nan_grad_streak += 1  # (counted in start-up calibration too, where an overflow can make NaN, inf - inf, but
+        if scaled and self.calibrating:  # not reported there)
+            return
         kind = "NaN" if math.isnan(norm) else "Inf"
         # With a scaler, one NaN skip can still be an overflow; NaN that survives the halved scale is not, nor NaN that
         # keeps coming back on single steps after the scale was lowered.
@@ -268,7 +280,8 @@ class Analyzer:
             cause = f"The loss is finite, so the backward pass made the {kind}: "
         look = "look for sqrt, log, pow or a norm of zero, or a division by a value that can be 0"
         if recurring:
-            cause += f"it came back after GradScaler had lowered the scale, so an operation makes NaN on some batches: {look}."
+            cause += (f"it came back at a scale steps were applied at, so most likely an operation makes NaN on some batches "
+                      f"({look}), or the gradients keep growing past what fp16 holds.")  # fmt: skip
         elif scaled:  # which of the two, only a lower scale tells (see _check_skip)
             if self._nan_alarm is None:
                 self._nan_alarm = step
@@ -306,19 +319,22 @@ class Analyzer:
         spiking = name == "grad_norm" and self._grad_spiking or name == "loss" and self._loss_spiking
         if len(median) >= self.t.warmup:
             # `factor` times the usual high end (the 90th percentile), which is the median for a steady series: noisy
-            # ones (small batches) reach several times their median now and then. Around or below 0 (a log-likelihood),
-            # twice `factor` interquartile ranges above the median.
+            # ones (small batches) reach several times their median now and then, but not for `spike_steps` in a row,
+            # as a divergence does (whose high end keeps up with it). Around or below 0 (a log-likelihood), twice
+            # `factor` interquartile ranges above the median.
             mid, spread = median.value(), median.spread()
             above = (value - mid) / spread if spread > 0 else 0.0
-            level = value / median.quantile(0.9) if mid > 0 else above / 2
+            high = self._high[name] = self._high[name] + 1 if mid > 0 and value >= factor * mid else 0
+            level = above / 2 if mid <= 0 else value / mid if high >= self.t.spike_steps else value / median.quantile(0.9)
             if level >= factor and not spiking:
                 kind = "grad_spike" if name == "grad_norm" else "loss_spike"
                 what = "Gradient norm" if name == "grad_norm" else "Loss"
                 hint = (" No step was skipped: this is an explosion, not an fp16 overflow. Clip gradients or lower the "
                         "learning rate." if name == "grad_norm" else " Check the batch and the learning rate.")  # fmt: skip
                 how = f"{value / mid:.0f}× its median" if mid > 0 else f"{above:.0f} interquartile ranges above its median"
+                run = f", {high} steps in a row at {factor:g}× or more" if high >= self.t.spike_steps else ""
                 out.append(self.event(step, kind, "warning",
-                    f"{what} {value:.4g} at step {step} is {how} over the last {len(median)} steps ({mid:.4g}).{hint}",
+                    f"{what} {value:.4g} at step {step} is {how} over the last {len(median)} steps ({mid:.4g}){run}.{hint}",
                     {name: value, "median": mid, "ratio": value / mid if mid > 0 else None, "spread": spread}))  # fmt: skip
                 spiking = True
             elif level < factor / 2:

@@ -92,3 +92,31 @@ def test_a_backward_nan_made_between_two_modules_is_placed_between_them(sqlite_s
     [origin] = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
     assert origin["details"]["phase"] == "backward" and origin["details"]["origin"] == "l2"
     assert "or of an operation outside any module between `act` and `l2`" in origin["message"]
+
+
+def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # Linear regression, SGD: at step 300 the learning rate goes just past 2 / the largest curvature, and the run
+    # diverges a few % per step, which a rolling high end keeps up with: caught by the steps in a row above 10x the median.
+    torch.manual_seed(0)
+    x = torch.randn(4096, 16) * torch.linspace(0.2, 1.0, 16)
+    y = x @ torch.randn(16, 1) + 0.3 * torch.randn(4096, 1)
+    curvature = torch.linalg.eigvalsh(2 * x.T @ x / len(x)).max().item()
+    model = torch.nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3 / curvature)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(420):
+            if step == 300:
+                optimizer.param_groups[0]["lr"] = 1.04 * 2 / curvature
+            batch = torch.randint(0, len(x), (512,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x[batch]).float(), y[batch])
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    events = _events(sqlite_server, run.id)
+    [spike] = [e for e in events if e["type"] == "grad_spike"]
+    assert 300 < spike["step"] < 420 and "steps in a row" in spike["message"]
+    assert not [e for e in events if e["step"] < 300 and e["severity"] != "info"]  # the steady part before it is quiet

@@ -148,3 +148,25 @@ def test_nan_skips_each_right_after_the_scale_grew_are_overflow_not_a_recurring_
         scale, good = (scale / 2, 0) if overflow else (scale * 2, 0) if good == 9 else (scale, good + 1)
     assert sum(e["details"].get("streak") == 1 and e["type"] == "nonfinite_grad" for e in events) == 0, [e["message"] for e in events]
     assert {e["severity"] for e in events} <= {"info"}
+
+
+def test_isolated_overflows_that_take_the_scale_below_1_are_no_collapse() -> None:
+    # Gradients near fp16's limit (a sum-reduced loss): the scale settles at 1, and two overflows 200 steps apart take it to
+    # 0.5 and back. Skips that keep coming back there would be a collapse.
+    def run(skips: set[int]) -> list[str]:
+        analyzer, scale, events = Analyzer(), 1.0, []
+        for step in range(600):
+            events += analyzer.observe(step, {"loss": 1e7, "grad_norm": math.inf if step in skips else 1e4, "scale": scale, "skipped": float(step in skips)})
+            scale = scale / 2 if step in skips else scale
+        return [e["type"] for e in events if e["severity"] != "info"]
+
+    assert run({190, 390}) == []
+    assert run({190, 250, 300}) == ["scale_collapse"]
+
+
+def test_nan_from_the_first_step_on_is_a_collapse_and_no_miscounted_streak_after_calibration() -> None:
+    analyzer, scale, events = Analyzer(), 65536.0, []
+    for step in range(70):  # every step NaN and skipped, past the calibration window
+        events += analyzer.observe(step, {"loss": 1.0, "grad_norm": math.nan, "scale": scale, "skipped": 1.0})
+        scale /= 2
+    assert [e["type"] for e in events if e["severity"] != "info"] == ["scale_collapse"]
