@@ -27,7 +27,7 @@ class Thresholds:
     scale_floor: float = 1.0  # PyTorch's docs: a scale below 1 means something is wrong
     collapse_streak: int = 10  # consecutive skips that are a collapse whatever the scale
     warn_streak: int = 3  # consecutive skips after calibration worth a warning
-    spike_factor: float = 10.0  # grad norm this many times its rolling median
+    spike_factor: float = 10.0  # grad norm this many times its rolling 90th percentile (see Analyzer._spike)
     loss_spike_factor: float = 5.0
     spike_steps: int = 5  # steps in a row at the factor times the median that are a spike too (a steady divergence)
     window: int = 200  # rolling median window (steps)
@@ -54,8 +54,8 @@ class Analyzer:
         self._streak = 0
         self._streak_start_scale = 0.0
         self._collapsed = False
-        self._stepped = False
-        self._applied_scale = math.inf  # the loss scale of the last step GradScaler applied  # a step was applied: a skip streak after one is no start-up calibration
+        self._stepped = False  # a step was applied: a skip streak after one is no start-up calibration
+        self._applied_scale = math.inf  # the loss scale of the last step GradScaler applied
         self._below_floor = False  # a scale below the floor was reported; until it is back above
         self._nonfinite_loss = False
         self._nan_grad_streak = 0
@@ -188,8 +188,8 @@ class Analyzer:
             self._calibration_skips += 1
             self._calibration_start = self._calibration_start or scale
         # A healthy start-up calibration skips the first steps, many in a row from a high initial scale, but never to
-        # below the floor.
-        # (outside a streak, from skips that keep coming back: one overflow of gradients too large for fp16 is no collapse)
+        # below the floor. Outside a streak, below the floor counts from skips that keep coming back: one overflow of
+        # gradients too large for fp16 is no collapse.
         below = scale / 2 < self.t.scale_floor and not self._below_floor and (self._streak > 1 or len(recent) >= self.t.warn_streak)
         streak = self._streak >= self.t.collapse_streak and (self._stepped or not self.calibrating)
         if (below or streak) and not self._collapsed:
@@ -238,8 +238,8 @@ class Analyzer:
             fate = "The step was not skipped."
         out.append(self.event(step, "nonfinite_loss", "critical",
             f"{what} loss at step {step}: the forward pass produced a non-finite value "
-            f"({'the parameters are non-finite' if self._param_bad else 'a bad batch, or a layer that overflows'}). {fate}", {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped),
-                                     "grad_norm_trend": self._trend()}))  # fmt: skip
+            f"({'the parameters are non-finite' if self._param_bad else 'a bad batch, or a layer that overflows'}). {fate}",
+            {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped), "grad_norm_trend": self._trend()}))  # fmt: skip
 
     def _check_grad(self, step: int, norm: float, loss: float | None, skipped: bool, scale: float | None, out: list[Event]) -> None:
         scaled = scale is not None
@@ -312,7 +312,7 @@ class Analyzer:
 
     def _param_note(self) -> str:
         """Said in later events while the parameters are known to be non-finite: that, not the data, is the cause."""
-        return "The parameters are non-finite already (see the nonfinite_param event): every step now is. " if self._param_bad else ""
+        return "The parameters are already non-finite (see the nonfinite_param event), so every step will be. " if self._param_bad else ""
 
     # -- spikes and schedules --------------------------------------------------------------
     def _spike(self, step: int, name: str, value: float, median: RollingMedian, factor: float, out: list[Event]) -> None:
