@@ -342,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         if "ampwatch" in summaries:
             s, r, base = summaries["ampwatch"], results["ampwatch"], results["none"]
             added = (r.reads - base.reads) + (r.dense - base.dense)
-            if added > 0 or s.ceiling > TARGET_OVERHEAD:
-                verdict = "MISSED"
-            else:  # the ceiling is what the agent itself can cost; the sustained blocks add this machine's noise
+            if added == 0 and s.ceiling <= TARGET_OVERHEAD:  # what the agent itself can cost; sustained adds the machine's noise
                 verdict = "met" if s.sustained <= TARGET_OVERHEAD else "met by the ceiling, not end to end in this run"
+            elif added == 0 and s.sustained <= TARGET_OVERHEAD:
+                verdict = "met end to end in this run, not by the ceiling"
+            else:
+                verdict = "MISSED"
             print(f"\ntarget: ampwatch <= {TARGET_OVERHEAD:.0%} of a step and 0 added host reads -> {verdict} "
                   f"(on-thread {s.on_thread:+.2%}, ceiling with background {s.ceiling:+.2%}, sustained "
                   f"{s.sustained:+.1%}, {added:+.2f} reads/step)")  # fmt: skip
