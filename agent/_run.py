@@ -73,6 +73,7 @@ class Run:
             self.url = None
             return
         self._worker.diagnosis = Diagnosis(self._recorder, self.rank)
+        self._recorder.wake = self._worker.wake
         self._worker.start()
         _UNFINISHED.add(self)
         _install_sigterm_handler()

@@ -18,6 +18,7 @@ one function per hook, and the Recorder's attributes in slots.
 from __future__ import annotations
 
 from operator import is_
+from time import monotonic
 from typing import Any, Callable
 
 from ampwatch import _scaler
@@ -27,6 +28,7 @@ from ampwatch._steps import ANCHOR_EVERY
 from ampwatch._worker import FAST_RECORDS, PLAIN, RAN, STEP
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
+WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
 
 
 class Steady:
@@ -206,6 +208,11 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
                     append(entry)
                 else:
                     rec._append = rec._record(entry)
+                if found is not None and rec.wake is not None and monotonic() >= rec._woke_at + WAKE_EVERY_S:
+                    # A skipped step (its optimizer step did not run): the sender reads it now, not at its next flush,
+                    # so the diagnosis can arm the NaN-origin probe before the next few hundred fast steps have passed.
+                    rec._woke_at = monotonic()
+                    rec.wake()
                 rec.step = at + 1
                 rec._loss = rec._norm = None
                 rec._scale_calls = 0

@@ -41,7 +41,7 @@ class Recorder(Steady):
         "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
         "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
         "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error", "_ran", "_ran_on",
-        "_torch", "_step_hooks",
+        "_torch", "_step_hooks", "wake", "_woke_at",
     )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
@@ -99,6 +99,8 @@ class Recorder(Steady):
         self._stage_before: Any = None
         self._first_forward_hook: Any = None
         self._last_error = 0
+        self.wake: Callable[[], Any] | None = None  # wakes the sender thread (see ampwatch._steady, update)
+        self._woke_at = 0.0  # (time.monotonic() of the last)
 
     # -- what the user logged --------------------------------------------------------------
     def user_logged(self, step: int, names: tuple[str, ...]) -> None:

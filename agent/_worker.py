@@ -116,6 +116,10 @@ class Worker:
         self.records.clear()
         self.outbox.close()  # the parent's connection: a child that sends opens its own
 
+    def wake(self) -> None:
+        """Read what was recorded now, not at the next flush interval (never blocks)."""
+        self._wake.set()
+
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything recorded so far was delivered; False on timeout."""
         done = threading.Event()

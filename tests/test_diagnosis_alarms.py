@@ -120,3 +120,33 @@ def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(sql
     [spike] = [e for e in events if e["type"] == "grad_spike"]
     assert 300 < spike["step"] < 420 and "steps in a row" in spike["message"]
     assert not [e for e in events if e["step"] < 300 and e["severity"] != "info"]  # the steady part before it is quiet
+
+
+def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_next_bad_batch(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Sub-millisecond steps and a 5 s flush interval: the whole loop ends long before the sender's next timed read. A
+    # skipped step wakes it (the optimizer's post-step hook says the step did not run: no host read), so the diagnosis
+    # sees the first bad batch at once, arms the probe, and the probe names the input batch as the origin of a later one.
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "5")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        started = time.monotonic()
+        for step in range(400):
+            x = torch.randn(16, 8)
+            if step >= 200 and step % 10 == 0:  # a bad batch now and then
+                x[0, 0] = float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)  # unscale_ and clip: the loop the agent follows on its steady path
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        took = time.monotonic() - started
+    assert took < 5  # (the loop itself was quicker than one flush interval)
+    origins = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
+    assert origins and origins[0]["details"]["origin"] == "(input batch)" and 210 <= origins[0]["step"] < 400
