@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
 import logging
 import os
@@ -326,7 +327,13 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(max(1, args.rounds // 2)):
                 paired_block(trainer, conditions[0], args.pairs, args.warm, rng, results["none"])
             sustained_rounds(trainer, conditions, args.sustained_rounds, args.sustained_steps, args.warm, rng, results, server.pid)
+            # Every condition counts the same steps from the same state: a step GradScaler skips reads less (AdamW's
+            # step counters are not read), and this loop's fp16 gradients overflow now and then.
+            state = copy.deepcopy((trainer.model.state_dict(), trainer.optimizer.state_dict(), trainer.scaler.state_dict()))
             for condition in conditions:
+                trainer.model.load_state_dict(state[0])
+                trainer.optimizer.load_state_dict(state[1])
+                trainer.scaler.load_state_dict(state[2])
                 r = results[condition.name]
                 r.reads, r.dense, r.by_name = count_host_reads(trainer, condition, args.count_steps)
             if args.profile:
