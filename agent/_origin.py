@@ -17,6 +17,8 @@ from ampwatch._guard import guarded
 log = logging.getLogger("ampwatch")
 
 INPUT = "(input batch)"
+ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event (at first: see `OriginProbe.disarm`)
+MAX_ARM_STEPS = 320
 MAX_FLAGS = 10_000  # forwards without an optimizer step (evaluation) must not grow the lists forever
 
 
@@ -39,22 +41,24 @@ class OriginProbe:
         self.forward: list[tuple[str, Any]] = []
         self.backward: list[tuple[str, Any]] = []
         self.steps_left = 0
+        self.window = ARM_STEPS  # how many iterations the next arming lasts
         self.armed = False  # a plain attribute: the recorder reads it every step
 
-    def arm(self, steps: int) -> None:
-        """Hook every leaf module (and the model's input) for the next `steps` iterations."""
+    def arm(self) -> None:
+        """Hook every leaf module (and the model's input) for the next `window` iterations."""
+        self.steps_left = self.window
         if self.armed:
-            self.steps_left = steps
             return
-        self.steps_left = steps
         self.armed = True
         self._handles.append(self._model.register_forward_pre_hook(self._on_input))
         for name, module in self._model.named_modules():
             if name and not any(True for _ in module.children()):
                 self._handles.append(module.register_forward_hook(self._hook_for(name)))
 
-    def disarm(self) -> None:
-        """Remove every hook."""
+    def disarm(self, found: bool = True) -> None:
+        """Remove every hook. An arming that ended without `found`ing the origin lasted less than the non-finite
+        values take to come back (a bad batch now and then): the next one lasts twice as long, up to `MAX_ARM_STEPS`."""
+        self.window = ARM_STEPS if found else min(2 * self.window, MAX_ARM_STEPS)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -105,6 +109,7 @@ class Diagnosis:
         events = self.analyzer.observe_columns(columns)
         for event in events:
             if event["type"] in self._ARMING_TYPES:
+                self._recorder.arm_step = max(self._recorder.arm_step, event["step"])
                 self._recorder.arm_request = True
             if event["severity"] == "critical":
                 log.error("ampwatch: %s", event["message"])

@@ -21,7 +21,6 @@ from ampwatch._worker import EVENT, ORIGIN
 
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
-ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event
 
 
 class Recorder(Steady):
@@ -41,7 +40,7 @@ class Recorder(Steady):
         "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
         "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
         "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error", "_ran", "_ran_on",
-        "_torch", "_step_hooks", "wake", "_woke_at",
+        "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_until",
     )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
@@ -51,7 +50,9 @@ class Recorder(Steady):
         self.step = 0
         self.layer_interval = layer_interval
         self.param_interval = param_interval
-        self.arm_request = False  # set by the sender thread's diagnosis
+        self.arm_request = False  # set by the sender thread's diagnosis, for a non-finite event at step `arm_step`
+        self.arm_step = -1
+        self._armed_until = 0  # the first step after the last arming of the probe (events before it are not new)
         self.origin_found = False  # set by the sender thread once the armed probe has named an origin
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
@@ -363,14 +364,15 @@ class Recorder(Steady):
             probe.steps_left -= 1  # type: ignore[union-attr]
             if probe.steps_left <= 0:  # type: ignore[union-attr]
                 # (armed to the end, after an origin is found too: the per-layer norms it takes every step make the heatmap)
-                probe.disarm()  # type: ignore[union-attr]
-                # Found: a request still pending came from the same episode's earlier events (it would find it again).
-                self.arm_request = self.arm_request and not self.origin_found
+                probe.disarm(found=self.origin_found)  # type: ignore[union-attr]
                 self.origin_found = False
         if self.arm_request and not probe.armed:  # type: ignore[union-attr]
             self.arm_request = False
-            self._arming += 1
-            probe.arm(ARM_STEPS)  # type: ignore[union-attr]
+            # Only for an event after the last arming: one it saw, or was armed after, would find the same again.
+            if self.arm_step >= self._armed_until:
+                self._arming += 1
+                probe.arm()  # type: ignore[union-attr]
+                self._armed_until = step + 1 + probe.window  # type: ignore[union-attr]
 
     def _config(self, message: str, details: dict[str, Any]) -> None:
         self._record((EVENT, self.step, self._event("amp_config", "warning", message, details)))
