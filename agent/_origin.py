@@ -124,7 +124,7 @@ class Diagnosis:
         if first_fwd is None and first_bwd is None:
             return []
         self._found.add(arming)
-        self._recorder.origin_found = True
+        self._recorder.origin_found = arming
         if first_fwd is not None:
             index, module = first_fwd
             if module == INPUT:

@@ -53,7 +53,7 @@ class Recorder(Steady):
         self.arm_request = False  # set by the sender thread's diagnosis, for a non-finite event at step `arm_step`
         self.arm_step = -1
         self._armed_until = 0  # the first step after the last arming of the probe (events before it are not new)
-        self.origin_found = False  # set by the sender thread once the armed probe has named an origin
+        self.origin_found = 0  # the last arming (see `_arming`) whose probe named an origin, set by the sender thread
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
@@ -364,8 +364,7 @@ class Recorder(Steady):
             probe.steps_left -= 1  # type: ignore[union-attr]
             if probe.steps_left <= 0:  # type: ignore[union-attr]
                 # (armed to the end, after an origin is found too: the per-layer norms it takes every step make the heatmap)
-                probe.disarm(found=self.origin_found)  # type: ignore[union-attr]
-                self.origin_found = False
+                probe.disarm(found=self.origin_found == self._arming)  # type: ignore[union-attr]
         if self.arm_request and not probe.armed:  # type: ignore[union-attr]
             self.arm_request = False
             # Only for an event after the last arming: one it saw, or was armed after, would find the same again.
