@@ -107,10 +107,11 @@ class Diagnosis:
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
         events = self.analyzer.observe_columns(columns)
+        arming = [event["step"] for event in events if event["type"] in self._ARMING_TYPES]
+        if arming:
+            self._recorder.arm_step = max(arming)
+            self._recorder.arm_request = True
         for event in events:
-            if event["type"] in self._ARMING_TYPES:
-                self._recorder.arm_step = max(self._recorder.arm_step, event["step"])
-                self._recorder.arm_request = True
             if event["severity"] == "critical":
                 log.error("ampwatch: %s", event["message"])
         return events

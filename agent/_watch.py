@@ -40,7 +40,7 @@ class Recorder(Steady):
         "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
         "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
         "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error", "_ran", "_ran_on",
-        "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_until",
+        "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from", "_armed_until",
     )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
@@ -52,7 +52,7 @@ class Recorder(Steady):
         self.param_interval = param_interval
         self.arm_request = False  # set by the sender thread's diagnosis, for a non-finite event at step `arm_step`
         self.arm_step = -1
-        self._armed_until = 0  # the first step after the last arming of the probe (events before it are not new)
+        self._armed_from = self._armed_until = 0  # the last arming's event, and the first step after its probe was gone
         self.origin_found = 0  # the last arming (see `_arming`) whose probe named an origin, set by the sender thread
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
@@ -367,11 +367,12 @@ class Recorder(Steady):
                 probe.disarm(found=self.origin_found == self._arming)  # type: ignore[union-attr]
         if self.arm_request and not probe.armed:  # type: ignore[union-attr]
             self.arm_request = False
-            # Only for an event after the last arming: one it saw, or was armed after, would find the same again.
-            if self.arm_step >= self._armed_until:
+            # Not for an event from the last arming's on: the probe saw it, or was armed after it, and would find the same
+            # again. (One before: a step the user numbered otherwise, through run.log(step=...): armed, to be safe.)
+            if not self._armed_from <= self.arm_step < self._armed_until:
                 self._arming += 1
                 probe.arm()  # type: ignore[union-attr]
-                self._armed_until = step + 1 + probe.window  # type: ignore[union-attr]
+                self._armed_from, self._armed_until = self.arm_step, step + 1 + probe.window  # type: ignore[union-attr]
 
     def _config(self, message: str, details: dict[str, Any]) -> None:
         self._record((EVENT, self.step, self._event("amp_config", "warning", message, details)))

@@ -191,14 +191,14 @@ def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    requests = {10: 9, 35: 20, 45: 5, 60: 59}  # step -> the step of the event the diagnosis asks an arming for
+    requests = {10: 9, 35: 20, 40: 30, 50: 5, 100: 95}  # step -> the step of the event the diagnosis asks an arming for
     armed = []
     with ampwatch.init("diag", url=sqlite_server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         recorder = run._recorder
-        for step in range(70):
+        for step in range(120):
             if step in requests:
-                recorder.arm_step, recorder.arm_request = max(recorder.arm_step, requests[step]), True
+                recorder.arm_step, recorder.arm_request = requests[step], True
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(16, 8)).float().pow(2).mean()
             scaler.scale(loss).backward()
@@ -206,5 +206,6 @@ def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_
             scaler.update()
             optimizer.zero_grad()
             armed.append(recorder._probe.armed)
-    # Armed after step 10 for 20 steps (11..30), not for the events at 20 and 5, armed again after 60 (for 40: a miss).
-    assert [step for step, on in enumerate(armed) if on] == [*range(10, 30), *range(60, 70)]
+    # Armed after step 10 through step 30 (20 steps), not for the events at 20 and 30 it covered; for the one at 5
+    # (before the arming's own event: a step numbered otherwise) for 40 steps after a miss; for the one at 95 for 80.
+    assert [step for step, on in enumerate(armed) if on] == [*range(10, 30), *range(50, 90), *range(100, 120)]
