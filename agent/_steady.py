@@ -39,6 +39,9 @@ class Steady:
     def _finish_step(self: Any, found: Any, rule: tuple[float, float, int] | None) -> None:
         """Record this iteration at its step (what the user logged under a standard name wins); `found`: the
         scaler's found_inf tensor, a list of them, or None. Steps before `_plain_until` take the short way."""
+        if self._ran is False:  # (full path: before_step set it, and the optimizer's post-step hook did not fire)
+            self._wake_for_skip()
+        self._ran = None
         step = self.step
         optimizers = self._optimizers
         lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
@@ -104,15 +107,26 @@ class Steady:
                 or getattr(optimizer, "_step_supports_amp_scaling", False)
                 or scaler.__dict__.get(_scaler.RECORDER) is not self):  # fmt: skip
             return
-        if optimizer not in self._ran_on and hasattr(optimizer, "register_step_post_hook"):
-            self._hooks.append(optimizer.register_step_post_hook(_ran_hook(self)))
-            self._ran_on.add(optimizer)
+        self._listen_ran(optimizer)
         self._steady = optimizer
         state = scaler.__dict__
         self._full_hooks = (state, {name: state[name] for name in LEAN})
         hooks, on_clipped = _lean_hooks(self, scaler, optimizer)
         state.update(hooks)
         _scaler.route_clipping(self, on_clipped)
+
+    def _listen_ran(self: Any, optimizer: Any) -> None:
+        """Register the post-step hook that tells whether `optimizer`'s step ran (see `_ran_hook`), once."""
+        if optimizer not in self._ran_on and hasattr(optimizer, "register_step_post_hook"):
+            self._hooks.append(optimizer.register_step_post_hook(_ran_hook(self)))
+            self._ran_on.add(optimizer)
+
+    def _wake_for_skip(self: Any) -> None:
+        """A skipped step (its optimizer step did not run): the sender reads it now, not at its next flush, so the
+        diagnosis can arm the NaN-origin probe before the next few hundred fast steps have passed."""
+        if self.wake is not None and monotonic() >= self._woke_at + WAKE_EVERY_S:
+            self._woke_at = monotonic()
+            self.wake()
 
     def _leave_steady(self: Any) -> None:
         """Back to the full hooks (until the next plan)."""
@@ -208,11 +222,8 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
                     append(entry)
                 else:
                     rec._append = rec._record(entry)
-                if found is not None and rec.wake is not None and monotonic() >= rec._woke_at + WAKE_EVERY_S:
-                    # A skipped step (its optimizer step did not run): the sender reads it now, not at its next flush,
-                    # so the diagnosis can arm the NaN-origin probe before the next few hundred fast steps have passed.
-                    rec._woke_at = monotonic()
-                    rec.wake()
+                if found is not None:
+                    rec._wake_for_skip()
                 rec.step = at + 1
                 rec._loss = rec._norm = None
                 rec._scale_calls = 0
@@ -237,12 +248,12 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
 
 
 def _ran_hook(rec: Any) -> Callable[..., None]:
-    """The optimizer's post-step hook for the steady path: a lean step() that sees its optimizer step run knows,
-    without reading found_inf, that GradScaler found no inf there (it only runs the step then), and its record
-    holds one tensor fewer for the sender to read and free."""
+    """The optimizer's post-step hook: a step() that sees its optimizer step run knows, without reading found_inf,
+    that GradScaler found no inf there (it only runs the step then). On the steady path the record then holds one
+    tensor fewer for the sender to read and free; on either path, a step that did not run wakes the sender."""
 
     def ran(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if rec._ran is False:  # (only inside a lean step(): the flag is None at any other time)
+        if rec._ran is False:  # (only inside a scaler's step(): the flag is None at any other time)
             rec._ran = True
 
     return ran

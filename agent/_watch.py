@@ -145,6 +145,8 @@ class Recorder(Steady):
         if first is not None and (self._scaler is None or not self._scaler.is_enabled()):
             self._step_hooks = (first.register_step_pre_hook(self._before_optimizer_step),
                                 first.register_step_post_hook(self._after_optimizer_step))  # fmt: skip
+        for listened in self._optimizers if self._scaler is not None and self._scaler.is_enabled() else ():
+            self._listen_ran(listened)  # (whether its step ran tells a skipped step without a host read)
         for problem in watch_config_problems(wrapped, scaler):
             self._config(*problem)
         self._plain_until = 0  # what is due is planned again from the next step
@@ -248,9 +250,11 @@ class Recorder(Steady):
         state = states.get(id(optimizer)) if states else None
         self._stage_before = state["stage"] if state else None
         self._last_optimizer = optimizer
+        self._ran = False if optimizer in self._ran_on else None  # (True once its post-step hook fires)
         if not scaler._enabled:
             return
-        if self._scale_calls == 0 and self._ever_scaled and not self._silent_reported and _grads(optimizer):
+        if self._scale_calls == 0 and self._ever_scaled and not self._silent_reported and any(
+                p.grad is not None for group in optimizer.param_groups for p in group["params"]):  # fmt: skip
             self._silent_reported = True
             self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
         if getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -392,7 +396,3 @@ def _unwrap(optimizer: Any) -> Any:
     while hasattr(getattr(optimizer, "optimizer", None), "param_groups"):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-def _grads(optimizer: Any) -> list[Any]:
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import ampwatch
@@ -122,10 +123,12 @@ def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(sql
     assert not [e for e in events if e["step"] < 300 and e["severity"] != "info"]  # the steady part before it is quiet
 
 
-def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_next_bad_batch(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("clip", [True, False], ids=["steady path", "full path"])
+def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_next_bad_batch(sqlite_server, monkeypatch, clip) -> None:  # type: ignore[no-untyped-def]
     # Sub-millisecond steps and a 5 s flush interval: the whole loop ends long before the sender's next timed read. A
     # skipped step wakes it (the optimizer's post-step hook says the step did not run: no host read), so the diagnosis
     # sees the first bad batch at once, arms the probe, and the probe names the input batch as the origin of a later one.
+    # The loop that clips after unscale_ runs on the agent's steady path (ampwatch._steady), the other on the full one.
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "5")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -141,8 +144,9 @@ def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_ne
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(x).float().pow(2).mean()
             scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)  # unscale_ and clip: the loop the agent follows on its steady path
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
