@@ -17,7 +17,7 @@ from ampwatch._guard import guarded
 log = logging.getLogger("ampwatch")
 
 INPUT = "(input batch)"
-ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event (at first: see `OriginProbe.disarm`)
+ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event (at first: see `OriginProbe.arm`)
 MAX_ARM_STEPS = 320
 MAX_FLAGS = 10_000  # forwards without an optimizer step (evaluation) must not grow the lists forever
 
@@ -41,11 +41,14 @@ class OriginProbe:
         self.forward: list[tuple[str, Any]] = []
         self.backward: list[tuple[str, Any]] = []
         self.steps_left = 0
-        self.window = ARM_STEPS  # how many iterations the next arming lasts
+        self.window = ARM_STEPS  # how many iterations the last arming lasts
         self.armed = False  # a plain attribute: the recorder reads it every step
 
-    def arm(self) -> None:
-        """Hook every leaf module (and the model's input) for the next `window` iterations."""
+    def arm(self, missed: bool = False) -> None:
+        """Hook every leaf module (and the model's input) for the next `window` iterations: `ARM_STEPS`, or after an
+        arming that `missed` (it ended before the non-finite values came back: a bad batch now and then), twice as many
+        as that one, up to `MAX_ARM_STEPS`."""
+        self.window = min(2 * self.window, MAX_ARM_STEPS) if missed else ARM_STEPS
         self.steps_left = self.window
         if self.armed:
             return
@@ -55,10 +58,8 @@ class OriginProbe:
             if name and not any(True for _ in module.children()):
                 self._handles.append(module.register_forward_hook(self._hook_for(name)))
 
-    def disarm(self, found: bool = True) -> None:
-        """Remove every hook. An arming that ended without `found`ing the origin lasted less than the non-finite
-        values take to come back (a bad batch now and then): the next one lasts twice as long, up to `MAX_ARM_STEPS`."""
-        self.window = ARM_STEPS if found else min(2 * self.window, MAX_ARM_STEPS)
+    def disarm(self) -> None:
+        """Remove every hook."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

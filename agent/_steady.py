@@ -39,9 +39,8 @@ class Steady:
     def _finish_step(self: Any, found: Any, rule: tuple[float, float, int] | None) -> None:
         """Record this iteration at its step (what the user logged under a standard name wins); `found`: the
         scaler's found_inf tensor, a list of them, or None. Steps before `_plain_until` take the short way."""
-        if self._ran is False:  # (full path: before_step set it, and the optimizer's post-step hook did not fire)
-            self._wake_for_skip()
-        self._ran = None
+        # Full path: before_step set the flag False and the optimizer's post-step hook did not fire: a skipped step.
+        skipped, self._ran, self._skip_seen = self._ran is False or self._skip_seen, None, False
         step = self.step
         optimizers = self._optimizers
         lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
@@ -64,6 +63,8 @@ class Steady:
         else:
             self._append = self._record(entry)
         self.step = step + 1
+        if skipped:  # (now that its record is in the buffer: the sender's next read must find it)
+            self._wake_for_skip()
         self._loss = self._norm = self._anchor = self._unscaled = self._deferred = None
         self._scale_calls = 0
         self._normed.clear()

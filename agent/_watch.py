@@ -40,7 +40,7 @@ class Recorder(Steady):
         "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
         "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
         "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error", "_ran", "_ran_on",
-        "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from", "_armed_until",
+        "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from", "_armed_until", "_skip_seen",
     )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
@@ -59,10 +59,10 @@ class Recorder(Steady):
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
         self._full_hooks: Any = None  # and the scaler's wrappers they replaced (see ampwatch._steady)
         self._ran: bool | None = None  # on a lean step: whether its optimizer step ran (None: not known)
+        self._skip_seen = False  # on a full step: the step of one of several optimizers did not run
         self._ran_on: set[Any] = set()  # the optimizers the post-step hook that tells so is registered on (once each)
-        # the current iteration
-        # (kept as a bare tensor in the usual case, a list only when there are several: each object the record
-        # keeps alive until the sender reads it adds to the garbage collector's work on the training thread)
+        # the current iteration (kept as a bare tensor in the usual case, a list only when there are several: each object
+        # the record keeps alive until the sender reads it adds to the garbage collector's work on the training thread)
         self._loss: Any = None  # the detached loss, or a list of them (several scale() calls)
         self._norm: Any = None  # clip_grad_norm_'s total norm, or Groups (see ampwatch._steps)
         self._normed: set[int] = set()
@@ -250,6 +250,7 @@ class Recorder(Steady):
         state = states.get(id(optimizer)) if states else None
         self._stage_before = state["stage"] if state else None
         self._last_optimizer = optimizer
+        self._skip_seen = self._skip_seen or self._ran is False  # (an earlier optimizer's step of this iteration did not run)
         self._ran = False if optimizer in self._ran_on else None  # (True once its post-step hook fires)
         if not scaler._enabled:
             return
@@ -366,16 +367,17 @@ class Recorder(Steady):
                 flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
                 self._record((ORIGIN, step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
             probe.steps_left -= 1  # type: ignore[union-attr]
-            if probe.steps_left <= 0:  # type: ignore[union-attr]
-                # (armed to the end, after an origin is found too: the per-layer norms it takes every step make the heatmap)
-                probe.disarm(found=self.origin_found == self._arming)  # type: ignore[union-attr]
+            if probe.steps_left <= 0:  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
+                probe.disarm()  # type: ignore[union-attr]
+                # A request pending after a hit: from the same episode (the range below misses it if the user numbers steps).
+                self.arm_request = self.arm_request and self.origin_found != self._arming
         if self.arm_request and not probe.armed:  # type: ignore[union-attr]
             self.arm_request = False
-            # Not for an event from the last arming's on: the probe saw it, or was armed after it, and would find the same
-            # again. (One before: a step the user numbered otherwise, through run.log(step=...): armed, to be safe.)
+            # Not for an event from the last arming's own on: it saw it or was armed after it (one before: a step the user
+            # numbered otherwise: armed). Its flags were recorded before this event's step, so whether it missed is known.
             if not self._armed_from <= self.arm_step < self._armed_until:
+                probe.arm(missed=self._arming > 0 and self.origin_found != self._arming)  # type: ignore[union-attr]
                 self._arming += 1
-                probe.arm()  # type: ignore[union-attr]
                 self._armed_from, self._armed_until = self.arm_step, step + 1 + probe.window  # type: ignore[union-attr]
 
     def _config(self, message: str, details: dict[str, Any]) -> None:

@@ -176,16 +176,13 @@ def test_the_probe_window_doubles_after_a_miss_up_to_its_cap_and_resets_after_a_
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
     probe = OriginProbe(model)
     windows = []
-    for found in (False,) * 6 + (True,):
-        probe.arm()
+    for missed in (False,) + (True,) * 6 + (False,):
+        probe.arm(missed=missed)
         windows.append(probe.steps_left)
         assert probe.armed and model[0]._forward_hooks
-        probe.disarm(found=found)
+        probe.disarm()
         assert not probe.armed and not model[0]._forward_hooks
-    assert windows == [ARM_STEPS * 2**k for k in range(5)] + [MAX_ARM_STEPS, MAX_ARM_STEPS] == [20, 40, 80, 160, 320, 320, 320]
-    probe.arm()
-    assert probe.steps_left == ARM_STEPS
-    probe.disarm()
+    assert windows == [ARM_STEPS * 2**k for k in range(5)] + [MAX_ARM_STEPS] * 2 + [ARM_STEPS] == [20, 40, 80, 160, 320, 320, 320, 20]
 
 
 def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_again(sqlite_server) -> None:  # type: ignore[no-untyped-def]
@@ -213,3 +210,63 @@ def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_
     # Armed after step 10 through step 30 (20 steps), not for the events at 20 and 30 it covered; for the one at 5
     # (before the arming's own event: a step numbered otherwise) for 40 steps after a miss; for the one at 95 for 80.
     assert [step for step, on in enumerate(armed) if on] == [*range(10, 30), *range(50, 90), *range(100, 120)]
+
+
+@pytest.mark.parametrize("order", ["skipped first", "skipped second"])
+def test_a_skip_of_one_of_two_optimizers_wakes_the_sender_whichever_steps_first(sqlite_server, monkeypatch, order) -> None:  # type: ignore[no-untyped-def]
+    # One scaler, two models and optimizers (the AMP docs' loop): NaN in model 0's batch only, so its step is skipped
+    # and the other's runs. The skip must wake the sender (5 s flush interval: the loop is over long before) also when
+    # the skipped optimizer steps first and the other's post-step hook fires after it.
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "5")
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)) for _ in range(2)]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=1e-3) for model in models]
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=models[0], optimizer=optimizers, scaler=scaler)
+        started = time.monotonic()
+        for step in range(400):
+            x = torch.randn(16, 8)
+            bad = x.clone()
+            if step >= 200 and step % 10 == 0:
+                bad[0, 0] = float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                losses = [models[0](bad).float().pow(2).mean(), models[1](x).float().pow(2).mean()]
+            for loss in losses:
+                scaler.scale(loss).backward()
+            for optimizer in optimizers if order == "skipped first" else optimizers[::-1]:
+                scaler.step(optimizer)
+            scaler.update()
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+        took = time.monotonic() - started
+    assert took < 5
+    origins = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
+    assert origins and origins[0]["details"]["origin"] == "(input batch)" and 210 <= origins[0]["step"] < 400
+
+
+def test_a_hit_the_sender_reports_after_the_arming_ended_still_resets_the_next_window(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # In a fast loop the sender may read the probe's hit only after its window ended; the next arming must still take
+    # the short window (a hit), not twice the last (a miss). Requests and the hit are made by hand (private).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    windows = []
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        recorder = run._recorder
+        for step in range(140):
+            if step in (10, 40, 100):  # events the diagnosis asks an arming for (the last two after a window ended)
+                recorder.arm_step, recorder.arm_request = step - 1, True
+            if step == 35:
+                recorder.origin_found = 1  # the first arming's hit, read after its window (steps 11 to 30) ended
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if step in (10, 40, 100):
+                windows.append(recorder._probe.window)
+    assert windows == [20, 20, 40]  # the second arming missed (no hit reported for it): the third lasts twice as long
