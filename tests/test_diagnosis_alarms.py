@@ -1,10 +1,13 @@
 """No false alarms on healthy runs, and no misses on unhealthy ones that look like them: start-up calibration from a
 very high scale, NaN that comes back on single steps, inf gradients without a scaler, an evaluation pass before
-training. Real CPU loops (the loop and its model: tests/test_diagnosis.py)."""
+training; and the NaN-origin probe: armed soon after a skip, for longer after a miss, never twice for one event.
+Real CPU loops (the loop and its model: tests/test_diagnosis.py)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -185,28 +188,39 @@ def test_the_probe_window_doubles_after_a_miss_up_to_its_cap_and_resets_after_a_
     assert windows == [ARM_STEPS * 2**k for k in range(5)] + [MAX_ARM_STEPS] * 2 + [ARM_STEPS] == [20, 40, 80, 160, 320, 320, 320, 20]
 
 
-def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_again(sqlite_server) -> None:  # type: ignore[no-untyped-def]
-    # The sender reads steps late: an event it reports after the probe was armed for it (or at a step the probe was
-    # armed through) would make a second arming find the same origin again. Events are requested here by hand (private).
+def _by_hand(server: Any, steps: int, each: Callable[[int, Any, bool], None]) -> None:
+    """A small fp16 loop whose recorder (private) `each(step, recorder, done)` drives by hand: before each step (done
+    False), as the sender's diagnosis would, and after it (done True), to look at the probe."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    requests = {10: 9, 35: 20, 40: 30, 50: 5, 100: 95}  # step -> the step of the event the diagnosis asks an arming for
-    armed = []
-    with ampwatch.init("diag", url=sqlite_server.url) as run:
+    with ampwatch.init("diag", url=server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
-        recorder = run._recorder
-        for step in range(120):
-            if step in requests:
-                recorder.arm_step, recorder.arm_request = requests[step], True
+        for step in range(steps):
+            each(step, run._recorder, False)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(16, 8)).float().pow(2).mean()
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
+            each(step, run._recorder, True)
+
+
+def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_again(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # The sender reads steps late: an event it reports after the probe was armed for it (or at a step the probe was
+    # armed through) would make a second arming find the same origin again.
+    requests = {10: 9, 35: 20, 40: 30, 50: 5, 100: 95}  # step -> the step of the event the diagnosis asks an arming for
+    armed = []
+
+    def each(step: int, recorder: Any, done: bool) -> None:
+        if done:
             armed.append(recorder._probe.armed)
+        elif step in requests:
+            recorder.arm_step, recorder.arm_request = requests[step], True
+
+    _by_hand(sqlite_server, 120, each)
     # Armed after step 10 through step 30 (20 steps), not for the events at 20 and 30 it covered; for the one at 5
     # (before the arming's own event: a step numbered otherwise) for 40 steps after a miss; for the one at 95 for 80.
     assert [step for step, on in enumerate(armed) if on] == [*range(10, 30), *range(50, 90), *range(100, 120)]
@@ -247,26 +261,17 @@ def test_a_skip_of_one_of_two_optimizers_wakes_the_sender_whichever_steps_first(
 
 def test_a_hit_the_sender_reports_after_the_arming_ended_still_resets_the_next_window(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     # In a fast loop the sender may read the probe's hit only after its window ended; the next arming must still take
-    # the short window (a hit), not twice the last (a miss). Requests and the hit are made by hand (private).
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
+    # the short window (a hit), not twice the last (a miss).
     windows = []
-    with ampwatch.init("diag", url=sqlite_server.url) as run:
-        run.watch(model=model, optimizer=optimizer, scaler=scaler)
-        recorder = run._recorder
-        for step in range(140):
-            if step in (10, 40, 100):  # events the diagnosis asks an arming for (the last two after a window ended)
-                recorder.arm_step, recorder.arm_request = step - 1, True
-            if step == 35:
-                recorder.origin_found = 1  # the first arming's hit, read after its window (steps 11 to 30) ended
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(16, 8)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            if step in (10, 40, 100):
+
+    def each(step: int, recorder: Any, done: bool) -> None:
+        if step in (10, 40, 100):  # events the diagnosis asks an arming for (the last two after a window ended)
+            if done:
                 windows.append(recorder._probe.window)
+            else:
+                recorder.arm_step, recorder.arm_request = step - 1, True
+        if step == 35:
+            recorder.origin_found = 1  # the first arming's hit, read after its window (steps 11 to 30) ended
+
+    _by_hand(sqlite_server, 140, each)
     assert windows == [20, 20, 40]  # the second arming missed (no hit reported for it): the third lasts twice as long
