@@ -19,6 +19,7 @@ log = logging.getLogger("ampwatch")
 INPUT = "(input batch)"
 ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event (at first: see `OriginProbe.arm`)
 MAX_ARM_STEPS = 320
+QUIET_STEPS, MAX_QUIET_STEPS = 200, 3200  # after an origin is named, steps whose events arm no probe (see Diagnosis)
 MAX_FLAGS = 10_000  # forwards without an optimizer step (evaluation) must not grow the lists forever
 
 
@@ -96,7 +97,9 @@ class OriginProbe:
 
 class Diagnosis:
     """The analyzer plus the NaN-origin loop: a non-finite event arms the recorder's probe; the probe's
-    first hit names the module (once per arming; the probe stays armed its few steps for the per-layer heatmap)."""
+    first hit names the module (once per arming; the probe stays armed its few steps for the per-layer heatmap).
+    Once an origin is named, events of the next `QUIET_STEPS` steps arm no probe (each arming costs its steps
+    time, and would most likely name the same origin again); twice as many each time the same origin comes back."""
 
     _ARMING_TYPES = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
 
@@ -104,11 +107,14 @@ class Diagnosis:
         self.analyzer = Analyzer(rank, thresholds)
         self._recorder = recorder
         self._found: set[int] = set()
+        self._named: tuple[str, str] | None = None  # the last origin named (module, phase)
+        self._quiet = (0, 0, 0)  # the steps [from, until) after it whose events arm no probe, and their count
 
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
         events = self.analyzer.observe_columns(columns)
-        arming = [event["step"] for event in events if event["type"] in self._ARMING_TYPES]
+        start, end, _ = self._quiet
+        arming = [e["step"] for e in events if e["type"] in self._ARMING_TYPES and not start <= e["step"] < end]
         if arming:
             self._recorder.arm_step = max(arming)
             self._recorder.arm_request = True
@@ -156,5 +162,8 @@ class Diagnosis:
                        "loss scale, for values too large for fp16).")  # fmt: skip
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward]}
             kind = "nonfinite_grad"
+        named = (module, details["phase"])
+        length = min(2 * self._quiet[2], MAX_QUIET_STEPS) if named == self._named else QUIET_STEPS
+        self._named, self._quiet = named, (step, step + length, length)
         log.error("ampwatch: %s", message)
         return [self.analyzer.event(step, kind, "critical", message, details)]

@@ -275,3 +275,34 @@ def test_a_hit_the_sender_reports_after_the_arming_ended_still_resets_the_next_w
 
     _by_hand(sqlite_server, 140, each)
     assert windows == [20, 20, 40]  # the second arming missed (no hit reported for it): the third lasts twice as long
+
+
+def test_once_an_origin_is_named_the_same_bad_batch_does_not_arm_the_probe_again_for_a_while(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # A bad batch every 20 steps from step 100: without a quiet period every event past a window re-armed the probe
+    # (each arming costs its steps time) and named the same origin again, every 40 steps.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    armed = 0
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(500):
+            x = torch.randn(16, 8)
+            bad = step >= 100 and step % 20 == 0
+            if bad:
+                x[0, 0] = float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            armed += run._recorder._probe.armed  # (private: whether the probe is armed)
+            if bad:
+                time.sleep(0.12)  # the skip woke the sender: let it read the step before the loop goes on
+    origins = [e["step"] for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
+    # Armed after step 100, named at 120; the events of steps 120 to 319 arm nothing; armed after 320, named at 340; the
+    # same origin again: the events of the next 400 steps (to the end) arm nothing.
+    assert origins == [120, 340]
+    assert armed == 40
