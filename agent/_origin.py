@@ -19,7 +19,7 @@ log = logging.getLogger("ampwatch")
 INPUT = "(input batch)"
 ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event (at first: see `OriginProbe.arm`)
 MAX_ARM_STEPS = 320
-QUIET_STEPS, MAX_QUIET_STEPS = 200, 3200  # after an origin is named, steps whose events arm no probe (see Diagnosis)
+QUIET_STEPS, MAX_QUIET_STEPS = 200, 3200  # after an origin is named again, steps whose events arm no probe (see Diagnosis)
 MAX_FLAGS = 10_000  # forwards without an optimizer step (evaluation) must not grow the lists forever
 
 
@@ -98,8 +98,9 @@ class OriginProbe:
 class Diagnosis:
     """The analyzer plus the NaN-origin loop: a non-finite event arms the recorder's probe; the probe's
     first hit names the module (once per arming; the probe stays armed its few steps for the per-layer heatmap).
-    Once an origin is named, events of the next `QUIET_STEPS` steps arm no probe (each arming costs its steps
-    time, and would most likely name the same origin again); twice as many each time the same origin comes back."""
+    Once the same origin is named twice in a row, events of the next `QUIET_STEPS` steps arm no probe (each arming
+    costs its steps time, and would most likely name it again); twice as many each time it comes back. (After a first
+    naming the probe still arms: another problem, a layer that overflows after a bad batch, gets its own origin.)"""
 
     _ARMING_TYPES = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
 
@@ -162,8 +163,9 @@ class Diagnosis:
                        "loss scale, for values too large for fp16).")  # fmt: skip
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward]}
             kind = "nonfinite_grad"
-        named = (module, details["phase"])
-        length = min(2 * self._quiet[2], MAX_QUIET_STEPS) if named == self._named else QUIET_STEPS
+        named, length = (module, details["phase"]), 0
+        if named == self._named:  # the same origin twice in a row: it keeps coming back from there
+            length = min(2 * self._quiet[2], MAX_QUIET_STEPS) if self._quiet[2] else QUIET_STEPS
         self._named, self._quiet = named, (step, step + length, length)
         log.error("ampwatch: %s", message)
         return [self.analyzer.event(step, kind, "critical", message, details)]
