@@ -63,6 +63,19 @@ def test_an_evaluation_pass_without_autocast_before_training_is_no_amp_config_wa
     assert _of(_loop(sqlite_server, 3, before=evaluate_first, autocast=False), "amp_config")  # training without it still is
 
 
+def _step(model: torch.nn.Module, optimizer: Any, scaler: Any, x: torch.Tensor, clip: bool = False) -> None:
+    """One fp16 AMP step on batch `x`; `clip`: unscale_ and clip_grad_norm_, the loop of the agent's steady path."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    if clip:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+
+
 class Functional(torch.nn.Module):
     """A sqrt at 0 in the parent's own forward, between two leaf modules: no hook sees it run."""
 
@@ -85,12 +98,7 @@ def test_a_backward_nan_made_between_two_modules_is_placed_between_them(sqlite_s
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(90):
             model.on = step >= 60
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(16, 8)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            _step(model, optimizer, scaler, torch.randn(16, 8))
             if step == 61:
                 time.sleep(0.4)  # let the sender see the NaN and arm the probe
     [origin] = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
@@ -144,15 +152,7 @@ def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_ne
             x = torch.randn(16, 8)
             if step >= 200 and step % 10 == 0:  # a bad batch now and then
                 x[0, 0] = float("nan")
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(x).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            if clip:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            _step(model, optimizer, scaler, x, clip=clip)
         took = time.monotonic() - started
     assert took < 5  # (the loop itself was quicker than one flush interval)
     origins = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
@@ -199,12 +199,7 @@ def _by_hand(server: Any, steps: int, each: Callable[[int, Any, bool], None]) ->
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(steps):
             each(step, run._recorder, False)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(16, 8)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            _step(model, optimizer, scaler, torch.randn(16, 8))
             each(step, run._recorder, True)
 
 
@@ -293,12 +288,7 @@ def test_once_an_origin_is_named_the_same_bad_batch_does_not_arm_the_probe_again
             bad = step >= 100 and step % 20 == 0
             if bad:
                 x[0, 0] = float("nan")
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(x).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            _step(model, optimizer, scaler, x)
             armed += run._recorder._probe.armed  # (private: whether the probe is armed)
             if bad:
                 time.sleep(0.12)  # the skip woke the sender: let it read the step before the loop goes on
