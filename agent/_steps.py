@@ -17,7 +17,7 @@ import math
 import struct
 from typing import Any
 
-ANCHOR_EVERY = 256
+ANCHOR_EVERY = 200  # a multiple of the default layer and parameter intervals (50): anchors come on steps that do more anyway
 Groups = list[tuple[list[Any], bool, "tuple[str, ...] | None"]]  # (per-parameter norms, of scaled grads, modules)
 Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values)
 
