@@ -104,6 +104,7 @@ class Steady:
         stage = self._stage_before
         if (optimizer is None or scaler is None or not scaler._enabled or not self._clip_trusted or self._probing
                 or not self._ever_scaled or stage is None or stage.name != "UNSCALED"
+                or self._clip_params.__class__ is not list or not self._clip_params  # (a clip of one tensor, or none)
                 or getattr(optimizer, "_step_supports_amp_scaling", False)
                 or scaler.__dict__.get(_scaler.RECORDER) is not self):  # fmt: skip
             return
@@ -146,8 +147,7 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
     tensor, leave, diagnose = rec._tensor, rec._leave_steady, _scaler.diagnose_error
     first = rec._optimizers[0] if rec._optimizers else None
     groups, group_count, clipped_params = rec._clip_groups, rec._clip_seen[2], rec._clip_params
-    count = len(clipped_params)
-    first_param, last_param = clipped_params[0], clipped_params[-1]  # (the full path trusts no empty clip)
+    count, first_param, last_param = len(clipped_params), clipped_params[0], clipped_params[-1]  # (a list: see _enter_steady)
 
     def scale(outputs: Any) -> Any:
         if rec._loss is None and outputs.__class__ is tensor and (outputs.ndim == 0 or outputs.numel() == 1):

@@ -207,3 +207,30 @@ def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_fini
         assert steady == {first, second}  # (it was a test of coming back: 400 steps are 3 switches)
         assert len(first._optimizer_step_post_hooks) == len(second._optimizer_step_post_hooks) == 1
     assert not first._optimizer_step_post_hooks and not second._optimizer_step_post_hooks
+
+
+def test_a_clip_of_one_tensor_records_its_norm_and_never_goes_lean(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """clip_grad_norm_ given a lone tensor (here the model's one parameter, 0-dim) covers the optimizer's parameters,
+    so its norm is the step's; but it is not a list, so the lean hooks (which compare lists) never apply."""
+    weight = torch.nn.Parameter(torch.tensor(0.5))
+    optimizer = torch.optim.SGD([weight], lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    clipped, lean = [], []
+    with ampwatch.init("lone-tensor", url=sqlite_server.url) as run:
+        run.watch(optimizer=optimizer, scaler=scaler)
+        for _ in range(120):
+            lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
+            x = torch.randn(8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (x * weight - 1.0).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            clipped.append(torch.nn.utils.clip_grad_norm_(weight, 1.0).item())
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        norms = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm"]}).json()["grad_norm"]
+    assert norms["steps"] == list(range(120))
+    assert norms["values"] == pytest.approx(clipped, rel=1e-6)
+    assert not any(lean)
