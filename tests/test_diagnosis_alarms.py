@@ -63,6 +63,13 @@ def test_an_evaluation_pass_without_autocast_before_training_is_no_amp_config_wa
     assert _of(_loop(sqlite_server, 3, before=evaluate_first, autocast=False), "amp_config")  # training without it still is
 
 
+def _small_fp16_trainer() -> tuple[torch.nn.Sequential, torch.optim.SGD, torch.amp.GradScaler]:
+    """The same small model every time (seeded), its SGD optimizer and a fresh GradScaler."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3), torch.amp.GradScaler("cpu")
+
+
 def _step(model: torch.nn.Module, optimizer: Any, scaler: Any, x: torch.Tensor, clip: bool = False) -> None:
     """One fp16 AMP step on batch `x`; `clip`: unscale_ and clip_grad_norm_, the loop of the agent's steady path."""
     with torch.autocast("cpu", dtype=torch.float16):
@@ -141,10 +148,7 @@ def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_ne
     # sees the first bad batch at once, arms the probe, and the probe names the input batch as the origin of a later one.
     # The loop that clips after unscale_ runs on the agent's steady path (ampwatch._steady), the other on the full one.
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "5")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
+    model, optimizer, scaler = _small_fp16_trainer()
     with ampwatch.init("diag", url=sqlite_server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         started = time.monotonic()
@@ -191,10 +195,7 @@ def test_the_probe_window_doubles_after_a_miss_up_to_its_cap_and_resets_after_a_
 def _by_hand(server: Any, steps: int, each: Callable[[int, Any, bool], None]) -> None:
     """A small fp16 loop whose recorder (private) `each(step, recorder, done)` drives by hand: before each step (done
     False), as the sender's diagnosis would, and after it (done True), to look at the probe."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
+    model, optimizer, scaler = _small_fp16_trainer()
     with ampwatch.init("diag", url=server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(steps):
@@ -276,10 +277,7 @@ def test_once_an_origin_is_named_the_same_bad_batch_does_not_arm_the_probe_again
     # A bad batch every 20 steps from step 100: without a quiet period every event past a window re-armed the probe
     # (each arming costs its steps time) and named the same origin again, every 40 steps. (tests/test_demo.py: after a
     # first naming the probe arms again, for the next problem.)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
+    model, optimizer, scaler = _small_fp16_trainer()
     armed = 0
     with ampwatch.init("diag", url=sqlite_server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
