@@ -57,7 +57,7 @@ class Recorder(Steady):
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
-        self._full_hooks: Any = None  # and the scaler's wrappers they replaced (see ampwatch._steady)
+        self._full_hooks: Any = None  # and the scaler's wrappers they replaced, and the lean ones (see ampwatch._steady)
         self._ran: bool | None = None  # on a lean step: whether its optimizer step ran (None: not known)
         self._skip_seen = False  # on a full step: the step of one of several optimizers did not run
         self._ran_on: set[Any] = set()  # the optimizers the post-step hook that tells so is registered on (once each)

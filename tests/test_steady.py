@@ -234,3 +234,37 @@ def test_a_clip_of_one_tensor_records_its_norm_and_never_goes_lean(sqlite_server
     assert norms["steps"] == list(range(120))
     assert norms["values"] == pytest.approx(clipped, rel=1e-6)
     assert not any(lean)
+
+
+def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_changes(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each plan of plain steps puts the lean hooks in place; built for the same scaler, optimizer and clip as the
+    last ones, they are the last ones. A clip of the same parameters in another order (another first and last)
+    gets hooks of its own, and its norms are still the step's."""
+    monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "10")
+    monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "10")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    built: list[Any] = []  # the lean scale() of each step that began on the steady path, per half of the run
+    clipped = []
+    with ampwatch.init("lean-cache", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(100):
+            if run._recorder._steady is not None:  # (private: the lean hooks in place)
+                built.append((step >= 60, scaler.__dict__["scale"]))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            params = list(model.parameters())
+            clipped.append(torch.nn.utils.clip_grad_norm_(params[::-1] if step >= 60 else params, 1.0).item())
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        norms = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm"]}).json()["grad_norm"]
+    assert norms["values"] == pytest.approx(clipped, rel=1e-6)
+    first, second = ({id(hook) for later, hook in built if later == half} for half in (False, True))
+    assert len([s for s, _ in built]) > 60  # (most steps were lean: 10 plans of 9 steps)
+    assert len(first) == len(second) == 1 and first != second
