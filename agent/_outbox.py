@@ -58,31 +58,41 @@ class Outbox:
             return
         at_once = send and not self._queue and time.monotonic() >= self.retry_at
         stored = not at_once and self.spool is not None and self.spool.put(seq, body)
-        if not send:
+        if not stored and (not send or len(self._queue) >= MEMORY_ONLY_CAP):
+            self._drop("ampwatch: dropping batches that neither the spool nor memory can hold (counted)")
             return
-        if not stored and len(self._queue) >= MEMORY_ONLY_CAP:
-            self.dropped += 1  # neither disk nor memory can take it: counted, and said once
-            if self.dropped == 1:
-                log.warning("ampwatch: dropping batches the server has not taken (counted)")
+        if not send:
             return
         self._queue.append((seq, body if not stored or len(self._queue) < IN_MEMORY else None, stored))
 
-    def spill(self) -> None:
-        """Persist the batches only memory holds (they were to go out at once, and have not)."""
+    def spill(self) -> int:
+        """Persist the batches only memory holds (they were to go out at once, and have not); how many still are."""
         spool = self.spool
         if spool is not None:
             queue = [(seq, body, stored or spool.put(seq, body)) for seq, body, stored in self._queue]  # type: ignore[arg-type]
             self._queue = collections.deque(queue)
+        return sum(not stored for _, _, stored in self._queue)
 
-    def deliver(self) -> bool:
-        """Send what is due, in order; False when the server could not take it (retry later)."""
+    @property
+    def due(self) -> bool:
+        """Batches wait and no backoff holds them."""
+        return bool(self._queue) and time.monotonic() >= self.retry_at
+
+    def deliver(self, budget_s: float | None = None) -> bool:
+        """Send what is due, in order; False when the server could not take it (retry later). With a budget, stop
+        after the batch that used it up (see `due`): the sender has records to take in meanwhile."""
+        stop_at = None if budget_s is None else time.monotonic() + budget_s
+        registered_now = False
         while self._queue:
-            if time.monotonic() < self.retry_at:
+            now = time.monotonic()
+            if now < self.retry_at:
                 return False
+            if stop_at is not None and now >= stop_at:
+                return True
             if not self._registered:
                 if not self._send("PUT", self._run_path, self._run_body):
                     return False
-                self._registered = True
+                self._registered = registered_now = True
             seq, body, stored = self._queue[0]
             if body is None:
                 body = self._load(seq)
@@ -90,14 +100,14 @@ class Outbox:
                     self._queue.popleft()
                     continue
             reply = self._transport.send("POST", self._run_path + "/batches", body)
-            if reply.status == 404:  # the server does not know the run (a new database): register again
+            if reply.status == 404 and not registered_now:  # the server does not know the run (a new database): register again
                 self._registered = False
                 continue
-            if not reply.ok and reply.retryable:
+            if not reply.ok and (reply.retryable or reply.status == 404):  # (404 just after registering: not this server's API)
                 self._backoff(reply)
                 return False
-            if not reply.ok:
-                log.error("ampwatch: batch %d rejected (%d): %s", seq, reply.status, reply.body[:500])
+            if not reply.ok:  # a bug on our side (sending it again cannot help): counted
+                self._drop(f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
             self._failures = 0
             self._queue.popleft()
             if stored:
@@ -112,6 +122,8 @@ class Outbox:
         """A spooled batch; an unreadable one (a crash mid-write) is set aside so the rest still flows."""
         try:
             return self.spool.load(seq)  # type: ignore[union-attr]
+        except FileNotFoundError:  # `ampwatch sync` delivered it meanwhile (and removed it, as it does)
+            return None
         except (OSError, ValueError) as error:
             self.dropped += 1
             log.error("ampwatch: spooled batch %d is unreadable (%s); set aside as .bad", seq, error)
@@ -120,13 +132,20 @@ class Outbox:
 
     def _send(self, method: str, path: str, body: bytes) -> bool:
         reply = self._transport.send(method, path, body)
-        if reply.ok:
-            self._failures = 0
+        if reply.ok:  # (the backoff restarts only once a batch goes through: a front may take this and not those)
             return True
         if not reply.retryable:
             log.error("ampwatch: %s %s rejected (%d): %s", method, path, reply.status, reply.body[:500])
         self._backoff(reply)
         return False
+
+    def _drop(self, message: str, error: bool = False) -> None:
+        """A batch is lost: counted (the `dropped_records` series and finish() say so), and said once (errors each time)."""
+        self.dropped += 1
+        if error:
+            log.error(message)
+        elif self.dropped == 1:
+            log.warning(message)
 
     def _backoff(self, reply: Response) -> None:
         self.spill()

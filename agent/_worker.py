@@ -131,16 +131,18 @@ class Worker:
         """Flush, then stop the thread; the spool stays on disk while anything in it is unacknowledged."""
         flushed = self.flush(timeout_s)
         delivered = flushed and self._online
-        if self.dropped or self.outbox.dropped:
-            log.warning("ampwatch: this run dropped %d record(s) (buffer full, or unreadable) and %d batch(es) (no room on disk "
-                        "or in memory); the `%s` series counts them", self.dropped, self.outbox.dropped, DROPPED)  # fmt: skip
         self._stop = True
         self._wake.set()
-        if flushed and self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(1.0)  # its last steps must not overlap the interpreter's shutdown
+        if self._thread is not None and self._thread is not threading.current_thread():
+            # Its last steps must not overlap the interpreter's shutdown; after a flush that timed out, it batches what is
+            # left and stops (within the request it may be in), so the outbox is this thread's to spool.
+            self._thread.join(1.0 if flushed else self._settings.request_timeout_s)
         self.outbox.close()
         if not delivered:
-            self.outbox.spill()  # a batch whose first attempt did not end in time waits on disk too
+            self.outbox.dropped += self.outbox.spill()  # to disk; what the spool cannot take is lost with the process: counted
+        if self.dropped or self.outbox.dropped:
+            log.warning("ampwatch: this run dropped %d record(s) (buffer full, or unreadable) and %d batch(es) (no room on disk "
+                        "or in memory, or rejected); the `%s` series counts them", self.dropped, self.outbox.dropped, DROPPED)  # fmt: skip
         spool = self.outbox.spool
         if spool is not None and delivered and not len(self.outbox):
             spool.discard()
@@ -163,8 +165,12 @@ class Worker:
                 # Only now that the records are freed (a tensor's release lets go of the GIL, and a thread taking it
                 # back while the interpreter shuts down aborts the whole process) may finish() return.
                 self._release_waiters()
+                if self._stop and not self.records:  # (what was not delivered is in the outbox: close() spools it)
+                    return
                 self._heartbeat()
                 self._deliver()
+                if self.outbox.due:  # a backlog: deliver more at once, taking in what was recorded meanwhile first
+                    self._wake.set()
             except Exception:  # never let the thread die: a dead sender loses everything after
                 log.exception("ampwatch: sender error")
             if self._stop and not self.records:
@@ -309,7 +315,7 @@ class Worker:
 
     def _deliver(self) -> None:
         if self._online:
-            self.outbox.deliver()
+            self.outbox.deliver(self._settings.flush_interval_s)  # (a backlog must not keep new records waiting)
         self._release_waiters()
 
     def _release_waiters(self) -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -16,9 +19,9 @@ from ampwatch._spool import Spool
 from ampwatch.server import Settings
 
 
-def _series(server, run_id: str) -> dict:  # type: ignore[no-untyped-def]
+def _series(server, run_id: str, names: tuple[str, ...] = ("loss", "step_seen")) -> dict:  # type: ignore[no-untyped-def]
     with server.client() as http:
-        return http.get(f"/api/v1/runs/{run_id}/series", params={"name": ["loss", "step_seen"]}).json()
+        return http.get(f"/api/v1/runs/{run_id}/series", params={"name": list(names)}).json()
 
 
 def test_a_server_down_for_the_middle_third_of_a_run_loses_nothing(db_url, server_processes, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -101,50 +104,121 @@ def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> 
     assert sync(Path(os.environ["AMPWATCH_SPOOL_DIR"]), None, None) == 1
 
 
-def test_a_429_with_retry_after_is_honoured_and_the_batch_arrives_once(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "30")  # two 1 s waits before the batch can go through
-    import threading
-    import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class _Front:
+    """A front for the real server (a proxy or load balancer, as users may have): `on_post(path, count)` says how
+    to answer the count-th batch post (None: forward it; else a status, with `Retry-After: 1` for 429); `delay_s`
+    slows every batch post. ampwatch itself never answers that way."""
 
-    import httpx
+    def __init__(self, target: str, on_post: Any = None, delay_s: float = 0.0) -> None:
+        self.posts: list[float] = []  # monotonic times of the batch posts
+        self.puts = 0
+        front = self
 
-    # A throttling front for the real server: it answers the first two batch posts with 429 + Retry-After and
-    # forwards everything else (ampwatch itself never sends 429; a proxy or load balancer in front may).
-    seen: list[tuple[float, int]] = []
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
 
-    class Throttle(BaseHTTPRequestHandler):
-        def _forward(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            if self.command == "POST":
-                seen.append((time.monotonic(), len(seen)))
-                if len(seen) <= 2:
-                    self.send_response(429)
-                    self.send_header("Retry-After", "1")
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                status = None
+                if self.command == "POST":
+                    front.posts.append(time.monotonic())
+                    time.sleep(delay_s)
+                    status = on_post(self.path, len(front.posts)) if on_post else None
+                else:
+                    front.puts += 1
+                if status is not None:
+                    self.send_response(status)
+                    if status == 429:
+                        self.send_header("Retry-After", "1")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-            reply = httpx.request(self.command, sqlite_server.url + self.path, content=body, headers={"Content-Type": "application/json"})
-            self.send_response(reply.status_code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(reply.content)))
-            self.end_headers()
-            self.wfile.write(reply.content)
+                reply = httpx.request(self.command, target + self.path, content=body, headers={"Content-Type": "application/json"})
+                self.send_response(reply.status_code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply.content)))
+                self.end_headers()
+                self.wfile.write(reply.content)
 
-        do_PUT = do_POST = _forward
+            do_PUT = do_POST = _forward
 
-        def log_message(self, *args: object) -> None:
-            pass
+            def log_message(self, *args: object) -> None:
+                pass
 
-    front = ThreadingHTTPServer(("127.0.0.1", 0), Throttle)
-    threading.Thread(target=front.serve_forever, daemon=True).start()
-    try:
-        run = ampwatch.init("spool", "throttled", url=f"http://127.0.0.1:{front.server_address[1]}")
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def __enter__(self) -> "_Front":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+
+
+def test_a_429_with_retry_after_is_honoured_and_the_batch_arrives_once(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "30")  # two 1 s waits before the batch can go through
+    with _Front(sqlite_server.url, lambda path, count: 429 if count <= 2 else None) as front:
+        run = ampwatch.init("spool", "throttled", url=front.url)
         _runs.train(run, range(20))
         run.finish()
-    finally:
-        front.shutdown()
+    seen = front.posts
     assert len(seen) >= 3
-    assert seen[1][0] - seen[0][0] >= 0.95 and seen[2][0] - seen[1][0] >= 0.95  # waited as told, not its own backoff
+    assert seen[1] - seen[0] >= 0.95 and seen[2] - seen[1] >= 0.95  # waited as told, not its own backoff
     data = _series(sqlite_server, run.id)
     assert data["step_seen"]["steps"] == list(range(20))
+
+
+def test_a_backlog_still_being_delivered_at_finish_leaves_the_last_steps_on_disk(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The sender catches up on what an earlier process of the run left (a slow server: 0.25 s a batch) when the
+    run finishes; finish() gives up after its timeout, and the steps recorded meanwhile, and the end of the run,
+    wait in the spool with the rest (they used to wait in memory behind the backlog, and were lost)."""
+    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "2")
+    monkeypatch.setenv("AMPWATCH_RUN_ID", "backlog")
+    folder = Path(os.environ["AMPWATCH_SPOOL_DIR"]) / "backlog.0"
+    with _Front(sqlite_server.url, delay_s=0.25) as front:
+        Spool.create(folder.parent, "backlog", 0, {"run_id": "backlog", "rank": 0, "url": front.url,
+                     "doc": {"project": "spool", "name": "backlog", "config": {}, "environment": {}}}, 1 << 30)  # fmt: skip
+        for seq in range(1, 41):  # 10 s of batches at this server's pace
+            (folder / f"{seq:012d}.json").write_text(f'{{"rank": 0, "seq": {seq}, "points": {{}}, "events": [], "status": null}}')
+        run = ampwatch.init("spool", "backlog", url=front.url)
+        time.sleep(0.6)  # (the sender is busy with the backlog)
+        _runs.train(run, range(20))
+        run.finish()
+        assert len(front.posts) < 40  # (it was still catching up)
+    done = subprocess.run([shutil.which("ampwatch") or "ampwatch", "sync", str(folder.parent), "--url", sqlite_server.url],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(20))
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run.id}").json()["status"] == "finished"
+
+
+def test_a_front_that_answers_404_to_every_batch_is_retried_with_backoff(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Registration goes through but every batch gets 404 (another service behind the same address): the agent
+    registers again once, then backs off, rather than looping as fast as the server answers."""
+    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "2")
+    with _Front(sqlite_server.url, lambda path, count: 404) as front:
+        run = ampwatch.init("spool", "lost", url=front.url)
+        _runs.train(run, range(5))
+        started = time.monotonic()
+        run.finish()
+        assert time.monotonic() - started < 8
+    assert 1 <= len(front.posts) <= 8 and front.puts <= 9  # (2 s of backoff from 0.25 s on, doubling: a few tries)
+    assert any(Path(os.environ["AMPWATCH_SPOOL_DIR"]).rglob("[0-9]*.json"))  # what was not taken waits on disk
+
+
+def test_a_batch_the_server_rejects_is_counted_as_dropped(sqlite_server, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A 4xx that no retry can mend (here 422, as for a batch the server cannot parse) loses that batch: finish()
+    says so, and the next batch's `dropped_records` counts it."""
+    with _Front(sqlite_server.url, lambda path, count: 422 if count == 1 else None) as front:
+        run = ampwatch.init("spool", "rejected", url=front.url)
+        run.log({"x": 1.0}, step=0)
+        assert run._worker.flush(10)  # (private: the first batch alone)
+        run.log({"x": 2.0}, step=1)
+        with caplog.at_level("WARNING", logger="ampwatch"):
+            run.finish()
+    assert "1 batch(es)" in caplog.text and "rejected" in caplog.text
+    data = _series(sqlite_server, run.id, ("x", "dropped_records"))
+    assert data["x"]["steps"] == [1] and data["dropped_records"]["values"] == [1.0]
