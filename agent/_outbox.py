@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import random
+import threading
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ class Outbox:
         self.spool = spool
         # (seq, body or None when only the spool holds it, whether the spool holds it)
         self._queue: collections.deque[tuple[int, bytes | None, bool]] = collections.deque()
+        self._lock = threading.Lock()  # (the queue changes on the sender thread, and at close() on the caller's)
         self._registered = False
         self.retry_at = 0.0
         self._failures = 0
@@ -56,22 +58,22 @@ class Outbox:
             self.dropped += 1
             log.error("ampwatch: batch %d could not be encoded (%s); dropped (counted)", seq, error)
             return
-        at_once = send and not self._queue and time.monotonic() >= self.retry_at
-        stored = not at_once and self.spool is not None and self.spool.put(seq, body)
-        if not stored and (not send or len(self._queue) >= MEMORY_ONLY_CAP):
-            self._drop("ampwatch: dropping batches that neither the spool nor memory can hold (counted)")
-            return
-        if not send:
-            return
-        self._queue.append((seq, body if not stored or len(self._queue) < IN_MEMORY else None, stored))
+        with self._lock:
+            at_once = send and not self._queue and time.monotonic() >= self.retry_at
+            stored = not at_once and self.spool is not None and self.spool.put(seq, body)
+            if not stored and (not send or len(self._queue) >= MEMORY_ONLY_CAP):
+                self._drop("ampwatch: dropping batches that neither the spool nor memory can hold (counted)")
+            elif send:
+                self._queue.append((seq, body if not stored or len(self._queue) < IN_MEMORY else None, stored))
 
     def spill(self) -> int:
         """Persist the batches only memory holds (they were to go out at once, and have not); how many still are."""
         spool = self.spool
-        if spool is not None:
-            queue = [(seq, body, stored or spool.put(seq, body)) for seq, body, stored in self._queue]  # type: ignore[arg-type]
-            self._queue = collections.deque(queue)
-        return sum(not stored for _, _, stored in self._queue)
+        with self._lock:
+            if spool is not None:
+                queue = [(seq, body, stored or spool.put(seq, body)) for seq, body, stored in self._queue]  # type: ignore[arg-type]
+                self._queue = collections.deque(queue)
+            return sum(not stored for _, _, stored in self._queue)
 
     @property
     def due(self) -> bool:
@@ -97,7 +99,7 @@ class Outbox:
             if body is None:
                 body = self._load(seq)
                 if body is None:
-                    self._queue.popleft()
+                    self._pop()
                     continue
             reply = self._transport.send("POST", self._run_path + "/batches", body)
             if reply.status == 404 and not registered_now:  # the server does not know the run (a new database): register again
@@ -109,10 +111,14 @@ class Outbox:
             if not reply.ok:  # a bug on our side (sending it again cannot help): counted
                 self._drop(f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
             self._failures = 0
-            self._queue.popleft()
+            self._pop()
             if stored:
                 self.spool.remove(seq)  # type: ignore[union-attr]
         return True
+
+    def _pop(self) -> None:
+        with self._lock:
+            self._queue.popleft()
 
     def close(self) -> None:
         """Let go of the server connection (a later delivery opens a new one)."""

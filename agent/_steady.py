@@ -79,6 +79,8 @@ class Steady:
                 self._probe_step(step)
                 self._probing = probe.armed
             self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
+        elif self.arm_request:  # (no model is watched: there is nothing to arm)
+            self.arm_request = False
         self._plain_until = self._plan(step)
         if self._plain_until > step + 1:
             self._enter_steady()
@@ -107,6 +109,7 @@ class Steady:
         if (optimizer is None or scaler is None or not scaler._enabled or not self._clip_trusted or self._probing
                 or not self._ever_scaled or stage is None or stage.name != "UNSCALED"
                 or self._clip_params.__class__ is not list or not self._clip_params  # (a clip of one tensor, or none)
+                or self._user_step >= self.step  # (the user logged a standard name ahead: the full path sees it)
                 or getattr(optimizer, "_step_supports_amp_scaling", False)
                 or scaler.__dict__.get(_scaler.RECORDER) is not self):  # fmt: skip
             return
@@ -150,9 +153,10 @@ class Steady:
             _scaler.route_clipping(self, self.on_clipped)
 
 
-def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callable[..., Any]], Callable[..., None]]:
-    """The steady path's wrappers of `scaler` and its clip listener, for steps of `optimizer` that keep the
-    pattern (the state they keep is `rec`'s own, as its full methods would leave it)."""
+def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[..., Any]], Callable[..., None]]:
+    """The steady path's wrappers of `scaler` and its clip listener, for steps of the optimizer `steady` that keep
+    the pattern (the state they keep is `rec`'s own, as its full methods would leave it). Their parameters are
+    named as GradScaler's: a loop may pass them by keyword."""
     cls = type(scaler)
     base_scale, base_unscale_, base_step, base_update = cls.scale, cls.unscale_, cls.step, cls.update
     tensor, leave, diagnose = rec._tensor, rec._leave_steady, _scaler.diagnose_error
@@ -168,17 +172,17 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
         leave()
         return scaler.scale(outputs)
 
-    def unscale_(opt: Any) -> None:
-        if opt is not optimizer or opt.param_groups is not groups or len(groups) != group_count:  # (see _clip_still_covers)
+    def unscale_(optimizer: Any) -> None:
+        if optimizer is not steady or optimizer.param_groups is not groups or len(groups) != group_count:  # (see _clip_still_covers)
             leave()
-            return scaler.unscale_(opt)
+            return scaler.unscale_(optimizer)
         try:
-            base_unscale_(scaler, opt)
+            base_unscale_(scaler, optimizer)
         except (AssertionError, RuntimeError) as error:
             leave()
-            diagnose(rec, opt, error)
+            diagnose(rec, optimizer, error)
             raise
-        rec._unscaled = rec._deferred = opt  # the clip is trusted: its norm is taken (see on_unscaled)
+        rec._unscaled = rec._deferred = optimizer  # the clip is trusted: its norm is taken (see on_unscaled)
         return None
 
     def on_clipped(parameters: Any, args: tuple, kwargs: dict[str, Any], total: Any) -> None:
@@ -197,18 +201,18 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
             leave()
             rec.on_clipped(parameters, args, kwargs, total)
 
-    def step(opt: Any, *args: Any, **kwargs: Any) -> Any:
+    def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # The stage before step() is UNSCALED (this step's unscale_ came through here), as the full step left it.
-        if opt is not optimizer or rec._unscaled is not opt or rec._deferred is not None or not rec._scale_calls:
+        if optimizer is not steady or rec._unscaled is not optimizer or rec._deferred is not None or not rec._scale_calls:
             leave()
-            return scaler.step(opt, *args, **kwargs)
+            return scaler.step(optimizer, *args, **kwargs)
         rec._unscaled = None
         rec._ran = False  # (the optimizer's post-step hook sets True if its step runs in here)
         try:
-            result = base_step(scaler, opt, *args, **kwargs)
+            result = base_step(scaler, optimizer, *args, **kwargs)
         except (AssertionError, RuntimeError) as error:
             leave()
-            diagnose(rec, opt, error)
+            diagnose(rec, optimizer, error)
             raise
         if rec._ran is False:
             rec._ran = None
@@ -225,7 +229,9 @@ def _lean_hooks(rec: Any, scaler: Any, optimizer: Any) -> tuple[dict[str, Callab
                 for state in scaler._per_optimizer_states.values():
                     for found in state["found_inf_per_device"].values():
                         count += 1
-            if count == 1 and new_scale is None and not rec.arm_request and scaler._scale is not None:
+            # (a step whose norm or step() did not come, as when a loop unscales, then drops the step: the full path)
+            if (count == 1 and new_scale is None and not rec.arm_request and scaler._scale is not None
+                    and rec._norm is not None and rec._unscaled is None):  # fmt: skip
                 # What _finish_step records on a plain step, as a plain record (the user logged no standard name:
                 # that left the steady path).
                 at = rec.step

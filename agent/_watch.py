@@ -125,6 +125,10 @@ class Recorder(Steady):
         optimizers = [_unwrap(o) for o in wrapped]
         self._optimizers = optimizers or self._optimizers  # (a later watch of only a model or a scaler keeps them)
         if model is not None:
+            if self._first_forward_hook is not None:  # (a model watched again: the hooks on the last one go)
+                self._first_forward_hook.remove()
+            if self._probe is not None:
+                self._probe.disarm()
             self._model = model
             self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in model.named_parameters()}
             self._probe = OriginProbe(model)

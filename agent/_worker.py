@@ -78,6 +78,7 @@ class Worker:
         self.diagnosis: Diagnoser | None = None
         self.dropped = 0
         self._wake = threading.Event()
+        self._absorbing = threading.Lock()  # records become batches under it (the sender's work; close()'s after a timeout)
         self._stop = False
         self._thread: threading.Thread | None = None
         # Batches of a relaunch under the same run id must not look like re-sends of the first process's:
@@ -133,10 +134,15 @@ class Worker:
         delivered = flushed and self._online
         self._stop = True
         self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            # Its last steps must not overlap the interpreter's shutdown; after a flush that timed out, it batches what is
-            # left and stops (within the request it may be in), so the outbox is this thread's to spool.
-            self._thread.join(1.0 if flushed else self._settings.request_timeout_s)
+        if flushed and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(1.0)  # its last steps must not overlap the interpreter's shutdown
+        if not flushed and self._absorbing.acquire(timeout=timeout_s):
+            try:  # the sender may wait on the server for its request timeout: batch what it has not taken in yet here
+                self._absorb(self._drain())
+            except Exception:
+                log.exception("ampwatch: sender error")
+            finally:
+                self._absorbing.release()
         self.outbox.close()
         if not delivered:
             self.outbox.dropped += self.outbox.spill()  # to disk; what the spool cannot take is lost with the process: counted
@@ -161,7 +167,8 @@ class Worker:
             self._wake.wait(self._settings.flush_interval_s)
             self._wake.clear()
             try:
-                self._absorb(self._drain())
+                with self._absorbing:
+                    self._absorb(self._drain())
                 # Only now that the records are freed (a tensor's release lets go of the GIL, and a thread taking it
                 # back while the interpreter shuts down aborts the whole process) may finish() return.
                 self._release_waiters()

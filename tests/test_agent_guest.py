@@ -3,12 +3,16 @@ and adds no host-device read to a training step."""
 
 from __future__ import annotations
 
+import base64
 import copy
+import json
+import os
 import pickle
 import socket
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,6 +103,10 @@ def test_a_server_that_never_answers_does_not_hold_up_the_loop(monkeypatch) -> N
         # Every request would wait its full 5 s timeout: a loop that waited on the network could not finish in time.
         assert elapsed < 4.5, elapsed
         assert held, "the agent did try to reach the server"
+        # and what the sender, waiting on the server, had not taken in yet waits on disk: every step, and the run's end
+        docs = [json.loads(f.read_text()) for f in Path(os.environ["AMPWATCH_SPOOL_DIR"]).rglob("[0-9]*.json")]
+        assert "finished" in [d["status"] for d in docs]
+        assert sum(len(base64.b64decode(d["points"]["loss"]["steps"])) // 8 for d in docs if "loss" in d["points"]) == 60  # (int64s)
     finally:
         stop.set()
         listener.close()

@@ -123,3 +123,82 @@ def test_a_batch_that_read_the_run_before_another_committed_does_not_move_it_bac
     finally:
         event.remove(engine, "before_cursor_execute", hold_first_claim)
     assert (final["last_step"], final["health"]) == (399, "critical")
+
+
+def test_watching_a_model_again_leaves_no_hooks_of_the_first_watch(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """A second watch(model=...) (here to add the scaler) replaces the first's hooks: none is left on the model after
+    finish(), and the configuration check (a scaler without autocast) speaks once, not at every forward."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("review", "watched-twice", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer)
+        run._recorder._probe.arm()  # (private: armed, as after a non-finite value, when the model is watched again)
+        run.watch(model=model, scaler=scaler)
+        for _ in range(30):
+            scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()  # (no autocast: an amp_config event)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    assert not model._forward_pre_hooks and not any(m._forward_hooks for m in model.modules())
+    with sqlite_server.client() as http:
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+    assert [e["type"] for e in events].count("amp_config") == 1
+
+
+def test_a_loop_without_a_watched_model_stays_lean_after_a_non_finite_loss(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The diagnosis asks for the NaN-origin probe after an inf loss; without a model there is none to arm, and the
+    request must not take every later step off the steady path (and back on: once per plan, every 50 steps)."""
+    from ampwatch._steady import Steady
+
+    entered = []
+    enter = Steady._enter_steady
+    monkeypatch.setattr(Steady, "_enter_steady", lambda rec: entered.append(rec.step) or enter(rec))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    lean = []
+    with ampwatch.init("review", "no-model", url=sqlite_server.url) as run:
+        run.watch(optimizer=optimizer, scaler=scaler)
+        for step in range(400):
+            lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
+            x = torch.full((8, 4), float("inf")) if step == 100 else torch.randn(8, 4)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if step == 100:
+                assert run._worker.flush(10)  # (private: the diagnosis has seen it)
+    assert sum(lean[200:]) > 180 and len([s for s in entered if s > 200]) <= 5
+    with sqlite_server.client() as http:
+        assert "nonfinite_loss" in [e["type"] for e in http.get(f"/api/v1/runs/{run.id}/events").json()]
+
+
+def test_a_standard_name_logged_for_the_next_step_wins_there(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """`run.log({"loss": v}, step=k + 1)` during step k: at step k + 1 the user's loss is recorded, not the agent's
+    (the steady path, which does not look at what the user logged, must not take that step). Logging ahead at
+    every step is not covered: the agent remembers one step's names."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("review", "logged-ahead", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(120):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            if step == 100:  # (a step that does more: the steady path was planned from the next one on)
+                run.log({"loss": 123.0}, step=101)
+            scaler.update()
+            optimizer.zero_grad()
+    losses = _series(sqlite_server, run.id, "loss")
+    assert losses["steps"] == list(range(120)) and losses["values"][101] == 123.0

@@ -18,6 +18,7 @@ SERIES = ["loss", "scale", "skipped", "grad_norm", "lr", "param_norm", "grad_nor
 # parameter checks every 14: the steps between those, and not just before a layer step, are plain).
 NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, OTHER_CLIP, ARMED = (
     3, 12, 16, 22, 32, 44, 47, 54, 52, 57, 61)
+DROPPED = 29  # unscale_, then the loop drops the step (no clip, no step()) and calls update(); a layer step follows
 STEPS = 70
 
 
@@ -45,6 +46,12 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
                 scaler.scale(loss / 2).backward(retain_graph=True)
                 loss = loss / 2
             scaler.scale(loss).backward()
+            if step == DROPPED:
+                scaler.unscale_(optimizer)
+                optimizer.zero_grad()
+                scaler.update()
+                scheduler.step()
+                continue
             if step != NO_CLIP:  # (without a clip, the agent takes the norm itself)
                 scaler.unscale_(optimizer)
                 if step == SUBSET_CLIP:
@@ -81,11 +88,13 @@ def test_a_run_records_the_same_with_and_without_the_steady_path(sqlite_server, 
     full = _train(sqlite_server, [])
     assert lean == full
     # It was a test of something: each of those steps began on the steady path.
-    assert {NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, OTHER_CLIP, ARMED} <= set(steady)
+    assert {NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, OTHER_CLIP, ARMED,
+            DROPPED} <= set(steady)  # fmt: skip
     series = lean["series"]
     # Every step has its norm, the one without a clip too; but where a clip the agent did not expect (over a
-    # subset of the parameters, or an L1 one) changed the gradients before their norm was taken, that step has none.
-    assert series["grad_norm"]["steps"] == [s for s in range(STEPS) if s not in (SUBSET_CLIP, L1_CLIP)]
+    # subset of the parameters, or an L1 one) changed the gradients before their norm was taken, that step has none,
+    # nor has the step the loop dropped after zeroing its gradients.
+    assert series["grad_norm"]["steps"] == [s for s in range(STEPS) if s not in (SUBSET_CLIP, L1_CLIP, DROPPED)]
     norms = dict(zip(series["grad_norm"]["steps"], series["grad_norm"]["values"]))
     assert norms[LOGGED] == 5.0 and norms[OTHER_CLIP] > 0  # (the agent's own norm there, not the other model's 0)
     assert series["loss"]["steps"] == list(range(STEPS)) and series["lr"]["values"][10] == 0.005
@@ -268,3 +277,30 @@ def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_chang
     first, second = ({id(hook) for later, hook in built if later == half} for half in (False, True))
     assert len([s for s, _ in built]) > 60  # (most steps were lean: 10 plans of 9 steps)
     assert len(first) == len(second) == 1 and first != second
+
+
+def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """scale(outputs=...), unscale_(optimizer=...), step(optimizer=...), update(new_scale=None): the lean hooks take
+    GradScaler's keywords as the full ones do (they once named the optimizer otherwise: a TypeError in the loop)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    lean, clipped = [], []
+    with ampwatch.init("keywords", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(120):
+            lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            scaler.scale(outputs=loss).backward()
+            scaler.unscale_(optimizer=optimizer)
+            clipped.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0).item())
+            scaler.step(optimizer=optimizer)
+            scaler.update(new_scale=None)
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        norms = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm"]}).json()["grad_norm"]
+    assert sum(lean) > 100
+    values = [float(v) for v in norms["values"]]  # (non-finite values come as the strings JSON has for them)
+    assert norms["steps"] == list(range(120)) and values == pytest.approx(clipped, rel=1e-6)
