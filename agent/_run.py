@@ -25,6 +25,7 @@ from typing import Any
 from ampwatch._origin import Diagnosis
 from ampwatch._guard import guarded, warn_once
 from ampwatch._settings import AgentSettings
+from ampwatch._steps import MAX_NAME
 from ampwatch._watch import Recorder
 from ampwatch._worker import EVENT, STATUS, VALUES, Worker
 
@@ -33,7 +34,6 @@ _UNFINISHED: "weakref.WeakSet[Run]" = weakref.WeakSet()
 # A forked child (os.fork, a multiprocessing worker) that exits normally runs the inherited atexit hook:
 # the runs it inherited are its parent's, which trains on, so the child must not finish them.
 os.register_at_fork(after_in_child=_UNFINISHED.clear)
-MAX_NAME = 200  # the server's limit on project, run and series names
 MAX_STEP = 2**63
 
 

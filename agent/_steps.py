@@ -13,10 +13,12 @@ re-anchored from a copy of the device scale every `ANCHOR_EVERY` steps and whene
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from typing import Any
 
+MAX_NAME = 200  # the server's limit on project, run and series names
 ANCHOR_EVERY = 200  # a multiple of the default layer and parameter intervals (50): anchors come on steps that do more anyway
 Groups = list[tuple[list[Any], bool, "tuple[str, ...] | None"]]  # (per-parameter norms, of scaled grads, modules)
 Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values)
@@ -207,8 +209,16 @@ def _norms(groups: Groups, host: list[Any], at: int, scale: float | None, total_
             for module, square in zip(modules, squares):
                 layers[module] = layers.get(module, 0.0) + square
     named = {"grad_norm": total} if total_wanted else {}
-    named.update(("grad_norm/" + module, square) for module, square in layers.items())
+    named.update((_layer_series(module), square) for module, square in layers.items())
     for name, square in named.items():
         series = _series(points, name)
         series[0].append(step)
         series[1].append(math.sqrt(square) if square == square else math.nan)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_series(module: str) -> str:
+    """`grad_norm/<module>`; past the server's limit on names (a deeply nested module), its end after a `…` (the layer
+    and its index are at the end: the server would refuse the whole batch for one name too long)."""
+    name = "grad_norm/" + module
+    return name if len(name) <= MAX_NAME else "grad_norm/…" + module[len(name) - MAX_NAME + 1 :]

@@ -202,3 +202,31 @@ def test_a_standard_name_logged_for_the_next_step_wins_there(sqlite_server) -> N
             optimizer.zero_grad()
     losses = _series(sqlite_server, run.id, "loss")
     assert losses["steps"] == list(range(120)) and losses["values"][101] == 123.0
+
+
+def test_a_deeply_nested_module_gets_a_layer_series_within_the_servers_limit(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A module path of 250 characters would make `grad_norm/<module>` too long a name, and the server refuses a
+    whole batch for one bad name (and with it every step's loss there); the series keeps the path's end instead."""
+    monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "10")
+    inner = torch.nn.Linear(4, 1)
+    model = torch.nn.Sequential()
+    parent = model
+    for depth in range(5):  # five levels of 49-character names
+        child = torch.nn.Sequential() if depth < 4 else inner
+        parent.add_module(f"level{depth}_" + "x" * 42, child)
+        parent = child
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("review", "deep", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(30):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    assert _series(sqlite_server, run.id, "loss")["steps"] == list(range(30))
+    module = next(n for n, _ in model.named_modules() if n.endswith("level4_" + "x" * 42))
+    layer = "grad_norm/…" + module[-189:]
+    assert len(module) > 240 and _series(sqlite_server, run.id, layer)["steps"] == [0, 10, 20]
