@@ -22,11 +22,16 @@ def sync(root: Path, url: str | None, token: str | None) -> int:
     failed = 0
     for folder in folders:
         spool = Spool(folder, max_bytes=1 << 62)
-        info = spool.run()
-        target = (url or info["url"]).rstrip("/")
+        try:
+            info = spool.run()
+            target = (url or info["url"]).rstrip("/")
+            label = f"{info['doc']['project']}/{info['doc']['name']} (run {info['run_id']}, rank {info['rank']})"
+        except (OSError, ValueError, KeyError, TypeError) as error:  # (a damaged run.json: the other runs still go)
+            failed += 1
+            print(f"{folder}: its {RUN_FILE} cannot be read ({error!r}); skipped", file=sys.stderr)
+            continue
         outbox = Outbox(Transport(target, token, 30.0), info["run_id"], info["doc"], spool)
         total = len(outbox)
-        label = f"{info['doc']['project']}/{info['doc']['name']} (run {info['run_id']}, rank {info['rank']})"
         if _drain(outbox):
             spool.discard()
             print(f"{label}: {total} batch(es) uploaded to {target}")

@@ -94,6 +94,24 @@ def test_a_run_that_ends_while_the_server_is_gone_is_uploaded_later(sqlite_url, 
     assert _series(back, run.id)["step_seen"]["steps"] == list(range(40))
 
 
+def test_a_damaged_run_file_is_skipped_and_the_other_runs_are_uploaded(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An empty run.json (the spool does not fsync: a power loss can leave one) stops that run's upload alone."""
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    runs = []
+    for name in ("first", "second"):
+        with ampwatch.init("spool", name, url=sqlite_server.url) as run:
+            _runs.train(run, range(10))
+        runs.append(run)
+    spool_dir = Path(os.environ["AMPWATCH_SPOOL_DIR"])
+    damaged = sorted(spool_dir.iterdir())[0]  # (the first one sync comes to)
+    (damaged / "run.json").write_text("")
+    done = subprocess.run([shutil.which("ampwatch") or "ampwatch", "sync", str(spool_dir), "--url", sqlite_server.url],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and f"{damaged}: its run.json cannot be read" in done.stderr
+    uploaded = next(r for r in runs if not damaged.name.startswith(r.id))
+    assert _series(sqlite_server, uploaded.id)["step_seen"]["steps"] == list(range(10))
+
+
 def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     with ampwatch.init("spool", "nowhere", url="http://127.0.0.1:9") as run:
