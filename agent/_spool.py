@@ -12,10 +12,16 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no lock, so `ampwatch sync` cannot tell a live run's folder from a finished one's)
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("ampwatch")
 RUN_FILE = "run.json"
+LOCK_FILE = ".lock"  # locked while a process writes to the folder (the lock goes with the process)
 
 
 def default_root() -> Path:
@@ -34,6 +40,7 @@ class Spool:
         self.folder = folder
         self.max_bytes = max_bytes
         self._warned = False
+        self._lock: IO[bytes] | None = None
         self._bytes = sum(p.stat().st_size for p in folder.glob("*.json")) if folder.is_dir() else 0
 
     @classmethod
@@ -43,10 +50,34 @@ class Spool:
         try:
             spool.folder.mkdir(parents=True, exist_ok=True)
             _write(spool.folder / RUN_FILE, run)
+            if fcntl is not None:
+                spool._lock = open(spool.folder / LOCK_FILE, "ab")  # noqa: SIM115 (held until close())
+                fcntl.flock(spool._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another live process of this run and rank (a relaunch while the first still runs)
+            pass
         except OSError as error:
             log.warning("ampwatch: cannot spool to %s (%s); unsent batches are kept in memory only", root, error)
             return None
         return spool
+
+    def live(self) -> bool:
+        """Whether a running process still writes to this folder (it holds the lock): `ampwatch sync` then leaves it."""
+        if fcntl is None:
+            return False
+        try:
+            with open(self.folder / LOCK_FILE, "ab") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    def close(self) -> None:
+        """This process writes no more: let go of the lock."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def run(self) -> dict[str, Any]:
         """What `create` stored: run id, rank, server URL and the registration document."""
@@ -94,6 +125,7 @@ class Spool:
 
     def discard(self) -> None:
         """Remove the folder once everything in it was delivered (kept if a batch was set aside)."""
+        self.close()
         if not any(self.folder.glob("*.bad")):
             shutil.rmtree(self.folder, ignore_errors=True)
 

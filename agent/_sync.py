@@ -32,12 +32,15 @@ def sync(root: Path, url: str | None, token: str | None) -> int:
             continue
         outbox = Outbox(Transport(target, token, 30.0), info["run_id"], info["doc"], spool)
         total = len(outbox)
-        if _drain(outbox):
-            spool.discard()
-            print(f"{label}: {total} batch(es) uploaded to {target}")
-        else:
+        live = spool.live()  # (asked before the upload: a run that ends meanwhile may have written more)
+        if not _drain(outbox):
             failed += 1
             print(f"{label}: {total - len(outbox)} of {total} uploaded; {target} did not take the rest", file=sys.stderr)
+        elif live:
+            print(f"{label}: {total} batch(es) uploaded to {target}; a running process still writes there: sync it again later")
+        else:
+            spool.discard()
+            print(f"{label}: {total} batch(es) uploaded to {target}")
     return 1 if failed else 0
 
 

@@ -153,6 +153,7 @@ class Worker:
         if spool is not None and delivered and not len(self.outbox):
             spool.discard()
         elif spool is not None:
+            spool.close()
             log.warning("ampwatch: %d batch(es) wait in %s; upload them with: ampwatch sync %s",
                         len(spool.pending()), spool.folder, spool.folder.parent)  # fmt: skip
         return delivered

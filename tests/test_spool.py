@@ -240,3 +240,24 @@ def test_a_batch_the_server_rejects_is_counted_as_dropped(sqlite_server, monkeyp
     assert "1 batch(es)" in caplog.text and "rejected" in caplog.text
     data = _series(sqlite_server, run.id, ("x", "dropped_records"))
     assert data["x"]["steps"] == [1] and data["dropped_records"]["values"] == [1.0]
+
+
+def test_sync_while_an_offline_run_still_writes_uploads_what_is_there_and_keeps_the_folder(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """ampwatch sync run while an offline run goes on (to watch it from elsewhere) uploads its batches so far and
+    leaves the folder to the run, which writes on; a sync after the run ends uploads the rest and removes it."""
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0.05")
+    spool_dir = os.environ["AMPWATCH_SPOOL_DIR"]
+    command = [shutil.which("ampwatch") or "ampwatch", "sync", spool_dir, "--url", sqlite_server.url]
+    run = ampwatch.init("spool", "watched-while-offline", url=sqlite_server.url)
+    _runs.train(run, range(10))
+    assert run._worker.flush(10)  # (private: the first ten steps are on disk)
+    during = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert during.returncode == 0 and "still writes there" in during.stdout, during.stdout + during.stderr
+    assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(10))
+    _runs.train(run, range(10, 20))
+    run.finish()
+    after = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert after.returncode == 0 and "still writes" not in after.stdout, after.stdout + after.stderr
+    assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(20))
+    assert not list(Path(spool_dir).iterdir())
