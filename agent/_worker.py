@@ -73,6 +73,7 @@ class Worker:
         registration = {"run_id": run_id, "rank": rank, "url": settings.url, "doc": run_doc}
         spool = Spool.create(default_root(), run_id, rank, registration, settings.spool_max_bytes)
         self.outbox = Outbox(transport, run_id, run_doc, spool)
+        self._run_id, self._run_doc = run_id, run_doc
         self.records: collections.deque[tuple] = collections.deque()
         self._max_records = settings.max_pending_records
         self.diagnosis: Diagnoser | None = None
@@ -113,9 +114,15 @@ class Worker:
             _LIVE.add(self)
 
     def _forget_thread(self) -> None:
+        """In a forked child: none of the parent's records, batches, connection or spool. What the child records goes
+        out numbered from its own start, as a relaunch's batches are (the parent's next numbers are the parent's), and
+        is not spooled (the folder and its lock are the parent's)."""
         self._thread = None
         self.records.clear()
-        self.outbox.close()  # the parent's connection: a child that sends opens its own
+        self.outbox.close()
+        self.outbox = Outbox(Transport(self._settings.url, self._settings.token, self._settings.request_timeout_s),
+                             self._run_id, self._run_doc, None)  # fmt: skip
+        self._seq = int(time.time() * 1000) * 1000
 
     def wake(self) -> None:
         """Read what was recorded now, not at the next flush interval (never blocks)."""

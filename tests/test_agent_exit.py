@@ -87,6 +87,37 @@ def test_a_forked_child_that_exits_normally_does_not_finish_its_parents_run(sqli
         assert http.get(f"/api/v1/runs/{run_id}/series", params={"name": "loss"}).json()["loss"]["steps"] == [0, 1]
 
 
+_CHILD_LOGS_SCRIPT = """
+import os, sys, time, ampwatch
+run = ampwatch.init("guest", "child-logs", url=sys.argv[1])
+run.log({"x": 0.0}, step=0)
+time.sleep(0.3)
+child = os.fork()
+if child == 0:  # a forked worker that logs something of its own, and sends it before the parent's next batch
+    run.log({"from_child": 1.0}, step=0)
+    time.sleep(0.5)
+    os._exit(0)
+time.sleep(0.2)
+run.log({"x": 1.0}, step=1)
+os.waitpid(child, 0)
+run.finish()
+print(run.id)
+"""
+
+
+def test_a_forked_child_that_logs_sends_under_its_own_numbers_and_the_parent_loses_nothing(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """The child once sent its batch under the parent's next sequence number, and the server then took the
+    parent's own batch for a re-send of it: the parent's step 1 was lost."""
+    env = {**os.environ, "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}
+    done = subprocess.run([sys.executable, "-c", _CHILD_LOGS_SCRIPT, sqlite_server.url], capture_output=True, text=True,
+                          timeout=60, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    run_id = done.stdout.split()[-1]
+    with sqlite_server.client() as http:
+        series = http.get(f"/api/v1/runs/{run_id}/series", params={"name": ["x", "from_child"]}).json()
+    assert series["x"]["steps"] == [0, 1] and series["from_child"]["steps"] == [0]
+
+
 _DATALOADER_SCRIPT = """
 import sys, torch, ampwatch
 dataset = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 4))
