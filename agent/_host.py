@@ -21,8 +21,9 @@ def note_stream(torch: Any) -> None:
             _streams[stream.device] = (*known, stream)[-KEEP_STREAMS:]
 
 
-def to_host(tensors: list[Any]) -> list[Any]:
-    """The values of all `tensors`, flattened, in order (read off the training thread)."""
+def to_host(tensors: list[Any], deadline: float | None = None) -> list[Any]:
+    """The values of all `tensors`, flattened, in order (read off the training thread); TimeoutError when a device
+    has not finished computing them by `deadline` (time.monotonic())."""
     if not tensors:
         return []
     import torch  # only reached when the user logged tensors, so torch is there
@@ -33,13 +34,13 @@ def to_host(tensors: list[Any]) -> list[Any]:
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     if len(by_device) == 1:  # the usual case: one device, values already in order
-        return _host_values(torch, tensors, next(iter(by_device)))
+        return _host_values(torch, tensors, next(iter(by_device)), deadline)
     offsets = [0]
     for t in tensors:
         offsets.append(offsets[-1] + t.numel())
     flat: list[Any] = [0.0] * offsets[-1]
     for device, idx in by_device.items():
-        values = _host_values(torch, [tensors[i] for i in idx], device)
+        values = _host_values(torch, [tensors[i] for i in idx], device, deadline)
         at = 0
         for i in idx:
             n = offsets[i + 1] - offsets[i]
@@ -48,7 +49,7 @@ def to_host(tensors: list[Any]) -> list[Any]:
     return flat
 
 
-def _host_values(torch: Any, tensors: list[Any], device: Any) -> list[Any]:
+def _host_values(torch: Any, tensors: list[Any], device: Any, deadline: float | None) -> list[Any]:
     if device.type == "cpu":
         return _cpu_values(tensors)
     if device.type == "cuda":
@@ -70,6 +71,8 @@ def _host_values(torch: Any, tensors: list[Any], device: Any) -> list[Any]:
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(device))
         while not copied.query():  # poll: never a blocking synchronize
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("the device did not finish computing the values in time")
             time.sleep(0.001)
         stacked = host
     return stacked.tolist()

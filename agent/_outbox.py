@@ -86,11 +86,8 @@ class Outbox:
         stop_at = None if budget_s is None else time.monotonic() + budget_s
         registered_now = False
         while self._queue:
-            now = time.monotonic()
-            if now < self.retry_at:
+            if time.monotonic() < self.retry_at:
                 return False
-            if stop_at is not None and now >= stop_at:
-                return True
             if not self._registered:
                 if not self._send("PUT", self._run_path, self._run_body):
                     return False
@@ -114,6 +111,8 @@ class Outbox:
             self._pop()
             if stored:
                 self.spool.remove(seq)  # type: ignore[union-attr]
+            if stop_at is not None and time.monotonic() >= stop_at:
+                return True
         return True
 
     def _pop(self) -> None:
@@ -129,6 +128,8 @@ class Outbox:
         try:
             return self.spool.load(seq)  # type: ignore[union-attr]
         except FileNotFoundError:  # `ampwatch sync` delivered it meanwhile (and removed it, as it does)
+            if not self.spool.folder.is_dir():  # type: ignore[union-attr]
+                self._drop("ampwatch: the spool folder was removed: batches waiting there are lost (counted)")
             return None
         except (OSError, ValueError) as error:
             self.dropped += 1

@@ -39,7 +39,7 @@ class AgentSettings:
             token=token or env.get("AMPWATCH_TOKEN") or None,
             project=project or env.get("AMPWATCH_PROJECT") or "default",
             mode=mode,
-            flush_interval_s=float(env.get("AMPWATCH_FLUSH_INTERVAL_S", cls.flush_interval_s)),
+            flush_interval_s=max(0.01, float(env.get("AMPWATCH_FLUSH_INTERVAL_S", cls.flush_interval_s))),  # (0: a busy sender)
             finish_timeout_s=float(env.get("AMPWATCH_FINISH_TIMEOUT_S", cls.finish_timeout_s)),
             spool_max_bytes=int(env.get("AMPWATCH_SPOOL_MAX_BYTES", cls.spool_max_bytes)),
             max_pending_records=max(1, int(env.get("AMPWATCH_MAX_PENDING_RECORDS", cls.max_pending_records))),

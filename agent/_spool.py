@@ -50,14 +50,15 @@ class Spool:
         try:
             spool.folder.mkdir(parents=True, exist_ok=True)
             _write(spool.folder / RUN_FILE, run)
-            if fcntl is not None:
-                spool._lock = open(spool.folder / LOCK_FILE, "ab")  # noqa: SIM115 (held until close())
-                fcntl.flock(spool._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another live process of this run and rank (a relaunch while the first still runs)
-            pass
         except OSError as error:
             log.warning("ampwatch: cannot spool to %s (%s); unsent batches are kept in memory only", root, error)
             return None
+        if fcntl is not None:
+            try:
+                spool._lock = open(spool.folder / LOCK_FILE, "ab")  # noqa: SIM115 (held until close())
+                fcntl.flock(spool._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # another live process of this run and rank, or a file system without locks: none held
+                spool.close()
         return spool
 
     def live(self) -> bool:

@@ -80,6 +80,7 @@ class Worker:
         self.dropped = 0
         self._wake = threading.Event()
         self._absorbing = threading.Lock()  # records become batches under it (the sender's work; close()'s after a timeout)
+        self._read_by: float | None = None  # while close() batches records: when reading them must have ended
         self._stop = False
         self._thread: threading.Thread | None = None
         # Batches of a relaunch under the same run id must not look like re-sends of the first process's:
@@ -120,6 +121,8 @@ class Worker:
         self._thread = None
         self.records.clear()
         self.outbox.close()
+        if self.outbox.spool is not None:
+            self.outbox.spool.close()  # (the child's copy of the lock's file: the lock stays the parent's)
         self.outbox = Outbox(Transport(self._settings.url, self._settings.token, self._settings.request_timeout_s),
                              self._run_id, self._run_doc, None)  # fmt: skip
         self._seq = int(time.time() * 1000) * 1000
@@ -137,18 +140,25 @@ class Worker:
 
     def close(self, timeout_s: float) -> bool:
         """Flush, then stop the thread; the spool stays on disk while anything in it is unacknowledged."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
         flushed = self.flush(timeout_s)
         delivered = flushed and self._online
         self._stop = True
         self._wake.set()
         if flushed and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(1.0)  # its last steps must not overlap the interpreter's shutdown
-        if not flushed and self._absorbing.acquire(timeout=timeout_s):
-            try:  # the sender may wait on the server for its request timeout: batch what it has not taken in yet here
-                self._absorb(self._drain())
-            except Exception:
-                log.exception("ampwatch: sender error")
+        if not flushed and self._absorbing.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            # The sender may wait on the server for its request timeout: batch what it has not taken in yet here (values
+            # on a device that has not computed them within a second more are lost, and counted).
+            entries = self._drain()
+            self._read_by = max(deadline, time.monotonic() + 1.0)
+            try:
+                self._absorb(entries)
+            except Exception as error:
+                self.dropped += len(entries)
+                log.warning("ampwatch: %d record(s) could not be read at finish (%s): lost (counted)", len(entries), error)
             finally:
+                self._read_by = None
                 self._absorbing.release()
         self.outbox.close()
         if not delivered:
@@ -175,16 +185,17 @@ class Worker:
             self._wake.wait(self._settings.flush_interval_s)
             self._wake.clear()
             try:
-                with self._absorbing:
+                with self._absorbing:  # (and batch numbers are taken under it: see close())
                     self._absorb(self._drain())
+                    if not self._stop:
+                        self._heartbeat()
                 # Only now that the records are freed (a tensor's release lets go of the GIL, and a thread taking it
                 # back while the interpreter shuts down aborts the whole process) may finish() return.
                 self._release_waiters()
                 if self._stop and not self.records:  # (what was not delivered is in the outbox: close() spools it)
                     return
-                self._heartbeat()
                 self._deliver()
-                if self.outbox.due:  # a backlog: deliver more at once, taking in what was recorded meanwhile first
+                if self._online and self.outbox.due:  # a backlog: deliver more at once, taking in new records first
                     self._wake.set()
             except Exception:  # never let the thread die: a dead sender loses everything after
                 log.exception("ampwatch: sender error")
@@ -224,10 +235,12 @@ class Worker:
             else:
                 parts += group
         try:
-            host = to_host(_tensors(parts))
+            host = to_host(_tensors(parts), self._read_by)
+        except TimeoutError:
+            raise
         except Exception:  # a logged tensor the sender cannot read (run.log refuses those it knows of): drop it alone
             parts = [p for p in parts if self._readable(p)]
-            host = to_host(_tensors(parts))
+            host = to_host(_tensors(parts), self._read_by)
         at = 0
         points: Points = {}
         events: list[dict[str, Any]] = []
@@ -278,7 +291,7 @@ class Worker:
         """Whether a part's values can be read; if not, it is dropped (counted, and said once), and the rest of its
         chunk goes on: a run's end must never be lost with it."""
         try:
-            to_host(_tensors([part]))
+            to_host(_tensors([part]), self._read_by)
             return True
         except Exception as error:
             if part.__class__ is tuple and part[0] == VALUES:

@@ -261,3 +261,46 @@ def test_sync_while_an_offline_run_still_writes_uploads_what_is_there_and_keeps_
     assert after.returncode == 0 and "still writes" not in after.stdout, after.stdout + after.stderr
     assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(20))
     assert not list(Path(spool_dir).iterdir())
+
+
+def test_a_relaunched_offline_run_with_batches_left_on_disk_leaves_the_cpu_alone(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Offline, what an earlier process of the run left in the spool is never sent: the sender must not keep waking
+    up for it (it spun, holding the GIL the training thread needs)."""
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    monkeypatch.setenv("AMPWATCH_RUN_ID", "relaunched-offline")
+    with ampwatch.init("spool", "relaunched") as first:
+        first.log({"x": 1.0}, step=0)
+    run = ampwatch.init("spool", "relaunched")
+    run.log({"x": 2.0}, step=1)
+    time.sleep(0.2)
+    started = time.process_time()
+    time.sleep(1.0)
+    busy = time.process_time() - started
+    run.finish()
+    assert busy < 0.3, busy
+
+
+def test_a_zero_flush_interval_still_delivers(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0")
+    run = ampwatch.init("spool", "no-interval", url=sqlite_server.url)
+    _runs.train(run, range(10))
+    run.finish()
+    assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(10))
+
+
+def test_a_file_system_without_locks_still_spools(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Lustre without `-o flock`, some NFS mounts: flock fails with ENOSYS or ENOLCK. The spool works without its
+    lock (only `ampwatch sync` can then not tell a live run's folder). Simulated, as no such file system is here."""
+    import errno
+
+    import ampwatch._spool as spool_module
+
+    def no_locks(*args: object) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(spool_module.fcntl, "flock", no_locks)
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    with ampwatch.init("spool", "no-locks") as run:
+        run.log({"x": 1.0}, step=0)
+    assert run._worker.dropped == run._worker.outbox.dropped == 0  # (private: nothing counted lost)
+    assert len(list(Path(os.environ["AMPWATCH_SPOOL_DIR"]).rglob("[0-9]*.json"))) == 1
