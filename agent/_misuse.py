@@ -38,7 +38,7 @@ class Signature:
 
 def classify(sig: Signature) -> tuple[str, str] | None:
     """(cause, explanation with the fix) for a GradScaler misuse, or None for any other error."""
-    if "already been called since the last update" in sig.message:
+    if "already been called" in sig.message and "since the last update" in sig.message:  # (unscale_'s says "on this optimizer")
         call = "unscale_" if "unscale_" in sig.message else "step"
         return ("unscale_twice" if call == "unscale_" else "step_twice"), (
             f"scaler.{call}(optimizer) was called twice for one optimizer before scaler.update(). "

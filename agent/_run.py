@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -18,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-import weakref
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -30,7 +32,8 @@ from ampwatch._watch import Recorder
 from ampwatch._worker import EVENT, STATUS, VALUES, Worker
 
 log = logging.getLogger("ampwatch")
-_UNFINISHED: "weakref.WeakSet[Run]" = weakref.WeakSet()
+_UNFINISHED: "set[Run]" = set()  # (held here: a run the script no longer refers to is still finished at exit)
+_LAUNCHES = itertools.count()  # init() calls of a distributed process: a sweep's runs get ids of their own
 # A forked child (os.fork, a multiprocessing worker) that exits normally runs the inherited atexit hook:
 # the runs it inherited are its parent's, which trains on, so the child must not finish them.
 os.register_at_fork(after_in_child=_UNFINISHED.clear)
@@ -44,7 +47,7 @@ class Run:
         self,
         settings: AgentSettings,
         name: str | None = None,
-        config: dict[str, Any] | None = None,
+        config: Any = None,
     ) -> None:
         disabled = settings.mode == "disabled"  # the fallback of a failed init(): nothing here may raise
         self.rank, self.world_size = (0, 1) if disabled else _rank_and_world_size()
@@ -59,7 +62,7 @@ class Run:
             doc = {
                 "project": self.project,
                 "name": self.name,
-                "config": _jsonable(config or {}),
+                "config": _jsonable(_config_dict(config)),
                 "environment": _environment(self.world_size),
             }
             self._worker = Worker(settings, self.id, doc, self.rank)
@@ -84,7 +87,9 @@ class Run:
     # -- public API -----------------------------------------------------------------------
     def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "Run":
         """Record loss, scale, skipped steps and gradient norms from now on, with no other code."""
-        if self._worker is not None:  # a disabled run does not even hook: it costs nothing
+        if self._finished:
+            warn_once("watch-finished", "ampwatch: watch() after finish() is ignored: start a new run with ampwatch.init()")
+        elif self._worker is not None:  # a disabled run does not even hook: it costs nothing
             guarded(self._recorder.watch, *guarded(_watchable, model, optimizer, scaler) or (None, None, None))
         return self
 
@@ -114,6 +119,9 @@ class Run:
             self._worker.record(entry)
 
     def _log(self, metrics: dict[str, Any], step: int | None) -> None:
+        if self._finished:
+            warn_once("log-finished", "ampwatch: log() after finish() is ignored: start a new run with ampwatch.init()")
+            return
         if not isinstance(metrics, dict):
             warn_once("log-metrics", "ampwatch: log() takes a dict of names to values, got %s; ignored", type(metrics).__name__)
             return
@@ -135,8 +143,9 @@ class Run:
             elif getattr(value, "numel", None) is not None and _readable_scalar(value):
                 # Read later, off this thread: a tensor without autograd history may be an accumulator that
                 # changes in place, and a GPU tensor may be a CUDA graph's static output that the next replay
-                # overwrites, so those are copied (asynchronously on a GPU); a CPU forward's results are not.
-                fresh = getattr(value, "grad_fn", None) is not None and value.device.type == "cpu"
+                # overwrites, so those are copied (asynchronously on a GPU); a CPU forward's results are not (but views
+                # are: `p[0]` of a parameter the optimizer updates in place has a grad_fn too).
+                fresh = getattr(value, "grad_fn", None) is not None and value.device.type == "cpu" and value._base is None
                 value = value.detach() if fresh else value.detach().clone()
                 self._record((VALUES, step, (name,), value))
                 self._recorder.user_logged(step, (name,))
@@ -154,11 +163,13 @@ class Run:
             return
         self._finished = True
         _UNFINISHED.discard(self)
-        self._recorder.unwatch()
-        if exc is not None:
-            self._record((EVENT, self._recorder.step, _crash_event(self._recorder.step, self.rank, exc)))
-        self._record((STATUS, status))
-        delivered = self._worker is None or self._worker.close(self._settings.finish_timeout_s)
+        try:
+            self._recorder.unwatch()
+            if exc is not None:
+                self._record((EVENT, self._recorder.step, _crash_event(self._recorder.step, self.rank, exc)))
+        finally:  # (the run is closed whatever went wrong above)
+            self._record((STATUS, status))
+            delivered = self._worker is None or self._worker.close(self._settings.finish_timeout_s)
         if not delivered and self._settings.mode == "online":  # offline runs deliver nothing, by design
             log.warning("ampwatch: could not deliver everything to %s before finish()", self._settings.url)
 
@@ -195,9 +206,10 @@ def init(
     *,
     url: str | None = None,
     token: str | None = None,
-    config: dict[str, Any] | None = None,
+    config: Any = None,
 ) -> Run:
-    """Start a run. Never raises: on any problem it logs and returns a run that records nothing."""
+    """Start a run (`config`: a dict, an argparse.Namespace, a dataclass or an OmegaConf config). Never raises: on
+    any problem it logs and returns a run that records nothing."""
     try:
         return Run(AgentSettings.resolve(project=project, url=url, token=token), name, config)
     except Exception:
@@ -274,7 +286,7 @@ def _crash_event(step: int, rank: int, exc: BaseException) -> dict[str, Any]:
         message = f"Interrupted at step {step}: KeyboardInterrupt (Ctrl-C or SIGINT)."
         details = {"exception": "KeyboardInterrupt", "signal": "SIGINT"}
     else:
-        message = f"The training loop raised {type(exc).__name__}: {exc}"
+        message = f"The training loop raised {traceback.format_exception_only(type(exc), exc)[-1].strip()}"  # (safe: see test)
         details = {"exception": type(exc).__name__}
     if exc.__traceback__ is not None:
         details["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:]
@@ -305,7 +317,7 @@ def _run_id(project: str, name: str | None, world_size: int) -> str:
     if world_size <= 1:
         return secrets.token_hex(8)
     shared = [project, name or "", os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("MASTER_ADDR", ""),
-              os.environ.get("MASTER_PORT", "")]  # fmt: skip
+              os.environ.get("MASTER_PORT", ""), str(next(_LAUNCHES))]  # fmt: skip
     return hashlib.sha256("\0".join(shared).encode()).hexdigest()[:16]
 
 
@@ -326,13 +338,27 @@ def _environment(world_size: int) -> dict[str, Any]:
     return env
 
 
+def _config_dict(config: Any) -> dict[str, Any]:
+    """A run's config as the dict the server takes: a mapping (OmegaConf's too), an argparse.Namespace or another
+    object's attributes, a dataclass; anything else under "value"."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    if isinstance(getattr(config, "__dict__", None), dict) and not isinstance(config, type):
+        return dict(vars(config))
+    return {"value": config}
+
+
 def _jsonable(value: Any) -> Any:
     """Config values that JSON cannot carry become strings; non-finite floats keep their spelling."""
 
     def fix(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
             return str(v)
-        if isinstance(v, dict):
+        if isinstance(v, Mapping):
             return {str(k): fix(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
             return [fix(x) for x in v]

@@ -40,7 +40,7 @@ class AgentSettings:
             project=project or env.get("AMPWATCH_PROJECT") or "default",
             mode=mode,
             flush_interval_s=max(0.01, float(env.get("AMPWATCH_FLUSH_INTERVAL_S", cls.flush_interval_s))),  # (0: a busy sender)
-            finish_timeout_s=float(env.get("AMPWATCH_FINISH_TIMEOUT_S", cls.finish_timeout_s)),
+            finish_timeout_s=min(max(0.0, float(env.get("AMPWATCH_FINISH_TIMEOUT_S", cls.finish_timeout_s))), 86400.0),
             spool_max_bytes=int(env.get("AMPWATCH_SPOOL_MAX_BYTES", cls.spool_max_bytes)),
             max_pending_records=max(1, int(env.get("AMPWATCH_MAX_PENDING_RECORDS", cls.max_pending_records))),
             heartbeat_interval_s=float(env.get("AMPWATCH_HEARTBEAT_INTERVAL_S", cls.heartbeat_interval_s)),

@@ -133,7 +133,10 @@ class Recorder(Steady):
             self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in model.named_parameters()}
             self._probe = OriginProbe(model)
             self._layers_due = self.step % self.layer_interval == 0
-            self._first_forward_hook = model.register_forward_pre_hook(self._first_forward)
+            # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's) has it on
+            # only once that forward runs, after the model's own pre-hooks.
+            first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), model)
+            self._first_forward_hook = first.register_forward_pre_hook(self._first_forward)
         if scaler is not None:
             _scaler.attach(scaler, self)
             self._scaler = scaler

@@ -151,6 +151,16 @@ def test_step_twice_before_update(sqlite_server) -> None:  # type: ignore[no-unt
     assert event["details"]["cause"] == "step_twice"
 
 
+def test_unscale_twice_before_update(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """GradScaler says "unscale_() has already been called on this optimizer since the last update()"."""
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    scaler.scale(_loss(model)).backward()
+    scaler.unscale_(optimizer)
+    _raises_unchanged(lambda: scaler.unscale_(optimizer), "unscale_() has already been called on this optimizer")
+    [event] = _misuse_events(sqlite_server, run)
+    assert event["details"]["cause"] == "unscale_twice"
+
+
 def test_a_silent_unscaled_backward_is_reported_once_without_raising(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     run, model, optimizer, scaler = _setup(sqlite_server)
     _good_step(model, optimizer, scaler)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import pickle
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -230,3 +233,113 @@ def test_a_deeply_nested_module_gets_a_layer_series_within_the_servers_limit(sql
     module = next(n for n, _ in model.named_modules() if n.endswith("level4_" + "x" * 42))
     layer = "grad_norm/…" + module[-189:]
     assert len(module) > 240 and _series(sqlite_server, run.id, layer)["steps"] == [0, 10, 20]
+
+
+
+@dataclasses.dataclass
+class _Config:
+    lr: float = 3e-4
+    layers: int = 12
+
+
+@pytest.mark.parametrize("config", [argparse.Namespace(lr=3e-4, layers=12), _Config()], ids=["namespace", "dataclass"])
+def test_a_config_that_is_not_a_dict_is_recorded_as_one(sqlite_server, config) -> None:  # type: ignore[no-untyped-def]
+    """init(config=args), as many scripts pass argparse's result: it became a string, which the server refused as
+    a config, so the run was never registered and nothing of it arrived."""
+    with ampwatch.init("review", "config", url=sqlite_server.url, config=config) as run:
+        run.log({"x": 1.0}, step=0)
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run.id}").json()["config"] == {"lr": 3e-4, "layers": 12}
+    assert _series(sqlite_server, run.id, "x")["steps"] == [0]
+
+
+_FORGOTTEN_RUN_SCRIPT = """
+import sys, ampwatch
+def main():
+    run = ampwatch.init("review", "forgotten", url=sys.argv[1])
+    run.log({"x": 1.0}, step=0)
+    print(run.id)
+main()  # the run is no longer referred to once main() returns
+"""
+
+
+def test_a_run_the_script_no_longer_refers_to_is_finished_at_exit(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    done = subprocess.run([sys.executable, "-c", _FORGOTTEN_RUN_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    run_id = done.stdout.split()[-1]
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run_id}").json()["status"] == "finished"
+    assert _series(sqlite_server, run_id, "x")["steps"] == [0]
+
+
+def test_the_runs_of_a_sweep_in_one_distributed_launch_get_ids_of_their_own(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Ranks derive a shared run id from the launch; a second init() in the same processes (a sweep) is another run."""
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    ids = {}
+    for rank in ("0", "1"):  # each rank's process counts its own init() calls: one counter per "process" here
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setattr("ampwatch._run._LAUNCHES", __import__("itertools").count())
+        runs = [ampwatch.init("review", "sweep", config={"trial": trial}) for trial in range(2)]
+        for run in runs:
+            run.finish()
+        ids[rank] = [run.id for run in runs]
+    assert ids["0"] == ids["1"] and ids["0"][0] != ids["0"][1]
+
+
+def test_an_autocast_inside_the_models_forward_is_seen(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """Accelerate's fp16 wraps the model's forward in autocast: the forward runs under autocast, and a scaler with it
+    is no configuration mistake (the check ran before that forward, and said there was no autocast)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model.forward = torch.autocast("cpu", dtype=torch.float16)(model.forward)  # (as Accelerate does)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("review", "autocast-inside", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(3):
+            scaler.scale(model(torch.randn(8, 4)).float().pow(2).mean()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        assert "amp_config" not in [e["type"] for e in http.get(f"/api/v1/runs/{run.id}/events").json()]
+
+
+def test_log_and_watch_after_finish_are_ignored(sqlite_server, caplog) -> None:  # type: ignore[no-untyped-def]
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    run = ampwatch.init("review", "after-finish", url=sqlite_server.url)
+    run.finish()
+    with caplog.at_level("WARNING", logger="ampwatch"):
+        run.watch(model=model, optimizer=optimizer)
+        run.log({"x": 1.0}, step=0)
+    assert not run._worker.records and not optimizer._optimizer_step_pre_hooks  # (private: nothing buffered or hooked)
+    assert "log() after finish()" in caplog.text and "watch() after finish()" in caplog.text
+
+
+def test_a_logged_view_of_a_parameter_is_recorded_as_it_was_when_logged(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """`p[0]` has a grad_fn on the CPU, like a forward's result, but it is a view of a parameter that the optimizer
+    then changes in place: the value logged is the value at log() time."""
+    weight = torch.nn.Parameter(torch.tensor([1.0, 5.0]))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    with ampwatch.init("review", "view", url=sqlite_server.url) as run:
+        for step in range(3):
+            run.log({"w0": weight[0]}, step=step)
+            weight.sum().backward()
+            optimizer.step()  # w0 falls by 1 each step
+            optimizer.zero_grad()
+    assert _series(sqlite_server, run.id, "w0")["values"] == [1.0, 0.0, -1.0]
+
+
+def test_an_exception_that_cannot_be_printed_still_ends_the_run_crashed(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError("no")
+
+    with pytest.raises(Unprintable):
+        with ampwatch.init("review", "unprintable", url=sqlite_server.url) as run:
+            run.log({"x": 1.0}, step=0)
+            raise Unprintable()
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run.id}").json()["status"] == "crashed"
