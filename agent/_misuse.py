@@ -24,13 +24,14 @@ class Signature:
     scaled_this_iteration: bool  # scaler.scale() was called since the last update()
 
     @classmethod
-    def taken(cls, error: BaseException, params: list[Any], model: Any, stage: str, scaled: bool) -> Signature:
-        """The signature of `error`, raised for the optimizer holding `params` (`model`: the watched one or None)."""
+    def taken(cls, error: BaseException, params: list[Any], model: Any, stage: str, scaled: bool, others: Any = ()) -> Signature:
+        """The signature of `error`, raised for the optimizer holding `params` (`model`: the watched one or None;
+        `others`: the other watched optimizers)."""
         return cls(
             message=str(error),
             stage=stage,
             params_with_grad=sum(p.grad is not None for p in params),
-            replaced_params=_replaced(params, model) if model is not None else None,
+            replaced_params=_replaced(params, model, others) if model is not None else None,
             model_has_grads=any(p.grad is not None for p in model.parameters()) if model is not None else None,
             scaled_this_iteration=scaled,
         )
@@ -136,11 +137,13 @@ def _accelerate_fp16_on_cpu(optimizer: Any) -> bool:
     return getattr(state, "mixed_precision", None) == "fp16" and getattr(device, "type", None) == "cpu" and getattr(optimizer, "scaler", 0) is None
 
 
-def _replaced(params: list[Any], model: Any) -> int:
-    """Optimizer parameters missing from the model that have the shape of a model parameter the
-    optimizer lacks: the signature of parameters swapped after the optimizer was built."""
+def _replaced(params: list[Any], model: Any, others: Any = ()) -> int:
+    """Optimizer parameters missing from the model that have the shape of a model parameter no optimizer holds:
+    the signature of parameters swapped after the optimizer was built (one another optimizer holds is not: a GAN
+    stepping its discriminator's optimizer after the generator's backward)."""
     held = {id(p) for p in params}
-    orphans = [tuple(p.shape) for p in model.parameters() if id(p) not in held]
+    owned = held | {id(p) for o in others for g in o.param_groups for p in g["params"]}
+    orphans = [tuple(p.shape) for p in model.parameters() if id(p) not in owned]
     in_model = {id(p) for p in model.parameters()}
     count = 0
     for p in params:

@@ -290,7 +290,8 @@ class Recorder(Steady):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         model = self._model
         stage = self._stage_before
-        signature = Signature.taken(error, params, model, stage.name if stage is not None else "READY", self._scale_calls > 0)
+        signature = Signature.taken(error, params, model, stage.name if stage is not None else "READY", self._scale_calls > 0,
+                                    [o for o in self._optimizers if o is not optimizer])  # fmt: skip
         found = classify(signature)
         if found is not None:
             cause, explanation = found

@@ -151,6 +151,24 @@ def test_step_twice_before_update(sqlite_server) -> None:  # type: ignore[no-unt
     assert event["details"]["cause"] == "step_twice"
 
 
+def test_a_gan_stepping_the_other_optimizer_is_told_so(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """G's loss, then scaler.step(optD): D's parameters have G's shapes, but another watched optimizer holds G's, so
+    nothing was replaced (it said `parameters_replaced`)."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt_g, opt_d = torch.optim.Adam(generator.parameters()), torch.optim.Adam(discriminator.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    run = ampwatch.init("misuse", url=sqlite_server.url)
+    run.watch(model=generator, optimizer=[opt_g, opt_d], scaler=scaler)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = generator(torch.randn(8, 16)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    _raises_unchanged(lambda: scaler.step(opt_d), "No inf checks were recorded")
+    [event] = _misuse_events(sqlite_server, run)
+    assert event["details"]["cause"] == "wrong_optimizer_or_frozen"
+
+
 def test_unscale_twice_before_update(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     """GradScaler says "unscale_() has already been called on this optimizer since the last update()"."""
     run, model, optimizer, scaler = _setup(sqlite_server)
