@@ -109,7 +109,7 @@ class Steady:
         if (optimizer is None or scaler is None or not scaler._enabled or not self._clip_trusted or self._probing
                 or not self._ever_scaled or stage is None or stage.name != "UNSCALED"
                 or self._clip_params.__class__ is not list or not self._clip_params  # (a clip of one tensor, or none)
-                or self._user_step >= self.step  # (the user logged a standard name ahead: the full path sees it)
+                or self._user_step >= self.step and self._user_names  # (a standard name logged ahead: the full path sees it)
                 or getattr(optimizer, "_step_supports_amp_scaling", False)
                 or scaler.__dict__.get(_scaler.RECORDER) is not self):  # fmt: skip
             return

@@ -304,3 +304,27 @@ def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(sqlit
     assert sum(lean) > 100
     values = [float(v) for v in norms["values"]]  # (non-finite values come as the strings JSON has for them)
     assert norms["steps"] == list(range(120)) and values == pytest.approx(clipped, rel=1e-6)
+
+
+def test_a_loop_that_numbers_its_steps_from_one_stays_lean(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """run.log(..., step=i + 1) of names that are not standard is ahead of the agent's step every time: only a standard
+    name logged ahead keeps the next step off the steady path."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    lean = []
+    with ampwatch.init("steady", "numbered-from-one", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for i in range(120):
+            lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
+            run.log({"tokens_per_s": 1000.0}, step=i + 1)  # (before the step's update: ahead of the agent's step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    assert sum(lean) > 100
