@@ -32,6 +32,19 @@ def train(run: ampwatch.Run, steps: Iterable[int], on_step: Callable[[int], None
         run.log({"step_seen": float(step)}, step=step)
 
 
+def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                 x: torch.Tensor | None = None) -> None:
+    """One fp16 step that unscales and clips, the pattern the agent's steady path takes (on `x`, else a random batch)."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(8, 4) if x is None else x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+
+
 def assert_every_step_once(url: str, run_id: str, steps: int) -> None:
     """The run is finished with each of its `steps` steps stored once, no batch twice, and nothing left in the spool."""
     with httpx.Client(base_url=url, timeout=30) as http:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _runs
 import pytest
 import torch
 
@@ -166,15 +167,7 @@ def test_a_loop_without_a_watched_model_stays_lean_after_a_non_finite_loss(sqlit
         run.watch(optimizer=optimizer, scaler=scaler)
         for step in range(400):
             lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
-            x = torch.full((8, 4), float("inf")) if step == 100 else torch.randn(8, 4)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(x).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            _runs.clipped_step(model, optimizer, scaler, torch.full((8, 4), float("inf")) if step == 100 else None)
             if step == 100:
                 assert run._worker.flush(10)  # (private: the diagnosis has seen it)
     assert sum(lean[200:]) > 180 and len([s for s in entered if s > 200]) <= 5

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+import _runs
 import ampwatch
 from ampwatch import _steady
 
@@ -319,12 +320,5 @@ def test_a_loop_that_numbers_its_steps_from_one_stays_lean(sqlite_server) -> Non
         for i in range(120):
             lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
             run.log({"tokens_per_s": 1000.0}, step=i + 1)  # (before the step's update: ahead of the agent's step)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(8, 4)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            _runs.clipped_step(model, optimizer, scaler)
     assert sum(lean) > 100
