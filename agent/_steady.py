@@ -1,4 +1,5 @@
-"""The end of a step, and the steady path: the Recorder's work on the steps between the ones that do more.
+"""The end of a step (its record, the NaN-origin probe's flags), and the steady path: the Recorder's work on the
+steps between the ones that do more.
 
 A step does more when it takes per-layer norms, checks the parameters, or anchors the scale; `_plan` finds
 the next such step, and the steps before it are plain: `_finish_step` takes its short path on them (and the
@@ -25,7 +26,7 @@ from ampwatch import _scaler
 from ampwatch._guard import report
 from ampwatch._host import note_stream
 from ampwatch._steps import ANCHOR_EVERY
-from ampwatch._worker import FAST_RECORDS, PLAIN, RAN, STEP
+from ampwatch._worker import FAST_RECORDS, ORIGIN, PLAIN, RAN, STEP
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
@@ -84,6 +85,30 @@ class Steady:
         self._plain_until = self._plan(step)
         if self._plain_until > step + 1:
             self._enter_steady()
+
+    def _probe_step(self: Any, step: int) -> None:
+        """Hand over the armed probe's flags for `step`; arm or disarm it as the diagnosis asked."""
+        probe = self._probe
+        if probe.armed:  # type: ignore[union-attr]
+            import torch
+
+            fwd_names, fwd, bwd_names, bwd = probe.take()  # type: ignore[union-attr]
+            if fwd or bwd:
+                flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
+                self._record((ORIGIN, step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
+            probe.steps_left -= 1  # type: ignore[union-attr]
+            if probe.steps_left <= 0:  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
+                probe.disarm()  # type: ignore[union-attr]
+                # A request pending after a hit: from the same episode (the range below misses it if the user numbers steps).
+                self.arm_request = self.arm_request and self.origin_found != self._arming
+        if self.arm_request and not probe.armed:  # type: ignore[union-attr]
+            self.arm_request = False
+            # Not for an event from the last arming's own on: it saw it or was armed after it (one before: a step the user
+            # numbered otherwise: armed). Its flags were recorded before this event's step, so whether it missed is known.
+            if not self._armed_from <= self.arm_step < self._armed_until:
+                probe.arm(missed=self._arming > 0 and self.origin_found != self._arming)  # type: ignore[union-attr]
+                self._arming += 1
+                self._armed_from, self._armed_until = self.arm_step, step + 1 + probe.window  # type: ignore[union-attr]
 
     def _plan(self: Any, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that

@@ -17,7 +17,7 @@ from ampwatch._misuse import SILENT_UNSCALED, Signature, classify, forward_confi
 from ampwatch._origin import OriginProbe
 from ampwatch._steady import Steady
 from ampwatch._steps import ANCHOR_EVERY
-from ampwatch._worker import EVENT, ORIGIN
+from ampwatch._worker import EVENT
 
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
@@ -363,30 +363,6 @@ class Recorder(Steady):
                 self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in self._model.named_parameters()}
             self._layer_names[key] = tuple(self._module_of.get(id(p), "(unnamed)") for p in params)
         return self._layer_names[key]
-
-    def _probe_step(self, step: int) -> None:
-        """Hand over the armed probe's flags for `step`; arm or disarm it as the diagnosis asked."""
-        probe = self._probe
-        if probe.armed:  # type: ignore[union-attr]
-            import torch
-
-            fwd_names, fwd, bwd_names, bwd = probe.take()  # type: ignore[union-attr]
-            if fwd or bwd:
-                flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
-                self._record((ORIGIN, step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
-            probe.steps_left -= 1  # type: ignore[union-attr]
-            if probe.steps_left <= 0:  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
-                probe.disarm()  # type: ignore[union-attr]
-                # A request pending after a hit: from the same episode (the range below misses it if the user numbers steps).
-                self.arm_request = self.arm_request and self.origin_found != self._arming
-        if self.arm_request and not probe.armed:  # type: ignore[union-attr]
-            self.arm_request = False
-            # Not for an event from the last arming's own on: it saw it or was armed after it (one before: a step the user
-            # numbered otherwise: armed). Its flags were recorded before this event's step, so whether it missed is known.
-            if not self._armed_from <= self.arm_step < self._armed_until:
-                probe.arm(missed=self._arming > 0 and self.origin_found != self._arming)  # type: ignore[union-attr]
-                self._arming += 1
-                self._armed_from, self._armed_until = self.arm_step, step + 1 + probe.window  # type: ignore[union-attr]
 
     def _config(self, message: str, details: dict[str, Any]) -> None:
         self._record((EVENT, self.step, self._event("amp_config", "warning", message, details)))
