@@ -33,8 +33,9 @@ def train(run: ampwatch.Run, steps: Iterable[int], on_step: Callable[[int], None
 
 
 def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                 x: torch.Tensor | None = None) -> None:
-    """One fp16 step that unscales and clips, the pattern the agent's steady path takes (on `x`, else a random batch)."""
+                 x: torch.Tensor | None = None) -> torch.Tensor:
+    """One fp16 step that unscales and clips, the pattern the agent's steady path takes (on `x`, else a random batch);
+    its loss."""
     with torch.autocast("cpu", dtype=torch.float16):
         loss = model(torch.randn(8, 4) if x is None else x).float().pow(2).mean()
     scaler.scale(loss).backward()
@@ -43,6 +44,7 @@ def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad()
+    return loss
 
 
 def assert_every_step_once(url: str, run_id: str, steps: int) -> None:

@@ -20,6 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import _runs
 import ampwatch
 from ampwatch import _watch
 from ampwatch._worker import RAN
@@ -37,14 +38,7 @@ def _train(run: Any, steps: int = 30, *, fused: bool = False, nan_step: int | No
         x = torch.randn(8, 16) * (1e3 if step % 9 == 4 else 1.0)  # some steps overflow fp16
         if step == nan_step:
             x[1, 2] = float("nan")
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
+        loss = _runs.clipped_step(model, optimizer, scaler, x)
         if run is not None:
             run.log({"loss_again": loss, "lr": 1e-2})
     return [p.detach().clone() for p in model.parameters()]

@@ -204,14 +204,7 @@ def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_fini
         run.watch(model=model, optimizer=[first, second], scaler=scaler)
         for step in range(400):
             optimizer = first if (step // 60) % 2 == 0 else second
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(8, 4)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            _runs.clipped_step(model, optimizer, scaler)
             if run._recorder._steady is not None:  # (private: which optimizer the lean hooks are for)
                 steady.add(run._recorder._steady)
         assert steady == {first, second}  # (it was a test of coming back: 400 steps are 3 switches)
