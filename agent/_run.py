@@ -52,8 +52,8 @@ class Run:
         disabled = settings.mode == "disabled"  # the fallback of a failed init(): nothing here may raise
         self.rank, self.world_size = (0, 1) if disabled else _rank_and_world_size()
         self.id = secrets.token_hex(8) if disabled else _run_id(settings.project, name, self.world_size)
-        self.project = str(settings.project)[:MAX_NAME]
-        self.name = str(name)[:MAX_NAME] if name else f"run-{self.id[:6]}"
+        self.project = str(settings.project)[:MAX_NAME].replace("\x00", "\ufffd")  # (the server refuses NUL in names)
+        self.name = str(name)[:MAX_NAME].replace("\x00", "\ufffd") if name else f"run-{self.id[:6]}"
         self.url: str | None = f"{settings.url}/runs/{self.id}"
         self._settings = settings
         self._finished = False
@@ -135,8 +135,8 @@ class Run:
         names: list[str] = []
         floats: list[float] = []
         for name, value in metrics.items():
-            if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
-                warn_once("log-name", "ampwatch: metric names must be strings of 1-%d characters, got %r", MAX_NAME, name)
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or "\x00" in name:
+                warn_once("log-name", "ampwatch: metric names must be strings of 1-%d characters without NUL, got %r", MAX_NAME, name)
             elif isinstance(value, (int, float)):
                 names.append(name)
                 floats.append(float(value))

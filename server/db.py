@@ -26,6 +26,7 @@ BUSY_TIMEOUT_S = 30.0  # how long a SQLite writer waits for another process's tr
 _WRITES = ("INSERT", "UPDATE", "DELETE", "REPLAC", "BEGIN ")  # statements that start pysqlite's write transaction
 _HOLDS_LOCK = "ampwatch.write_lock"
 T = TypeVar("T")
+IDS_PER_QUERY = 10_000  # names or ids bound in one IN (...): Postgres takes at most 65 535 parameters a statement
 
 
 def make_engine(url: str) -> Engine:

@@ -10,6 +10,7 @@ import math
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from ampwatch.server.db import IDS_PER_QUERY
 from ampwatch.server.models import BLOCK_STEPS
 
 _FINITE = "value > :ninf AND value < :inf"
@@ -109,10 +110,9 @@ def _known_blocks(session: Session, rank: int, keys: list[tuple[int, int]]) -> d
     per_series: dict[int, list[int]] = {}
     for sid, block in keys:
         per_series.setdefault(sid, []).append(block)
-    blocks = [b for _, b in keys]
-    spans = [(list(per_series), min(blocks), max(blocks))] if max(blocks) - min(blocks) < 64 else [
-        ([sid], min(bs), max(bs)) for sid, bs in per_series.items()
-    ]  # fmt: skip
+    blocks, sids = [b for _, b in keys], list(per_series)
+    spans = [(sids[i : i + IDS_PER_QUERY], min(blocks), max(blocks)) for i in range(0, len(sids), IDS_PER_QUERY)] if (
+        max(blocks) - min(blocks) < 64) else [([sid], min(bs), max(bs)) for sid, bs in per_series.items()]  # fmt: skip
     wanted = set(keys)
     out: dict[tuple[int, int], Extremes] = {}
     for sids, lo, hi in spans:

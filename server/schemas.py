@@ -26,11 +26,34 @@ Health = Literal["ok", "warning", "critical"]
 
 
 def _strict_json(value: dict[str, Any]) -> dict[str, Any]:
-    """JSON columns cannot hold NaN on Postgres: non-finite numbers must arrive as strings."""
+    """JSON columns cannot hold NaN on Postgres: non-finite numbers must arrive as strings. Nor NUL characters:
+    those become U+FFFD, as in free text (see `_text`)."""
     try:
-        json.dumps(value, allow_nan=False)
+        encoded = json.dumps(value, allow_nan=False)
     except ValueError as error:
         raise ValueError("non-finite numbers must be sent as the strings 'NaN', 'Infinity', '-Infinity'") from error
+    return _without_nul(value) if "\\u0000" in encoded else value
+
+
+def _without_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, dict):
+        return {_text(k): _without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_nul(v) for v in value]
+    return value
+
+
+def _text(value: str) -> str:
+    """Free text (an event's message, often an exception's) as Postgres can store it: a NUL becomes U+FFFD. (A
+    batch the database refuses would be retried forever, holding up every batch after it.)"""
+    return value.replace("\x00", "\ufffd")
+
+
+def _name(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("names cannot contain NUL characters")
     return value
 
 
@@ -39,7 +62,8 @@ MAX_INT = 2**31 - 1  # INTEGER columns (rank, row ids)
 MAX_BIGINT = 2**63 - 1  # BIGINT columns (steps, batch sequence numbers)
 Step = Annotated[int, Field(ge=0, le=MAX_BIGINT)]
 Rank = Annotated[int, Field(ge=0, le=MAX_INT)]
-Name = Annotated[str, Field(min_length=1, max_length=200)]
+Name = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_name)]
+Text = Annotated[str, AfterValidator(_text)]
 
 
 class RunIn(BaseModel):
@@ -91,7 +115,7 @@ class EventIn(BaseModel):
     rank: Rank | None = None
     type: EventType
     severity: Severity
-    message: Annotated[str, Field(max_length=20_000)]
+    message: Annotated[Text, Field(max_length=20_000)]
     details: JsonObject = {}
     time: float | None = Field(None, ge=0, le=1e11, description="Unix time in seconds; the server's clock when absent.")
 

@@ -25,11 +25,15 @@ from ampwatch.server.values import to_json_cells
 Points = tuple[list[int], list[float | None]]
 PARALLEL_STEPS = 200_000  # longer ranges are split in two halves read on two connections at once
 _NONFINITE = "(value IS NULL OR value > 1e308 OR value < -1e308)"  # the predicate of ix_points_nonfinite
-_BUCKETS = {  # buckets of :w steps from :lo to :hi as b(lo, up): each is one range of the primary key
-    "sqlite": "WITH RECURSIVE b(lo, up) AS (SELECT :lo, min(:lo + :w, :hi + 1) UNION ALL SELECT up, min(up + :w, :hi + 1) FROM b WHERE up <= :hi)",
-    "postgresql": "WITH b AS (SELECT g.lo, LEAST(g.lo + :w, :hi + 1) AS up FROM generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint), CAST(:w AS bigint)) AS g(lo))",
-}
-_RANGE = "series_id = :sid AND rank = :rank AND step >= b.lo AND step < b.up"
+# Buckets of :w steps from :lo to :hi as b(lo, last), `last` inclusive: each is one range of the primary key. (Written
+# so that no sum passes :hi: steps go up to the largest BIGINT, and one past it overflows on Postgres.)
+_BUCKETS = {
+    "sqlite": "WITH RECURSIVE b(lo, last) AS (SELECT :lo, :lo + min(:w - 1, :hi - :lo)"
+              " UNION ALL SELECT last + 1, last + 1 + min(:w - 1, :hi - last - 1) FROM b WHERE last < :hi)",
+    "postgresql": "WITH b AS (SELECT g.lo, g.lo + LEAST(CAST(:w AS bigint) - 1, CAST(:hi AS bigint) - g.lo) AS last"
+                  " FROM generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint), CAST(:w AS bigint)) AS g(lo))",
+}  # fmt: skip
+_RANGE = "series_id = :sid AND rank = :rank AND step >= b.lo AND step <= b.last"
 
 # SQLite: a bare column next to a single max() (or min()) comes from the row holding that extreme.
 _EXTREMES_SQLITE = text(f"""{_BUCKETS["sqlite"]}
@@ -38,7 +42,7 @@ SELECT (SELECT step FROM (SELECT step, max(value) FROM points WHERE {_RANGE})),
 FROM b""")
 # Postgres has no bare columns: one pass finds each bucket's extremes, a short seek finds their steps.
 _EXTREMES_POSTGRES = text(f"""{_BUCKETS["postgresql"]}, e AS (
-  SELECT b.lo, b.up, m.mx, m.mn FROM b, LATERAL (SELECT max(value) AS mx, min(value) AS mn FROM points WHERE {_RANGE}) AS m
+  SELECT b.lo, b.last, m.mx, m.mn FROM b, LATERAL (SELECT max(value) AS mx, min(value) AS mn FROM points WHERE {_RANGE}) AS m
 )
 SELECT (SELECT step FROM points WHERE {_RANGE.replace("b.", "e.")} AND value = e.mx LIMIT 1),
        (SELECT step FROM points WHERE {_RANGE.replace("b.", "e.")} AND value = e.mn LIMIT 1)

@@ -9,6 +9,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from ampwatch.server import alerts, models, rollups, series
+from ampwatch.server.db import IDS_PER_QUERY
 from ampwatch.server.db import insert as _insert
 from ampwatch.server.db import now
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
@@ -23,25 +24,27 @@ class UnknownRun(LookupError):
 
 
 def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
-    """Create the run (and its project) or refresh its metadata; the same request twice is harmless."""
-    project_table = models.Project.__table__
-    session.execute(_insert(session, project_table).values(name=body.project, created_at=now()).on_conflict_do_nothing())
-    project_id = session.scalar(select(models.Project.id).where(models.Project.name == body.project))
+    """Create the run (and its project) or refresh its metadata; the same request twice is harmless, and so are
+    the ranks of one launch sending it at once. A run stays in the project it was created in."""
     run = session.get(models.Run, run_id)
     if run is None:
+        project_table = models.Project.__table__
+        session.execute(_insert(session, project_table).values(name=body.project, created_at=now()).on_conflict_do_nothing())
+        project_id = session.scalar(select(models.Project.id).where(models.Project.name == body.project))
         stamp = now()
-        run = models.Run(
-            id=run_id, project_id=project_id, status="running", health="ok",
-            created_at=stamp, last_seen_at=stamp, finished_at=None, last_step=None,
-            name=body.name, config=body.config, environment=body.environment,
-        )  # fmt: skip
-        session.add(run)
-        session.flush()
-        alerts.on_batch(session, run=run, events=[], new_step=None, status=None, stamp=stamp)  # its liveness row
-    else:
-        run.name, run.config, run.environment = body.name, body.config, body.environment
+        row = dict(id=run_id, project_id=project_id, status="running", health="ok", created_at=stamp, last_seen_at=stamp,
+                   name=body.name, config=body.config, environment=body.environment)  # fmt: skip
+        # (another rank's insert may be under way: this one then waits for it and leaves its row alone)
+        created = session.execute(_insert(session, models.Run.__table__).values(**row).on_conflict_do_nothing().returning(models.Run.id))
+        if created.first() is not None:
+            run = session.get(models.Run, run_id)
+            alerts.on_batch(session, run=run, events=[], new_step=None, status=None, stamp=stamp)  # its liveness row
+            session.commit()
+            return run  # type: ignore[return-value]
+        run = session.get(models.Run, run_id)
+    run.name, run.config, run.environment = body.name, body.config, body.environment  # type: ignore[union-attr]
     session.commit()
-    return run
+    return run  # type: ignore[return-value]
 
 
 def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
@@ -101,7 +104,8 @@ def _store_points(session: Session, run_id: str, batch: BatchIn) -> int:
     else:
         rank = batch.rank
         rows = [(sid, rank, step, value) for sid, (steps, values) in written.items() for step, value in zip(steps, values)]
-        connection.exec_driver_sql(_SQLITE_UPSERT, rows)
+        if rows:  # (sqlite3 runs an executemany of no rows once, without parameters)
+            connection.exec_driver_sql(_SQLITE_UPSERT, rows)
         count = len(rows)
     rollups.update_blocks(session, rank=batch.rank, written=written)
     return count
@@ -145,13 +149,22 @@ def feed_position(session: Session, *, run_id: str) -> int:
 
 
 def _series_ids(session: Session, run_id: str, names: list[str]) -> dict[str, int]:
-    query = select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, models.Series.name.in_(names))
-    ids: dict[str, int] = dict(session.execute(query).all())
-    missing = [{"run_id": run_id, "name": n} for n in names if n not in ids]
+    ids = _known_series(session, run_id, names)
+    missing = [n for n in names if n not in ids]
     if missing:
-        session.execute(_insert(session, models.Series.__table__).on_conflict_do_nothing(), missing)
-        ids = dict(session.execute(query).all())
+        session.execute(_insert(session, models.Series.__table__).on_conflict_do_nothing(), [{"run_id": run_id, "name": n} for n in missing])
+        ids.update(_known_series(session, run_id, missing))
     return ids
+
+
+def _known_series(session: Session, run_id: str, names: list[str]) -> dict[str, int]:
+    """The ids of those of `names` the run has (looked up in chunks: see IDS_PER_QUERY)."""
+    ids: dict[str, int] = {}
+    for i in range(0, len(names), IDS_PER_QUERY):
+        chunk = models.Series.name.in_(names[i : i + IDS_PER_QUERY])
+        ids.update(session.execute(select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, chunk)).all())
+    return ids
+
 
 
 def _store_events(session: Session, run_id: str, batch: BatchIn, stamp: datetime) -> list[models.Event]:

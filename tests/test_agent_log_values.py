@@ -54,3 +54,16 @@ def test_a_logged_value_that_cannot_be_read_on_the_sender_costs_only_itself(sqli
     assert series["loss"]["steps"] == list(range(10))  # the steps in the same batch arrived
     assert series["dropped_records"]["values"] == [1.0]  # counted where the user looks for losses
     assert "logged as 'bad' (step 10) cannot be read" in caplog.text
+
+
+def test_a_name_the_server_refuses_is_refused_at_log_and_the_rest_of_its_batch_arrives(sqlite_server, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A NUL character, or a name of 0 or more than 200 characters: the server would refuse the whole batch
+    holding it (a 422: the batch is dropped). And a project or run name with NUL is stored with U+FFFD."""
+    with ampwatch.init("guest\x00", "nul\x00name", url=sqlite_server.url) as run:
+        run.log({"ok": 1.0, "bad\x00name": 2.0, "": 3.0, "x" * 201: 4.0}, step=0)
+        run.log({"ok": 5.0}, step=1)
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run.id}/series").json() == {"ok": {"steps": [0, 1], "values": [1.0, 5.0]}}
+        stored = http.get(f"/api/v1/runs/{run.id}").json()
+    assert (stored["project"], stored["name"], stored["status"]) == ("guest\ufffd", "nul\ufffdname", "finished")
+    assert "metric names must be strings of 1-200 characters without NUL" in caplog.text

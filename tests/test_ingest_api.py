@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 
 import pytest
@@ -206,3 +207,81 @@ def test_a_batch_over_the_point_limit_gets_413_and_stores_nothing(live_server_fa
         assert reply.status_code == 413
         assert "120 points; the limit is 100" in reply.json()["detail"]
         assert http.get("/api/v1/runs/r1/series").json() == {}
+
+
+def test_nul_characters_never_hold_up_a_run(http) -> None:  # type: ignore[no-untyped-def]
+    # Postgres text cannot hold NUL: a batch it refused was a 500, retried by the agent forever, holding up the rest.
+    reply = http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": {"a\x00b": {"steps": [0], "values": [1.0]}}})
+    assert reply.status_code == 422 and "names cannot contain NUL characters" in reply.text
+    assert http.put("/api/v1/runs/r2", json={"project": "p", "name": "n\x00"}).status_code == 422
+    event = {"step": 3, "type": "run_crashed", "severity": "critical", "message": "bad\x00byte", "details": {"k\x00": ["v\x00"]}}
+    assert http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [event]}).status_code == 200
+    assert http.put("/api/v1/runs/r1", json={"project": "p", "name": "run one", "config": {"path": "a\x00b"}}).status_code == 200
+    (stored,) = http.get("/api/v1/runs/r1/events").json()
+    assert (stored["message"], stored["details"]) == ("bad\ufffdbyte", {"k\ufffd": ["v\ufffd"]})
+    assert http.get("/api/v1/runs/r1").json()["config"] == {"path": "a\ufffdb"}
+    assert http.get("/api/v1/runs/r1/series").json()["loss"]["steps"] == [0, 1, 2]
+
+
+def test_a_batch_of_empty_series_stores_nothing_and_is_acknowledged(http) -> None:  # type: ignore[no-untyped-def]
+    for seq, empty in enumerate(([], ""), start=1):  # (a list, and packed: SQLite answered 500 to both)
+        reply = http.post("/api/v1/runs/r1/batches", json={"seq": seq, "points": {"x": {"steps": empty, "values": empty}}})
+        assert reply.status_code == 200 and reply.json() == {"stored": True, "points": 0}, reply.text
+    assert http.get("/api/v1/runs/r1/series").json() == {"x": {"steps": [], "values": []}}
+
+
+def test_ranks_registering_one_run_at_once_all_get_200(http, live_server) -> None:  # type: ignore[no-untyped-def]
+    # The project exists, so nothing made the ranks' transactions wait for each other: on Postgres, all but one
+    # failed on the run's primary key (a 500, retried after a backoff).
+    def register(run_id: str) -> int:
+        with live_server.client() as client:
+            return client.put(f"/api/v1/runs/{run_id}", json={"project": "p", "name": "ddp"}).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for round_ in range(5):
+            codes = list(pool.map(register, [f"ddp{round_}"] * 8))
+            assert codes == [200] * 8, codes
+    assert sorted(r["id"] for r in http.get("/api/v1/runs", params={"project": "p"}).json() if r["id"].startswith("ddp")) == [
+        f"ddp{i}" for i in range(5)
+    ]  # fmt: skip
+
+
+def test_a_run_keeps_its_project_when_registered_again_under_another(http) -> None:  # type: ignore[no-untyped-def]
+    reply = http.put("/api/v1/runs/r1", json={"project": "other", "name": "run one"})
+    assert reply.status_code == 200 and reply.json()["project"] == "p"
+    assert http.get("/api/v1/runs/r1").json()["project"] == "p"
+    assert http.get("/api/v1/runs", params={"project": "other"}).json() == []
+
+
+def test_steps_up_to_the_largest_bigint_chart_downsampled(http) -> None:  # type: ignore[no-untyped-def]
+    last = 2**63 - 1  # one past it overflowed the bucket bounds on Postgres (a 500)
+    steps = list(range(last - 999, last + 1))
+    points = {"loss": {"steps": steps, "values": [float(i % 7) for i in range(1000)]}, "grad_norm/a": {"steps": steps, "values": [1.0] * 1000}}
+    assert http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": points}).status_code == 200
+    for max_points in (100, 10):
+        reply = http.get("/api/v1/runs/r1/series", params={"name": "loss", "max_points": max_points})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["loss"]["steps"][-1] == last and max(reply.json()["loss"]["values"]) == 6.0
+    grid = http.get("/api/v1/runs/r1/heatmap", params={"columns": 100})
+    assert grid.status_code == 200 and grid.json()["layers"] == ["a"], grid.text
+
+
+def test_a_batch_with_more_series_than_postgres_takes_parameters_is_stored(http) -> None:  # type: ignore[no-untyped-def]
+    many = 66_000  # Postgres binds at most 65 535 parameters a statement: one per name was a 500
+    points = {f"grad_norm/l.{i}": {"steps": [0], "values": [float(i)]} for i in range(many)}
+    reply = http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": points})
+    assert reply.status_code == 200 and reply.json()["points"] == many, reply.text
+    last = http.get("/api/v1/runs/r1/series", params={"name": f"grad_norm/l.{many - 1}"}).json()
+    assert last == {f"grad_norm/l.{many - 1}": {"steps": [0], "values": [float(many - 1)]}}
+
+
+def test_every_event_of_a_long_run_can_be_paged_through(http) -> None:  # type: ignore[no-untyped-def]
+    events = [{"step": i, "type": "skipped_step", "severity": "info", "message": f"skip {i}"} for i in range(1500)]
+    assert http.post("/api/v1/runs/r1/batches", json={"seq": 1, "events": events}).status_code == 200
+    assert len(http.get("/api/v1/runs/r1/events").json()) == 1000  # the newest, by default
+    assert [e["step"] for e in http.get("/api/v1/runs/r1/events", params={"limit": 3}).json()] == [1497, 1498, 1499]
+    seen, after = [], 0
+    while page := http.get("/api/v1/runs/r1/events", params={"after_id": after, "limit": 400}).json():
+        seen += [e["step"] for e in page]
+        after = page[-1]["id"]
+    assert seen == list(range(1500))

@@ -22,7 +22,7 @@ def register_run(run_id: RunId, body: RunIn, request: Request, session: SessionD
     """Create or refresh a run; idempotent."""
     _check_project(request, session, run_id, body.project)
     run = db.retrying(session, lambda: store.register_run(session, run_id=run_id, body=body))  # idempotent
-    return run_out(run, body.project, settings)
+    return run_out(run, session.get(models.Project, run.project_id).name, settings)  # (a run keeps its first project)
 
 
 @router.post("/runs/{run_id}/batches", response_model=BatchOut)

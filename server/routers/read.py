@@ -95,13 +95,20 @@ def get_heatmap(
 
 
 @router.get("/runs/{run_id}/events", response_model=list[EventOut])
-def get_events(run_id: str, session: SessionDep) -> list[EventOut]:
-    """The run's events (step, rank, type, severity, message, details, time) in step order."""
+def get_events(
+    run_id: str,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=10_000, description="At most this many events.")] = 1000,
+    after_id: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Page through all events: those stored "
+                                          "after the event with this id, in stored order (0: from the first).")] = None,
+) -> list[EventOut]:
+    """The run's newest `limit` events (step, rank, type, severity, message, details, time) in step order; with
+    `after_id`, the first `limit` stored after that event."""
     _get_run(session, run_id)
     return [
         EventOut(id=e.id, step=e.step, rank=e.rank, type=e.type, severity=e.severity, message=e.message,
                  details=e.details, time=utc(e.time))  # fmt: skip
-        for e in store.list_events(session, run_id=run_id)
+        for e in store.list_events(session, run_id=run_id, limit=limit, after_id=after_id)
     ]
 
 
