@@ -296,7 +296,8 @@ class Analyzer:
             count = f"{self._nan_grad_streak} steps in a row" if self._nan_grad_streak > 1 else f"step {step}"
         loss_note = "with a finite loss" if loss is not None else "(no loss recorded)"
         out.append(self.event(step, "nonfinite_grad", severity, f"{kind} gradients at {count} {loss_note}. {cause}{fate}",
-                              {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None}))  # fmt: skip
+                              {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None,
+                               "grad_norm": _spell(norm)}))  # fmt: skip
 
     def _check_params(self, step: int, param_norm: float, scale: float | None, out: list[Event]) -> None:
         if math.isfinite(param_norm):

@@ -190,7 +190,7 @@ class AlertDelivery(Base):
     flip_id: Mapped[int | None] = mapped_column(ForeignKey("alert_flips.id", ondelete="CASCADE"), index=True)
     channel_id: Mapped[int] = mapped_column(ForeignKey("alert_channels.id", ondelete="CASCADE"), index=True)
     attempt: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))  # queued | sending | delivered | retried | failed
+    status: Mapped[str] = mapped_column(String(16))  # queued | sending | delivered | retried | failed | superseded
     due_at: Mapped[datetime]
     created_at: Mapped[datetime]
     claimed_at: Mapped[datetime | None]

@@ -155,6 +155,8 @@ def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(sqlite_s
     grads = _of(events, "nonfinite_grad")
     # One NaN skip can be an overflow; NaN that survives the halved scale is the backward's own.
     assert grads[:2] == [("nonfinite_grad", "warning", 61), ("nonfinite_grad", "critical", 62)]
+    assert [e["details"]["grad_norm"] for e in events if e["type"] == "nonfinite_grad" and "origin" not in e["details"]][:2] == [
+        "NaN", "NaN"]  # (alerts name it)  # fmt: skip
     assert not _of(events, "nonfinite_loss")
     origin = next(e for e in events if "origin" in e["details"])
     assert origin["details"]["phase"] == "backward" and origin["details"]["origin"] == "3"

@@ -12,7 +12,7 @@ from ampwatch.server import models
 from ampwatch.server.alerts._db import steps
 
 _TITLES = {
-    "nonfinite_loss": "{loss} loss", "nonfinite_param": "Non-finite parameters", "nonfinite_grad": "NaN gradients",
+    "nonfinite_loss": "{loss} loss", "nonfinite_param": "Non-finite parameters", "nonfinite_grad": "{grad} gradients",
     "scale_collapse": "Loss-scale collapse", "scaler_misuse": "GradScaler misuse", "run_crashed": "Run crashed",
     "run_stalled": "Run stalled", "grad_spike": "Gradient spike", "loss_spike": "Loss spike",
     "skipped_step": "Skipped steps", "amp_config": "AMP configuration problem",
@@ -22,7 +22,8 @@ TREND_STEPS = 30
 
 def summary(kind: str, details: dict[str, Any], project: str, run_name: str, step: int | None) -> str:
     """'NaN loss in llm/exp-12 at step 4 812'."""
-    title = _TITLES.get(kind, kind.replace("_", " ").capitalize()).format(loss=details.get("loss") or "Non-finite")
+    grad = {"NaN": "NaN", "Infinity": "Inf", "-Infinity": "Inf"}.get(details.get("grad_norm"), "Non-finite")  # type: ignore[arg-type]
+    title = _TITLES.get(kind, kind.replace("_", " ").capitalize()).format(loss=details.get("loss") or "Non-finite", grad=grad)
     return f"{title} in {project}/{run_name} at step {steps(step)}"
 
 
@@ -33,7 +34,7 @@ def event_context(session: Session, *, run_id: str, rank: int, event: models.Eve
         "type": event.type, "event_severity": event.severity, "message": event.message,
         "latest_message": event.message, "rank": rank,
     }  # fmt: skip
-    for key in ("origin", "phase", "loss", "cause", "streak"):
+    for key in ("origin", "phase", "loss", "grad_norm", "cause", "streak"):
         if details.get(key) is not None:
             context[key] = details[key]
     context.update(_scale(session, run_id, rank, event.step, details))

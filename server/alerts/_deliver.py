@@ -20,8 +20,8 @@ from ampwatch.server.alerts._messages import Notice, grouped, notice_for_flip, t
 
 log = logging.getLogger("ampwatch.alerts")
 D = models.AlertDelivery
-MAX_ATTEMPTS = 8
-STALE_S = 300.0  # a 'sending' row older than this lost its process: try again
+RETRY_FOR = timedelta(hours=24)  # a notification is retried (every 10 min at most) until a day after its flip
+STALE_SENDS = 3  # a 'sending' row claimed this many delivery timeouts ago (a minute at least) lost its process
 _GROUP_MAX = 20  # alerts in one message at most
 
 
@@ -66,8 +66,17 @@ def attempt(
         channel = session.get(models.AlertChannel, deliveries[0].channel_id) if deliveries else None
         if channel is None:
             return Outcome(False, error="the delivery or its channel was deleted")
-        flips = [session.get(models.AlertFlip, d.flip_id) for d in deliveries if d.flip_id is not None]
-        notices = [notice_for_flip(session, f, base_url) for f in flips if f is not None]
+        flips = {d.id: session.get(models.AlertFlip, d.flip_id) for d in deliveries if d.flip_id is not None}
+        stale = [d for d in deliveries if _superseded(session, flips.get(d.id))]
+        if stale:  # a retried "firing" must not arrive after the "resolved" that followed it
+            for delivery in stale:
+                delivery.status, delivery.finished_at = "superseded", now()
+                delivery.error = "not sent: the alert resolved before this notification could be delivered"
+            session.commit()
+            deliveries = [d for d in deliveries if d not in stale]
+            if not deliveries:
+                return Outcome(True)
+        notices = [notice_for_flip(session, f, base_url) for d in deliveries if (f := flips.get(d.id)) is not None]
         notice = grouped(notices) if notices else test_notice(channel, base_url)
     if channel.enabled:
         outcome = send(channel, notice, timeout_s=timeout_s, scope=scope, http=http)
@@ -83,20 +92,29 @@ def attempt(
     return outcome
 
 
+def _superseded(session: Session, flip: models.AlertFlip | None) -> bool:
+    """A firing notice (or a reminder) of an alert that has resolved since."""
+    if flip is None or flip.new_state != "firing":
+        return False
+    alert = session.get(models.Alert, flip.alert_id)
+    return alert is not None and alert.state != "firing"
+
+
 def record(session: Session, delivery_id: int, outcome: Outcome, *, stamp: datetime, jitter: float = 1.0) -> None:
-    """Store the outcome on the attempt's row; queue the next attempt after a temporary failure."""
+    """Store the outcome on the attempt's row; queue the next attempt after a temporary failure (for `RETRY_FOR`)."""
     delivery = session.get(D, delivery_id)
     assert delivery is not None
     delivery.finished_at, delivery.response_status, delivery.error = stamp, outcome.status, outcome.error
+    flip = session.get(models.AlertFlip, delivery.flip_id) if delivery.flip_id is not None else None
     if outcome.ok:
         delivery.status = "delivered"
-    elif outcome.temporary and delivery.attempt < MAX_ATTEMPTS and delivery.flip_id is not None:
+    elif outcome.temporary and flip is not None and stamp - utc(flip.created_at) < RETRY_FOR:
         delivery.status = "retried"
         _requeue(session, delivery, stamp, outcome.retry_after_s, jitter)
     else:
         delivery.status = "failed"
-        if outcome.temporary and delivery.flip_id is not None:
-            delivery.error = f"{outcome.error} (gave up after {delivery.attempt} attempts)"
+        if outcome.temporary and flip is not None:
+            delivery.error = f"{outcome.error} (gave up after {delivery.attempt} attempts over {RETRY_FOR.total_seconds() / 3600:g} h)"
 
 
 def _requeue(session: Session, delivery: models.AlertDelivery, stamp: datetime, retry_after_s: float | None, jitter: float) -> None:
@@ -110,9 +128,9 @@ def _requeue(session: Session, delivery: models.AlertDelivery, stamp: datetime, 
     session.info[WAKE] = True
 
 
-def recover_stale(session: Session, *, stamp: datetime) -> int:
-    """Attempts claimed by a process that died before recording an outcome are retried."""
-    cutoff = stamp - timedelta(seconds=STALE_S)
+def recover_stale(session: Session, *, stamp: datetime, timeout_s: float) -> int:
+    """Attempts claimed by a process that died before recording an outcome (`timeout_s`: a send's longest) are retried."""
+    cutoff = stamp - timedelta(seconds=max(60.0, STALE_SENDS * timeout_s))
     stale = session.scalars(select(D.id).where(D.status == "sending", D.claimed_at < cutoff).limit(100)).all()
     for delivery_id in stale:
         done = session.execute(

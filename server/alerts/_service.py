@@ -136,7 +136,7 @@ class AlertService:
 
     def _recover_stale(self) -> None:
         with self.sessions() as session:
-            _deliver.recover_stale(session, stamp=now())
+            _deliver.recover_stale(session, stamp=now(), timeout_s=self.settings.alert_delivery_timeout_s)
 
 
 def _guard(what: str, work: Callable[[], object]) -> None:

@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import time
+from datetime import timedelta
 from collections.abc import Iterator
 from typing import Any
 
@@ -198,3 +199,57 @@ def test_starttls_verifies_the_servers_certificate_against_the_given_ca(alert_se
     assert ok["ok"] is True, ok
     assert len(inbox.wait(1)) == 1
     assert refused["ok"] is False and "CERTIFICATE_VERIFY_FAILED" in refused["error"]
+
+
+def test_a_retried_firing_notice_never_arrives_after_the_resolved_one(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server()
+    receiver.replies = [(503, {"Retry-After": "3"}, 0.0)]  # the firing notice's first attempt fails
+    with server.client() as http:
+        _nan(http, "recovers", step=1)
+        receiver.wait(1)
+        # the run recovers before the retry is due: the alert resolves, and its notice goes out at once
+        http.post("/api/v1/runs/recovers/batches", json={"seq": 2, "points": {"loss": {"steps": list(range(2, 14)), "values": [1.0] * 12}}})
+        receiver.wait(2)
+        time.sleep(4.5)  # past the firing notice's retry
+        deliveries = _wait_final(http, "recovers", 2)
+    assert [b["status"] for b in receiver.bodies()] == ["firing", "resolved"]  # (the retry said "firing" last)
+    retry = [d for d in deliveries if d["attempt"] == 2]
+    assert retry and retry[0]["status"] == "superseded", deliveries
+
+
+def test_a_notification_is_retried_for_a_day_then_given_up(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    # It gave up after 8 attempts: ~2 minutes of a receiver's downtime lost the NaN alert for good.
+    from ampwatch.server import models
+    from ampwatch.server.alerts import _deliver
+    from ampwatch.server.alerts._channels import Outcome
+
+    server = alert_server()
+    receiver.replies = [(200, {}, 0.0)]
+    with server.client() as http:
+        _nan(http, "down")
+        _wait_final(http, "down", 1)
+    sessions = server.app.state.sessions
+    with sessions() as session:
+        first = session.query(models.AlertDelivery).one()
+        flip = session.get(models.AlertFlip, first.flip_id)
+        failing = Outcome(False, status=503, error="HTTP 503", temporary=True)
+        for hours, attempt in ((1.0, 9), (23.9, 150), (24.1, 151)):
+            row = models.AlertDelivery(flip_id=flip.id, channel_id=first.channel_id, attempt=attempt, status="sending",
+                                       due_at=flip.created_at, created_at=flip.created_at, claimed_at=flip.created_at)  # fmt: skip
+            session.add(row)
+            session.commit()
+            _deliver.record(session, row.id, failing, stamp=_deliver.utc(flip.created_at) + timedelta(hours=hours))
+            session.commit()
+            assert row.status == ("retried" if hours < 24 else "failed"), (hours, row.status, row.error)
+    assert "gave up after 151 attempts over 24 h" in row.error
+
+
+def test_an_alert_names_infinite_gradients_as_such(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server()
+    with server.client() as http:
+        http.put("/api/v1/runs/inf", json={"project": "p", "name": "inf"}).raise_for_status()
+        event = {"step": 20, "type": "nonfinite_grad", "severity": "critical", "message": "Inf gradients at step 20.",
+                 "details": {"grad_norm": "Infinity", "loss": 1.5}}  # fmt: skip
+        http.post("/api/v1/runs/inf/batches", json={"seq": 1, "events": [event]}).raise_for_status()
+        [body] = receiver.wait(1)
+    assert body["alert"]["summary"] == "Inf gradients in p/inf at step 20"  # (was "NaN gradients", whatever the value)
