@@ -13,7 +13,7 @@ from ampwatch.server.db import IDS_PER_QUERY
 from ampwatch.server.db import insert as _insert
 from ampwatch.server.db import now
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
-from ampwatch.server.values import to_db
+from ampwatch.server.values import to_db, to_json
 
 _SEVERITY_RANK = {"ok": 0, "info": 0, "warning": 1, "critical": 2}
 _HEALTH = {0: "ok", 1: "warning", 2: "critical"}
@@ -211,7 +211,7 @@ def project_names(session: Session) -> list[str]:
 
 
 def run_vitals(session: Session, *, run_ids: list[str], window_steps: int = 1000) -> dict[str, dict[str, Any]]:
-    """Per run: the last loss scale (rank 0), the share of skipped steps among its last `window_steps`
+    """Per run: the last loss scale (rank 0; 'NaN', 'Infinity' or '-Infinity' when not finite), the share of skipped steps among its last `window_steps`
     steps, and how many alerts are firing. Index seeks only, whatever the length of the runs."""
     if not run_ids:
         return {}
@@ -225,7 +225,7 @@ def run_vitals(session: Session, *, run_ids: list[str], window_steps: int = 1000
         first = span[1] if name == "scale" else max(span[0], span[1] - window_steps + 1)
         steps, values = series.read_range(session, series_id=sid, rank=0, lo=first, hi=span[1])
         if name == "scale":
-            out[run_id]["scale"] = values[-1]
+            out[run_id]["scale"] = to_json(values[-1:])[0]  # (a stored NaN is None: spelled, not taken for "no scale")
         else:
             out[run_id]["skip_rate"] = sum(1 for v in values if v) / len(steps)
     for run_id, count in firing_counts(session, run_ids=run_ids).items():

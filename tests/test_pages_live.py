@@ -217,3 +217,52 @@ def test_zooming_the_compare_chart_reads_every_run_at_full_resolution(sqlite_ser
         assert set(range(12000, 12101)) <= set(trace["x"]), f"{trace['name']}: the zoomed range at full resolution"
     page.evaluate("Plotly.relayout(document.getElementById('compare-chart'), {'xaxis.autorange': true})")
     page.wait_for_function("Number(document.getElementById('compare-chart').dataset.view.split(',')[1]) > 19000", timeout=10_000)
+
+
+def test_runs_page_shows_a_non_finite_scale_live_and_after_reload(sqlite_server: Any, page: Any) -> None:
+    # The runs stream wrote a bare Infinity (not JSON: every run of that message lost its live update) and a
+    # stored NaN scale read as "no scale" ("–").
+    url = sqlite_server.url
+    for run_id in ("inf-scale", "nan-scale", "healthy"):
+        ui.register(url, run_id, "odd", run_id)
+        ui.post(url, run_id, 1, {"loss": {"steps": [0], "values": [1.0]}})
+    page.goto(f"{url}/?project=odd")
+    page.wait_for_selector("#runs[data-live='open']", timeout=10_000)
+    ui.post(url, "inf-scale", 2, {"scale": {"steps": [1], "values": ["Infinity"]}})
+    ui.post(url, "nan-scale", 2, {"scale": {"steps": [1], "values": ["NaN"]}})
+    ui.post(url, "healthy", 2, {"scale": {"steps": [1, 2], "values": [1024.0, 1024.0]}})
+    page.wait_for_function("document.querySelector(\"tr[data-run-id='healthy'] td[data-field='last_step']\").innerText === '2'", timeout=10_000)
+    page.wait_for_function("document.querySelector(\"tr[data-run-id='nan-scale'] td[data-field='scale']\").innerText === 'NaN'", timeout=10_000)
+    live = {run_id: ui.row(page, run_id)["scale"] for run_id in ("inf-scale", "nan-scale", "healthy")}
+    assert live == {"inf-scale": "+Inf", "nan-scale": "NaN", "healthy": "2¹⁰"}
+    page.reload()
+    assert {run_id: ui.row(page, run_id)["scale"] for run_id in live} == live, "a live row reads the same as the server's"
+
+
+def test_run_page_goes_live_again_after_an_answer_that_is_not_a_stream(sqlite_server: Any, page: Any, monkeypatch: Any) -> None:
+    # A browser gives up on an EventSource for good after a 502 (a proxy during a deploy) or the server's 503: the
+    # page stayed "reconnecting" until reloaded. And a page opened while the server called the run crashed never
+    # went live, though a crashed run comes back when it reports again.
+    from ampwatch.server.routers import stream
+
+    monkeypatch.setattr(stream, "LIFETIME_S", 1.0)  # streams end (and the browser reconnects) every second
+    url = sqlite_server.url
+    ui.register(url, "bumpy", "live", "bumpy")
+    ui.post(url, "bumpy", 1, {"loss": {"steps": [0, 1], "values": [1.0, 1.0]}}, status="crashed")
+    refused: list[str] = []
+    page.expected_errors.append("the server responded with a status of 502 (Bad Gateway)")
+
+    def bad_gateway(route: Any) -> None:
+        refused.append(route.request.url)
+        route.fulfill(status=502, body="bad gateway")
+
+    ui.open_run(page, url, "bumpy")
+    page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
+    page.route("**/api/v1/runs/bumpy/stream*", bad_gateway)
+    page.wait_for_selector("#charts[data-live='reconnecting']", timeout=10_000)
+    page.wait_for_timeout(500)
+    page.unroute("**/api/v1/runs/bumpy/stream*")
+    page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
+    ui.post(url, "bumpy", 2, {"loss": {"steps": [2], "values": [0.5]}}, status="running")
+    page.wait_for_function("document.getElementById('chart-loss').dataset.points === '3'", timeout=10_000)
+    assert refused, "the stream was refused once"

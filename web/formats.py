@@ -10,10 +10,16 @@ from typing import Any
 _SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
 
 
-def scale(value: float | None) -> str:
-    """A loss scale: powers of two as 2¹⁶, anything else with three significant digits; '–' when unknown."""
-    if value is None or math.isnan(value):
+NONFINITE = {"NaN": "NaN", "Infinity": "+Inf", "-Infinity": "−Inf"}  # values as the API spells them -> as shown
+
+
+def scale(value: float | str | None) -> str:
+    """A loss scale: powers of two as 2¹⁶, anything else with three significant digits, a non-finite one as the
+    charts write it; '–' when unknown."""
+    if value is None:
         return "–"
+    if isinstance(value, str):
+        return NONFINITE.get(value, value)
     if value > 0 and math.isfinite(value) and math.log2(value).is_integer():
         return "2" + str(int(math.log2(value))).translate(_SUPERSCRIPT)
     return f"{value:.3g}"

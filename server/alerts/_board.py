@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import case, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
@@ -27,7 +27,8 @@ def alert_rows(session: Session, *, active: bool, limit: int = 200) -> list[Aler
     A, R, P = models.Alert, models.Run, models.Project
     query = select(A, P.name, R.name).join(R, R.id == A.run_id).join(P, P.id == R.project_id)
     if active:
-        query = query.where(A.state.in_(ACTIVE)).order_by(A.severity.asc(), A.started_at.desc())  # "critical" < "warning"
+        worst_first = case({"critical": 0, "warning": 1}, value=A.severity, else_=2)  # (as text, info came before warning)
+        query = query.where(A.state.in_(ACTIVE)).order_by(worst_first, A.started_at.desc())
     else:
         query = query.where(A.state == "resolved").order_by(A.resolved_at.desc())
     rows = session.execute(query.limit(limit)).all()

@@ -131,7 +131,7 @@ def _slack(value: str) -> str:
 def email_message(notice: Notice, *, sender: str, recipients: list[str]) -> EmailMessage:
     """A plain-text e-mail with the headline as the subject."""
     message = EmailMessage()
-    message["Subject"] = text(notice).partition("\n")[0]
+    message["Subject"] = " ".join(text(notice).partition("\n")[0].split())  # (a run name may hold any line break)
     message["From"] = sender
     message["To"] = ", ".join(recipients)
     message.set_content(text(notice) + "\n")

@@ -149,3 +149,17 @@ def test_the_run_page_lists_the_runs_firing_and_resolved_alerts_with_javascript_
     assert '<a href="/alerts" class="aside">' in page
     assert set(_alert_rows(other)) == {"loss_spike"} and 'id="run-firing"' in other
     assert _alert_rows(quiet) == {} and "No alerts: no rule has fired for this run." in quiet and 'id="run-firing"' not in quiet
+
+
+def test_the_alerts_page_lists_the_most_severe_first(alert_server) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server()
+    with server.client() as http:
+        rule = {"name": "amp_cfg", "kind": "event", "event_type": "amp_config", "severity": "info"}
+        assert http.post("/api/v1/alert-rules", json=rule).status_code == 201
+        http.put("/api/v1/runs/mixed", json={"project": "p", "name": "mixed"}).raise_for_status()
+        events = [{"step": 0, "type": "amp_config", "severity": "warning", "message": "no autocast"},
+                  {"step": 1, "type": "grad_spike", "severity": "warning", "message": "spike"},
+                  {"step": 2, "type": "nonfinite_loss", "severity": "critical", "message": "nan", "details": {"loss": "NaN"}}]  # fmt: skip
+        http.post("/api/v1/runs/mixed/batches", json={"seq": 1, "events": events}).raise_for_status()
+        table = http.get("/alerts").text.split('id="open-alerts"')[1].split("</table>")[0]
+    assert re.findall(r"sev-badge sev-(\w+)", table) == ["critical", "warning", "info"]  # (as text: critical, info, warning)

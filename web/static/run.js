@@ -325,13 +325,25 @@
     if (names.length) sync();
   }
 
-  function connect() {
+  let resumeAt = null; // the last message's id, "<feed position>/<event id>": where a new stream takes over
+
+  function connect(delay = 1000) {
     // Every batch stored after the page was made; what the first read already had is merged away.
-    const source = new EventSource(`/api/v1/runs/${runId}/stream?after_position=${root.dataset.feed || 0}&after_event=${state.lastEvent}&rank=${rank}`);
+    const [position, event] = resumeAt ? resumeAt.split("/") : [root.dataset.feed || 0, state.lastEvent];
+    const source = new EventSource(`/api/v1/runs/${runId}/stream?after_position=${position}&after_event=${event}&rank=${rank}`);
     const dot = document.getElementById("live");
-    source.addEventListener("update", (e) => onUpdate(JSON.parse(e.data)));
-    source.onopen = () => { root.dataset.live = "open"; dot.hidden = false; };
-    source.onerror = () => { root.dataset.live = "reconnecting"; dot.hidden = true; };
+    source.addEventListener("update", (e) => {
+      if (e.lastEventId) resumeAt = e.lastEventId;
+      onUpdate(JSON.parse(e.data));
+    });
+    source.onopen = () => { root.dataset.live = "open"; dot.hidden = false; delay = 1000; };
+    source.onerror = () => {
+      root.dataset.live = "reconnecting";
+      dot.hidden = true;
+      // The browser retries a dropped connection itself, but gives up for good on an answer that is not a stream
+      // (a proxy's 502 during a deploy, the server's 503 while its database is away): open a new one, with backoff.
+      if (source.readyState === EventSource.CLOSED) setTimeout(() => connect(Math.min(2 * delay, 30_000)), delay);
+    };
   }
 
   function report(error) {
@@ -356,7 +368,8 @@
       jumpTo(Number(linked), timeline.querySelector(`li.ev[data-step="${Number(linked)}"]`));
     }
     root.dataset.loaded = "true";
-    if (root.dataset.status === "running" || root.dataset.status === "stalled") connect();
+    // (a run the server called crashed comes back to life if it reports again: watch it too)
+    if (["running", "stalled", "crashed"].includes(root.dataset.status)) connect();
   }
 
   main().catch(report);

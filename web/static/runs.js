@@ -11,7 +11,8 @@
 
   const format = {
     scale: (v) => {
-      if (v === null || v === undefined || v === "NaN") return "–";
+      if (v === null || v === undefined) return "–";
+      if (typeof v === "string") return { NaN: "NaN", Infinity: "+Inf", "-Infinity": "−Inf" }[v] || v;
       if (typeof v === "number" && v > 0 && Number.isInteger(Math.log2(v))) {
         return "2" + String(Math.log2(v)).split("").map((c) => SUPERSCRIPT[c]).join("");
       }
@@ -70,11 +71,23 @@
     row.classList.add("flash");
   }
 
-  const params = new URLSearchParams({ since: table.dataset.since });
-  ["project", "status", "q"].forEach((k) => table.dataset[k] && params.set(k, table.dataset[k]));
-  const source = new EventSource(`/api/v1/stream/runs?${params}`);
-  const dot = document.getElementById("live");
-  source.addEventListener("runs", (e) => JSON.parse(e.data).forEach(update));
-  source.onopen = () => { table.dataset.live = "open"; dot.hidden = false; };
-  source.onerror = () => { table.dataset.live = "reconnecting"; dot.hidden = true; };
+  let since = table.dataset.since;
+  const connect = (delay = 1000) => {
+    const params = new URLSearchParams({ since });
+    ["project", "status", "q"].forEach((k) => table.dataset[k] && params.set(k, table.dataset[k]));
+    const source = new EventSource(`/api/v1/stream/runs?${params}`);
+    const dot = document.getElementById("live");
+    source.addEventListener("runs", (e) => {
+      if (e.lastEventId) since = e.lastEventId;
+      JSON.parse(e.data).forEach(update);
+    });
+    source.onopen = () => { table.dataset.live = "open"; dot.hidden = false; delay = 1000; };
+    source.onerror = () => {
+      table.dataset.live = "reconnecting";
+      dot.hidden = true;
+      // (the browser gives up for good on an answer that is not a stream: see run.js)
+      if (source.readyState === EventSource.CLOSED) setTimeout(() => connect(Math.min(2 * delay, 30_000)), delay);
+    };
+  };
+  connect();
 })();
