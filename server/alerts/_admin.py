@@ -109,21 +109,26 @@ def check_destination(body: ChannelFields, scope: str) -> None:
 
 
 def update_channel(session: Session, *, channel: models.AlertChannel, body: ChannelFields) -> models.AlertChannel:
-    """Change some settings of a channel (an SMTP password is kept unless a new one is given)."""
-    _apply_channel(channel, body)
+    """Change some settings of a channel: the SMTP settings given replace those stored, the others (the password
+    too) are kept. ValueError for a setting of another kind of channel (an address for a webhook, say)."""
+    wrong = ["url"] if channel.kind == "email" else ["to", "smtp"]
+    if given := [name for name in wrong if getattr(body, name) is not None]:
+        raise ValueError(f"a {channel.kind} channel has no `{given[0]}`")
+    _apply_channel(channel, body, merge=True)
     session.commit()
     return channel
 
 
-def _apply_channel(channel: models.AlertChannel, body: ChannelFields) -> None:
+def _apply_channel(channel: models.AlertChannel, body: ChannelFields, merge: bool = False) -> None:
     fields = body.model_fields_set
     if body.url is not None:
         channel.target = body.url
     if body.to is not None:
         channel.target = ",".join(body.to)
     if body.smtp is not None:
-        smtp = body.smtp.model_dump(exclude={"password", "sender"}) | {"from": body.smtp.sender}
-        channel.config = smtp
+        given = body.smtp.model_fields_set if merge else set(type(body.smtp).model_fields)
+        smtp = {"from" if name == "sender" else name: getattr(body.smtp, name) for name in given - {"password"}}
+        channel.config = {**(channel.config or {}), **smtp} if merge else smtp
         if body.smtp.password is not None:
             channel.secret = body.smtp.password.get_secret_value()
     for name in ("project", "min_severity", "enabled"):

@@ -110,7 +110,10 @@ def update_channel(channel_id: RowId, body: ChannelFields, session: SessionDep, 
     """Change a channel; an SMTP password is kept unless a new one is given."""
     _allowed(body, settings)
     channel = _found(session.get(models.AlertChannel, channel_id), "channel", channel_id)
-    return _admin.channel_out(session, _admin.update_channel(session, channel=channel, body=body))
+    try:
+        return _admin.channel_out(session, _admin.update_channel(session, channel=channel, body=body))
+    except ValueError as error:
+        raise HTTPException(422, str(error)) from None
 
 
 @router.delete("/alert-channels/{channel_id}", status_code=204)

@@ -259,3 +259,28 @@ def test_an_alert_names_infinite_gradients_as_such(alert_server, receiver) -> No
         http.post("/api/v1/runs/inf/batches", json={"seq": 1, "events": [event]}).raise_for_status()
         [body] = receiver.wait(1)
     assert body["alert"]["summary"] == "Inf gradients in p/inf at step 20"  # (was "NaN gradients", whatever the value)
+
+
+def test_patching_a_channel_keeps_what_it_does_not_name_and_refuses_another_kinds_settings(alert_server, smtp) -> None:  # type: ignore[no-untyped-def]
+    inbox, port = smtp
+    server = alert_server(alert_webhook_url="")
+    mail = {"name": "mail", "kind": "email", "to": ["oncall@example.com"], "smtp": {
+        "host": "127.0.0.1", "port": port + 1, "starttls": False, "username": "ampwatch", "password": PASSWORD,
+        "from": "ampwatch@example.com"}}  # fmt: skip
+    with server.client() as http:
+        hook = http.post("/api/v1/alert-channels", json={"name": "hook", "kind": "webhook", "url": "http://127.0.0.1:9/h"}).json()
+        email_id = http.post("/api/v1/alert-channels", json=mail).json()["id"]
+        # (the URL of a webhook was replaced by an address, an e-mail channel's recipients by a URL: both 200)
+        for channel_id, body in ((hook["id"], {"to": ["a@example.com"]}), (email_id, {"url": "http://127.0.0.1:9/h"})):
+            reply = http.patch(f"/api/v1/alert-channels/{channel_id}", json=body)
+            assert reply.status_code == 422 and "channel has no" in reply.text, reply.text
+        # a partial SMTP change turned STARTTLS back on and dropped the login and the sender
+        patched = http.patch(f"/api/v1/alert-channels/{email_id}", json={"smtp": {"host": "127.0.0.1", "port": port}})
+        assert patched.status_code == 200, patched.text
+        assert http.post(f"/api/v1/alert-channels/{email_id}/test").json()["ok"] is True
+        [sent] = inbox.wait(1)
+        listed = {c["name"]: c for c in http.get("/api/v1/alert-channels").json()}
+    assert sent.mail_from == "ampwatch@example.com"
+    smtp_out = listed["mail"]["smtp"]
+    assert (smtp_out["port"], smtp_out["starttls"], smtp_out["username"], smtp_out["password_set"]) == (port, False, "ampwatch", True)
+    assert listed["hook"]["url"].startswith("http://127.0.0.1:9")
