@@ -136,6 +136,33 @@ def remind(session: Session, alert: Alert, rule: models.AlertRule | None, *, sta
     return True
 
 
+def unsuppress(session: Session, alert: Alert, *, stamp: datetime) -> bool:
+    """A firing alert nobody was notified of (a silence or a more important alert held it back) is notified once
+    nothing holds it back any more (as Alertmanager does); once across processes."""
+    if alert.state != "firing" or alert.last_notified_at is not None:
+        return False
+    F = models.AlertFlip
+    last = session.scalars(select(F.suppressed).where(F.alert_id == alert.id).order_by(F.id.desc()).limit(1)).first()
+    if last is None:  # (not held back: nobody was notified because no channel takes it)
+        return False
+    project = _project(session, alert.run_id)
+    if _suppressed_by(session, alert, project, stamp) is not None:
+        return False
+    done = session.execute(
+        update(Alert).where(Alert.id == alert.id, Alert.state == "firing", Alert.last_notified_at.is_(None))
+        .values(last_notified_at=stamp).execution_options(synchronize_session=False)
+    )  # fmt: skip
+    session.expire(alert)
+    if done.rowcount != 1:
+        return False
+    row = models.AlertFlip(alert_id=alert.id, created_at=stamp, old_state="firing", new_state="firing", step=alert.last_step,
+                           reason="no longer silenced or inhibited: still firing", suppressed=None)  # fmt: skip
+    session.add(row)
+    session.flush()
+    _queue(session, row, alert, project, stamp)
+    return True
+
+
 def flip(session: Session, alert: Alert, old: str | None, new: str, *, step: int | None, reason: str, stamp: datetime) -> models.AlertFlip:
     """Record a state change; queue notifications for it unless a silence or a more important alert suppresses it."""
     row = models.AlertFlip(alert_id=alert.id, created_at=stamp, old_state=old, new_state=new, step=step, reason=reason, suppressed=None)

@@ -284,3 +284,21 @@ def test_patching_a_channel_keeps_what_it_does_not_name_and_refuses_another_kind
     smtp_out = listed["mail"]["smtp"]
     assert (smtp_out["port"], smtp_out["starttls"], smtp_out["username"], smtp_out["password_set"]) == (port, False, "ampwatch", True)
     assert listed["hook"]["url"].startswith("http://127.0.0.1:9")
+
+
+def test_an_alert_that_fired_during_a_silence_is_notified_when_the_silence_ends(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server()
+    with server.client() as http:
+        http.put("/api/v1/runs/hushed", json={"project": "p", "name": "hushed"}).raise_for_status()
+        assert http.post("/api/v1/silences", json={"run_id": "hushed", "duration_s": 1.5, "comment": "node restart"}).status_code == 201
+        _nan(http, "hushed", step=1)
+        time.sleep(0.5)
+        assert receiver.bodies() == []  # silenced
+        for seq in range(2, 6):  # the run goes on (NaN still), past the silence's end
+            http.post("/api/v1/runs/hushed/batches", json={"seq": seq, "points": {"loss": {"steps": [seq], "values": ["NaN"]}}})
+            time.sleep(0.5)
+        [body] = receiver.wait(1, timeout_s=5)  # (it waited for the 4 h reminder, or forever)
+        [alert] = http.get("/api/v1/alerts", params={"run_id": "hushed"}).json()
+        flips = http.get(f"/api/v1/alerts/{alert['id']}").json()["flips"]
+    assert body["status"] == "firing" and body["alert"]["rule"] == alert["rule"]
+    assert [f["reason"] for f in flips][-1] == "no longer silenced or inhibited: still firing" and flips[0]["suppressed"]
