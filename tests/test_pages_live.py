@@ -266,3 +266,23 @@ def test_run_page_goes_live_again_after_an_answer_that_is_not_a_stream(sqlite_se
     ui.post(url, "bumpy", 2, {"loss": {"steps": [2], "values": [0.5]}}, status="running")
     page.wait_for_function("document.getElementById('chart-loss').dataset.points === '3'", timeout=10_000)
     assert refused, "the stream was refused once"
+
+
+def test_run_page_shows_a_new_alert_as_its_event_arrives(sqlite_server: Any, page: Any) -> None:
+    # The banner came from a poll every 5 s, and the alerts table and the "firing" badge only from a reload.
+    url = sqlite_server.url
+    ui.register(url, "alerted", "live", "alerted")
+    ui.post(url, "alerted", 1, {"loss": {"steps": [0, 1], "values": [1.0, 1.0]}})
+    ui.open_run(page, url, "alerted")
+    page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
+    page.wait_for_timeout(300)  # (the first read of the alerts is done)
+    assert page.locator("#run-firing").count() == 0 and page.locator("#run-alerts tbody tr").count() == 0
+    event = {"step": 2, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss at step 2.", "details": {"loss": "NaN"}}
+    ui.post(url, "alerted", 2, {"loss": {"steps": [2], "values": ["NaN"]}}, [event])
+    page.wait_for_selector("#run-alerts tr[data-state='firing']", timeout=3_000)  # (well before the next 5 s poll)
+    assert page.locator("#run-firing").inner_text() == "1 firing alert"
+    assert "CRITICAL firing: NaN loss in live/alerted at step 2" in page.locator("#alert-banner").inner_text()
+    live = page.locator("#run-alerts").inner_text()
+    page.reload()
+    page.wait_for_selector("#run-alerts tr[data-state='firing']")
+    assert page.locator("#run-alerts").inner_text() == live, "the live table reads as the server writes it"
