@@ -105,12 +105,13 @@ class Outbox:
             if not reply.ok and (reply.retryable or reply.status == 404):  # (404 just after registering: not this server's API)
                 self._backoff(reply)
                 return False
-            if not reply.ok:  # a bug on our side (sending it again cannot help): counted
+            rejected = not reply.ok  # (sending it again cannot help: counted, and a spooled one is kept as .bad)
+            if rejected:
                 self._drop(f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
             self._failures = 0
             self._pop()
             if stored:
-                self.spool.remove(seq)  # type: ignore[union-attr]
+                (self.spool.set_aside if rejected else self.spool.remove)(seq)  # type: ignore[union-attr]
             if stop_at is not None and time.monotonic() >= stop_at:
                 return True
         return True

@@ -14,8 +14,12 @@ GIVE_UP_AFTER_S = 30.0
 
 
 def sync(root: Path, url: str | None, token: str | None) -> int:
-    """Upload every spooled run under `root`, oldest batch first; 0 when all of it was acknowledged."""
-    folders = sorted(p for p in root.glob("*") if (p / RUN_FILE).is_file()) if root.is_dir() else []
+    """Upload every spooled run under `root` (or the run folder `root`), oldest batch first; 0 when all of it was
+    acknowledged."""
+    if not root.is_dir():
+        print(f"no such folder: {root}", file=sys.stderr)
+        return 2
+    folders = [root] if (root / RUN_FILE).is_file() else sorted(p for p in root.glob("*") if (p / RUN_FILE).is_file())
     if not folders:
         print(f"nothing to upload in {root}")
         return 0
@@ -36,6 +40,10 @@ def sync(root: Path, url: str | None, token: str | None) -> int:
         if not _drain(outbox):
             failed += 1
             print(f"{label}: {total - len(outbox)} of {total} uploaded; {target} did not take the rest", file=sys.stderr)
+        elif outbox.dropped:  # refused for good (a body limit, say): kept as .bad files for a person to look at
+            failed += 1
+            print(f"{label}: {total - outbox.dropped} of {total} uploaded; {target} refused {outbox.dropped} (see the error "
+                  f"above), kept in {folder} as .bad files", file=sys.stderr)  # fmt: skip
         elif live:
             print(f"{label}: {total} batch(es) uploaded to {target}; a running process still writes there: sync it again later")
         else:

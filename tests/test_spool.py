@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -120,6 +121,23 @@ def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> 
     from ampwatch._sync import sync
 
     assert sync(Path(os.environ["AMPWATCH_SPOOL_DIR"]), None, None) == 1
+
+
+def test_sync_keeps_and_reports_what_the_server_refuses_and_takes_a_run_folder(sqlite_url, live_server_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # It said "uploaded", exited 0 and deleted the spool of a batch the server refused (a body or point limit).
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    server = live_server_factory(Settings(database_url=sqlite_url, max_batch_points=50))
+    with ampwatch.init("spool", "too-big", url=server.url) as run:
+        _runs.train(run, range(30))
+    spool_dir = Path(os.environ["AMPWATCH_SPOOL_DIR"])
+    [folder] = list(spool_dir.iterdir())
+    ampwatch_cli = shutil.which("ampwatch") or "ampwatch"
+    missing = subprocess.run([ampwatch_cli, "sync", str(spool_dir / "typo")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no such folder" in missing.stderr
+    done = subprocess.run([ampwatch_cli, "sync", str(folder), "--url", server.url], capture_output=True, text=True, timeout=120)
+    refused = re.search(r"refused (\d+) \(see the error above\), kept in (.+) as \.bad files", done.stderr)
+    assert done.returncode == 1 and refused and "(413)" in done.stderr, (done.stdout, done.stderr)
+    assert refused[2] == str(folder) and int(refused[1]) == len(list(folder.glob("[0-9]*.bad"))) > 0, "each refused batch is kept"
 
 
 class _Front:

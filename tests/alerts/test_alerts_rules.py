@@ -4,8 +4,10 @@ with `for` and `keep_firing_for`, reminders, inhibition, silences, and the confi
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -260,3 +262,18 @@ def test_a_scale_collapse_that_clears_sends_where_the_skips_stopped_and_the_scal
     said = "Skips stopped at step 13; scale back to 2^13."
     assert resolved["alert"]["id"] == firing["alert"]["id"] and resolved["reason"] == said
     assert resolved["text"].startswith(f"[RESOLVED · critical] Loss-scale collapse in p/collapse at step 12\n{said}\n")
+
+
+def test_the_readmes_rules_file_example_loads(alert_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # (the README named fields the server refuses: a rules file written from it stopped the server)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = re.search(r"```yaml\n(rules:.+?)```", readme, re.S)
+    assert example, "the README shows a rules file"
+    path = tmp_path / "alerts.yaml"
+    path.write_text(example.group(1))
+    server = alert_server(alert_rules_file=str(path), alert_url_scope="public")
+    with server.client() as http:
+        rules = {r["name"]: r for r in http.get("/api/v1/alert-rules").json()}
+        channels = {c["name"] for c in http.get("/api/v1/alert-channels").json()}
+    assert (rules["loss_high"]["keep_firing_for_s"], rules["loss_high"]["repeat_interval_s"]) == (60, 3600)
+    assert rules["many_spikes"]["source"] == "file" and {"oncall", "mail"} <= channels
