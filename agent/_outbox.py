@@ -143,7 +143,8 @@ class Outbox:
         if reply.ok:  # (the backoff restarts only once a batch goes through: a front may take this and not those)
             return True
         if not reply.retryable:
-            log.error("ampwatch: %s %s rejected (%d): %s", method, path, reply.status, reply.body[:500])
+            hint = " (is AMPWATCH_URL the server's base URL, such as http://host:8600?)" if reply.status == 404 else ""
+            log.error("ampwatch: %s %s rejected (%d): %s%s", method, path, reply.status, reply.body[:500], hint)
         self._backoff(reply)
         return False
 
@@ -165,6 +166,7 @@ class Outbox:
                 "`ampwatch sync --token TOKEN`", reply.status, reply.body[:300],
             )  # fmt: skip
         elif self._failures == 1:
-            log.warning("ampwatch: the server is unreachable or busy; batches are kept and retried")
+            why = reply.body[:300] if reply.status == 0 else f"HTTP {reply.status}"
+            log.warning("ampwatch: the server is unreachable or busy (%s); batches are kept and retried", why)
         delay = min(30.0, 0.25 * 2 ** min(self._failures, 8)) * random.uniform(0.5, 1.0)
         self.retry_at = time.monotonic() + (reply.retry_after_s if reply.retry_after_s is not None else delay)

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -360,7 +360,7 @@ def _jsonable(value: Any) -> Any:
             return str(v)
         if isinstance(v, Mapping):
             return {str(k): fix(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
+        if isinstance(v, Sequence) and not isinstance(v, (str, bytes, bytearray)):  # (OmegaConf's ListConfig too)
             return [fix(x) for x in v]
         return v
 

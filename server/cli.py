@@ -6,9 +6,11 @@ import argparse
 import sys
 
 import uvicorn
+from sqlalchemy import exc
 from sqlalchemy.engine import make_url
 
 from ampwatch.server import auth, db
+from ampwatch.server.alerts import ConfigError
 from ampwatch.server.app import create_app
 from ampwatch.server.settings import Settings
 
@@ -23,7 +25,18 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Dispatch a parsed command line."""
+    """Dispatch a parsed command line; a database out of reach or a broken rules file is one line, exit 2."""
+    try:
+        return _run(args)
+    except ConfigError as error:
+        print(f"ampwatch {args.command}: AMPWATCH_ALERT_RULES_FILE: {error}", file=sys.stderr)
+    except exc.OperationalError as error:  # (the driver's reason is its first line; the rest is SQL and a link)
+        reason = str(error.orig or error).strip().splitlines()[0]
+        print(f"ampwatch {args.command}: cannot use the database {_safe_url(settings_from(args).database_url)}: {reason}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if args.command == "db":
         db.upgrade(db.make_engine(settings.database_url))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
 import os
 import pickle
@@ -244,6 +245,31 @@ def test_a_config_that_is_not_a_dict_is_recorded_as_one(sqlite_server, config) -
     with sqlite_server.client() as http:
         assert http.get(f"/api/v1/runs/{run.id}").json()["config"] == {"lr": 3e-4, "layers": 12}
     assert _series(sqlite_server, run.id, "x")["steps"] == [0]
+
+
+class _ListConfig(collections.abc.Sequence):
+    """A sequence that is not a list or a tuple, as OmegaConf's ListConfig is (OmegaConf is not a test dependency)."""
+
+    def __init__(self, *items: float) -> None:
+        self._items = items
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._items[i]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return repr(list(self._items))
+
+
+def test_a_config_sequence_that_is_not_a_list_is_recorded_as_a_list(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # (an OmegaConf config's lists were stored as strings: "[0.9, 0.95]")
+    config = {"optim": {"lr": 3e-4, "betas": _ListConfig(0.9, 0.95)}}
+    with ampwatch.init("review", "config-list", url=sqlite_server.url, config=config) as run:
+        run.log({"x": 1.0}, step=0)
+    with sqlite_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run.id}").json()["config"] == {"optim": {"lr": 3e-4, "betas": [0.9, 0.95]}}
 
 
 _FORGOTTEN_RUN_SCRIPT = """

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import subprocess
 
 from alembic.autogenerate import compare_metadata
@@ -69,3 +71,22 @@ def test_upgrading_to_0005_fills_the_block_rollups_of_existing_points(db_url: st
         expected.append((block, low[1], low[0], high[1], high[0], max(s for _, s in finite)))
     assert [tuple(r) for r in rows] == expected
     assert expected[2][1:5] == (131, -2.0, 130, 1e6) and expected[0][4] == 100.0
+
+
+def test_a_database_out_of_reach_or_a_broken_rules_file_is_one_line_and_exit_2(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # (both were a traceback of 17 to 117 lines, the reason at its end)
+    command = shutil.which("ampwatch") or "ampwatch"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nobody listens here once the socket is closed
+    done = subprocess.run([command, "db", "upgrade", "--db", f"postgresql+psycopg://ampwatch:secret@127.0.0.1:{closed}/x"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "ampwatch db: cannot use the database" in done.stderr and "secret" not in done.stderr
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - {name: r, kind: threshold, series: loss, keep_firing_for: 5m}\n")
+    env = {**os.environ, "AMPWATCH_ALERT_RULES_FILE": str(rules)}
+    done = subprocess.run([command, "server", "--port", str(closed), "--db", f"sqlite:///{tmp_path / 'a.db'}"],
+                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"AMPWATCH_ALERT_RULES_FILE: {rules}" in done.stderr and "keep firing for" in done.stderr
