@@ -184,7 +184,7 @@ class Analyzer:
             recent.popleft()
         if self.calibrating and step >= self.t.calibration_steps:
             self.calibrating = False  # still skipping when calibration should be long over: not calibration
-        if self.calibrating:
+        if self.calibrating and (loss is None or math.isfinite(loss)):  # (a NaN loss is a bad batch, told as such)
             self._calibration_skips += 1
             self._calibration_start = self._calibration_start or scale
         # A healthy start-up calibration skips the first steps, many in a row from a high initial scale, but never to

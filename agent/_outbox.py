@@ -39,6 +39,7 @@ class Outbox:
         self.retry_at = 0.0
         self._failures = 0
         self.dropped = 0
+        self.refused = 0  # of those dropped: the batches the server refused for good
         if spool is not None:
             self._queue.extend((seq, None, True) for seq in spool.pending())
 
@@ -107,6 +108,7 @@ class Outbox:
                 return False
             rejected = not reply.ok  # (sending it again cannot help: counted, and a spooled one is kept as .bad)
             if rejected:
+                self.refused += 1
                 self._drop(f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
             self._failures = 0
             self._pop()

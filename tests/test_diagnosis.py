@@ -136,6 +136,18 @@ def test_a_bad_batch_is_a_nonfinite_loss_and_its_next_occurrence_names_the_input
     assert "data problem" in origin["message"]
 
 
+def test_a_bad_batch_in_the_first_steps_is_not_told_as_start_up_calibration(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    def corrupt(step: int, x: torch.Tensor) -> torch.Tensor:
+        if step == 20:
+            x[2, 3] = float("nan")
+        return x
+
+    events = _loop(sqlite_server, 60, batch=corrupt, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    assert [(e["type"], e["step"]) for e in events if e["type"] == "nonfinite_loss"][:1] == [("nonfinite_loss", 20)]
+    calibration = [e for e in events if e["details"].get("calibration")]
+    assert calibration == [], calibration  # ("Start-up calibration: 1 skipped step(s) ... This is normal.")
+
+
 def test_the_origin_probe_names_the_first_layer_whose_output_went_nonfinite(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     def explode(step: int, model: torch.nn.Sequential) -> None:
         model[2].at = {4, 12}
