@@ -85,7 +85,8 @@ def _upkeep(session: Session, alert: models.Alert, rule: models.AlertRule | None
         if alert.state == "pending" and _for_met(rule, alert, run.last_step, stamp):
             _state.fire(session, alert, step=alert.last_step, reason=f"held for {_for_text(rule)}", stamp=stamp)
     if alert.state == "firing" and run.status in _REMIND_STATUSES:
-        _state.unsuppress(session, alert, stamp=stamp) or _state.remind(session, alert, rule, stamp=stamp)
+        if not _state.unsuppress(session, alert, stamp=stamp):
+            _state.remind(session, alert, rule, stamp=stamp)
 
 
 def _window(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness, project: str, stamp: datetime) -> None:
