@@ -10,7 +10,7 @@ from typing import Any
 _SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
 
 
-NONFINITE = {"NaN": "NaN", "Infinity": "+Inf", "-Infinity": "−Inf"}  # values as the API spells them -> as shown
+NONFINITE = {"NaN": "NaN", "Infinity": "+Inf", "-Infinity": "-Inf"}  # values as the API spells them -> as shown
 
 
 def scale(value: float | str | None) -> str:

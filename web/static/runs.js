@@ -12,7 +12,7 @@
   const format = {
     scale: (v) => {
       if (v === null || v === undefined) return "–";
-      if (typeof v === "string") return { NaN: "NaN", Infinity: "+Inf", "-Infinity": "−Inf" }[v] || v;
+      if (typeof v === "string") return { NaN: "NaN", Infinity: "+Inf", "-Infinity": "-Inf" }[v] || v;
       if (typeof v === "number" && v > 0 && Number.isInteger(Math.log2(v))) {
         return "2" + String(Math.log2(v)).split("").map((c) => SUPERSCRIPT[c]).join("");
       }
