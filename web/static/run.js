@@ -313,10 +313,11 @@
   }
 
   function onUpdate(msg) {
+    const before = root.dataset.status;
     header(msg.run);
     msg.events.forEach((e) => { addEvent(e); state.lastEvent = Math.max(state.lastEvent, e.id); });
     // An event (the rules fire with it) or a new status: alerts.js reads the run's alerts now, not at its next poll.
-    document.dispatchEvent(new CustomEvent("ampwatch:run-changed"));
+    if (msg.events.length || msg.run.status !== before) document.dispatchEvent(new CustomEvent("ampwatch:run-changed"));
     if (msg.reset || state.appended > REREAD_AFTER) { read(state.zoom).then(drawAll).catch(report); return; }
     const names = Object.keys(msg.points);
     names.forEach((name) => append(name, msg.points[name]));
