@@ -10,6 +10,7 @@ its first attempt, a window in which the records not yet batched are just as exp
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import random
 import threading
@@ -36,6 +37,7 @@ class Outbox:
         self._queue: collections.deque[tuple[int, bytes | None, bool]] = collections.deque()
         self._lock = threading.Lock()  # (the queue changes on the sender thread, and at close() on the caller's)
         self._registered = False
+        self.on_registered: Any = None  # called with the server's reply to the registration (a dict), if set
         self.retry_at = 0.0
         self._failures = 0
         self.dropped = 0
@@ -143,6 +145,11 @@ class Outbox:
     def _send(self, method: str, path: str, body: bytes) -> bool:
         reply = self._transport.send(method, path, body)
         if reply.ok:  # (the backoff restarts only once a batch goes through: a front may take this and not those)
+            if self.on_registered is not None:
+                try:
+                    self.on_registered(json.loads(reply.body))
+                except (ValueError, TypeError, AttributeError):  # (not the run this server knows: its links stay ours)
+                    pass
             return True
         if not reply.retryable:
             hint = " (is AMPWATCH_URL the server's base URL, such as http://host:8600?)" if reply.status == 404 else ""

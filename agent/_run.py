@@ -75,6 +75,7 @@ class Run:
         if self._worker is None:
             self.url = None
             return
+        self._worker.outbox.on_registered = self._registered
         self._worker.diagnosis = Diagnosis(self._recorder, self.rank)
         self._recorder.wake = self._worker.wake
         self._worker.start()
@@ -100,6 +101,12 @@ class Run:
     def finish(self) -> None:
         """Mark the run finished and deliver what is left (waits at most `AMPWATCH_FINISH_TIMEOUT_S`)."""
         guarded(self._finish, "finished", None)
+
+    def _registered(self, reply: dict[str, Any]) -> None:
+        """The server's own link to the run's page (AMPWATCH_PUBLIC_URL behind a proxy) replaces the one from our URL."""
+        url = reply.get("url")
+        if isinstance(url, str) and url.startswith(("http://", "https://")) and url.endswith("/runs/" + self.id):
+            self.url = url
 
     def __enter__(self) -> "Run":
         return self

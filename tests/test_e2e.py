@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ampwatch
+from ampwatch.server import Settings
 
 
 def _model() -> torch.nn.Module:
@@ -186,3 +187,11 @@ def test_a_run_appears_before_its_first_step_and_heartbeats_while_idle(sqlite_se
     run.finish()
     with sqlite_server.client() as http:
         assert http.get(f"/api/v1/runs/{run.id}").json()["status"] == "finished"
+
+
+def test_run_url_is_the_servers_public_link_once_registered(live_server_factory, sqlite_url) -> None:  # type: ignore[no-untyped-def]
+    # (behind a proxy the agent's own AMPWATCH_URL is an internal address; Run.url is the dashboard page)
+    server = live_server_factory(Settings(database_url=sqlite_url, public_url="http://dash.example.com:9000"))
+    with ampwatch.init("e2e", "public", url=server.url) as run:
+        run.log({"x": 1.0}, step=0)
+    assert run.url == f"http://dash.example.com:9000/runs/{run.id}"
