@@ -51,17 +51,19 @@ class Outcome:
 
 
 def send(
-    channel: models.AlertChannel, notice: Notice, *, timeout_s: float, scope: str = "private", http: httpx.Client | None = None
+    channel: models.AlertChannel, notice: Notice, *, timeout_s: float, scope: str = "private", http: httpx.Client | None = None,
+    key: str | None = None,
 ) -> Outcome:
     """Deliver `notice` to `channel` once, if `scope` allows its destination; `http` is a shared client (keeps
-    connections, saves TLS setup). The outcome's error never contains the channel's secrets."""
+    connections, saves TLS setup); `key` goes out as the webhook's `Idempotency-Key` (the same for every attempt at
+    one notification: a receiver can drop a repeat). The outcome's error never contains the channel's secrets."""
     try:
         if channel.kind == "email":
             outcome = _email(channel, notice, timeout_s, scope)
         else:
             body = slack_body(notice) if channel.kind == "slack" else webhook_body(notice)
             with httpx.Client() if http is None else nullcontext(http) as client:
-                outcome = _post(client, channel.target, body, timeout_s, scope)
+                outcome = _post(client, channel.target, body, timeout_s, scope, key)
     except TargetError as error:
         outcome = Outcome(False, error=f"refused: {error}")
     except Exception as error:  # a bug or a surprise in one channel must not take the dispatcher down
@@ -81,9 +83,11 @@ def redact(text: str, channel: models.AlertChannel) -> str:
     return text
 
 
-def _post(http: httpx.Client, url: str, body: dict, timeout_s: float, scope: str) -> Outcome:
+def _post(http: httpx.Client, url: str, body: dict, timeout_s: float, scope: str, key: str | None = None) -> Outcome:
     target = httpx.URL(check_url(url))
     headers = {"User-Agent": f"ampwatch/{__version__}", "Host": target.netloc.decode("ascii")}
+    if key is not None:
+        headers["Idempotency-Key"] = key
     try:
         address = resolve(target.host, target.port or (443 if target.scheme == "https" else 80), scope)
     except OSError as error:

@@ -78,8 +78,9 @@ def attempt(
                 return Outcome(True)
         notices = [notice_for_flip(session, f, base_url) for d in deliveries if (f := flips.get(d.id)) is not None]
         notice = grouped(notices) if notices else test_notice(channel, base_url)
-    if channel.enabled:
-        outcome = send(channel, notice, timeout_s=timeout_s, scope=scope, http=http)
+    if channel.enabled:  # (a retry, or a send again after a restart mid-send, carries the same key)
+        key = "ampwatch-" + "-".join(str(d.flip_id) for d in deliveries) + f"-{channel.id}" if flips else None
+        outcome = send(channel, notice, timeout_s=timeout_s, scope=scope, http=http, key=key)
     else:  # disabled after this was queued (a retry, say): stop here, and say so on the row
         outcome = Outcome(False, error="not sent: the channel is disabled")
     jitter = random.uniform(0.8, 1.2)  # one for the group, so its retries stay together

@@ -25,6 +25,7 @@ class Received:
     at: float  # time.time() when the request arrived
     path: str
     body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,7 +80,7 @@ def receiver() -> Iterator[Receiver]:
         def do_POST(self) -> None:  # noqa: N802
             raw = self.rfile.read(int(self.headers.get("content-length", 0)))
             with state.lock:
-                state.received.append(Received(time.time(), self.path, json.loads(raw or b"{}")))
+                state.received.append(Received(time.time(), self.path, json.loads(raw or b"{}"), dict(self.headers)))
                 status, headers, delay_s = state.replies.pop(0) if state.replies else (200, {}, 0.0)
             time.sleep(delay_s)  # a slow channel, when a test asks for one
             self.send_response(status)
