@@ -31,3 +31,24 @@ def warn_once(key: str, message: str, *args: Any) -> None:
     if key not in _reported:
         _reported.add(key)
         log.warning(message, *args)
+
+
+class Hook:
+    """A hook the agent puts on the user's model or tensors. A copy of the model (an EMA's `copy.deepcopy`,
+    `torch.save` of the whole module) gets an inert one instead: the agent's state must not travel with it
+    (it holds locks and files), and the copy is not watched."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any] | None) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        fn = self.fn
+        return None if fn is None else fn(*args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Hook, (None,))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Hook":
+        return Hook(None)

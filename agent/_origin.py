@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from ampwatch._diagnose import Analyzer, Columns, Event, Thresholds
-from ampwatch._guard import guarded
+from ampwatch._guard import Hook, guarded
 
 log = logging.getLogger("ampwatch")
 
@@ -37,7 +37,10 @@ class OriginProbe:
     """Forward and output-gradient hooks on a model's leaf modules, present only while armed."""
 
     def __init__(self, model: Any) -> None:
+        import torch
+
         self._model = model
+        self.hookable = not isinstance(model, torch.jit.ScriptModule)  # (TorchScript takes no module hooks)
         self._handles: list[Any] = []
         self.forward: list[tuple[str, Any]] = []
         self.backward: list[tuple[str, Any]] = []
@@ -51,10 +54,10 @@ class OriginProbe:
         as that one, up to `MAX_ARM_STEPS`."""
         self.window = min(2 * self.window, MAX_ARM_STEPS) if missed else ARM_STEPS
         self.steps_left = self.window
-        if self.armed:
+        if self.armed or not self.hookable:
             return
         self.armed = True
-        self._handles.append(self._model.register_forward_pre_hook(self._on_input))
+        self._handles.append(self._model.register_forward_pre_hook(Hook(self._on_input)))
         for name, module in self._model.named_modules():
             if name and not any(True for _ in module.children()):
                 self._handles.append(module.register_forward_hook(self._hook_for(name)))
@@ -77,15 +80,16 @@ class OriginProbe:
     def _on_input(self, module: Any, args: Any) -> None:
         guarded(self._flag, self.forward, INPUT, _first_float_tensor(args))
 
-    def _hook_for(self, name: str) -> Any:
+    def _hook_for(self, name: str) -> Hook:
         def on_output(module: Any, args: Any, output: Any) -> None:
             guarded(self._on_output, name, _first_float_tensor(output))
 
-        return on_output
+        return Hook(on_output)
 
     def _on_output(self, name: str, tensor: Any) -> None:
         self._flag(self.forward, name, tensor)
-        if tensor is not None and tensor.requires_grad:
+        # (not on a leaf, such as a Parameter a module returns as it is: a leaf's hooks stay for good)
+        if tensor is not None and tensor.requires_grad and tensor.grad_fn is not None:
             tensor.register_hook(lambda grad: guarded(self._flag, self.backward, name, grad))
 
     @staticmethod

@@ -116,6 +116,8 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
         plain = cls.__getstate__(scaler)
         for name in (RECORDER, *HOOKED):
             plain.pop(name, None)
+        if protocol >= 2:  # (object's own form for these: torch.load(weights_only=True) allows no other)
+            return (copyreg.__newobj__, (cls,), plain)
         return (copyreg._reconstructor, (cls, object, None), plain)
 
     hooks = {"scale": scale, "unscale_": unscale_, "step": step, "update": update, "__reduce_ex__": reduce_ex}

@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable
 
 from ampwatch import _scaler
-from ampwatch._guard import guarded
+from ampwatch._guard import Hook, guarded, warn_once
 from ampwatch._misuse import SILENT_UNSCALED, Signature, classify, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe
 from ampwatch._steady import Steady
@@ -134,9 +134,14 @@ class Recorder(Steady):
             self._probe = OriginProbe(model)
             self._layers_due = self.step % self.layer_interval == 0
             # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's) has it on
-            # only once that forward runs, after the model's own pre-hooks.
-            first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), model)
-            self._first_forward_hook = first.register_forward_pre_hook(self._first_forward)
+            # only once that forward runs, after the model's own pre-hooks. Parameters that train: a frozen backbone may
+            # only ever run under no_grad.
+            first = next((m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))), model)
+            if self._probe.hookable:
+                self._first_forward_hook = first.register_forward_pre_hook(Hook(self._first_forward))
+            else:
+                warn_once("scripted", "ampwatch: a TorchScript model takes no hooks: its steps, loss, scale and norms are "
+                          "recorded, but not where a NaN came from, nor checks of its forward's autocast")  # fmt: skip
         if scaler is not None:
             _scaler.attach(scaler, self)
             self._scaler = scaler
@@ -177,8 +182,10 @@ class Recorder(Steady):
 
     def _first_forward(self, module: Any, args: Any) -> None:
         """Configuration checks that need the forward's autocast state; run once, at the first forward that trains
-        (an evaluation pass under no_grad before training may well run without autocast)."""
-        if not self._torch.is_grad_enabled():
+        (an evaluation pass under no_grad before training may well run without autocast). Not inside a forward that
+        torch.compile traces: this would break its graph there, and the compiled model would compute differently."""
+        torch = self._torch
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         if self._first_forward_hook is not None:
             self._first_forward_hook.remove()
@@ -327,7 +334,8 @@ class Recorder(Steady):
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # A closure (Lightning, LBFGS) computes the gradients inside step(): take the norm after it.
-        if (args[0] if args else kwargs.get("closure")) is None:
+        # (`args` are step()'s own, the optimizer first)
+        if (args[1] if len(args) > 1 else kwargs.get("closure")) is None:
             guarded(self.on_unscaled, optimizer)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
