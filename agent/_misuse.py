@@ -50,7 +50,9 @@ def classify(sig: Signature) -> tuple[str, str] | None:
             "GradScaler was used before its first scaler.scale() call: unscale_, step or update ran before any "
             "scaled backward. Fix: scaler.scale(loss).backward() first, then unscale_/step/update."
         )
-    if "No inf checks were recorded" not in sig.message:
+    # (a fused optimizer stepped after unscale_ found no gradients: it gets 0, not a found_inf tensor, and fails on it)
+    fused = sig.stage == "UNSCALED" and "'int' object has no attribute 'device'" in sig.message
+    if "No inf checks were recorded" not in sig.message and not fused:
         return None
     if sig.stage == "UNSCALED" and sig.params_with_grad > 0:
         return "unscale_before_backward", (

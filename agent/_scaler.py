@@ -23,6 +23,8 @@ from ampwatch._guard import report
 
 RECORDER = "_ampwatch_recorder"  # the instance attribute holding the Recorder; never pickled
 SETTERS = ("load_state_dict", "set_growth_factor", "set_backoff_factor", "set_growth_interval")
+# What GradScaler raises on misuse (a fused optimizer stepped after unscale_ before backward: AttributeError)
+MISUSE_ERRORS = (AssertionError, RuntimeError, AttributeError)
 HOOKED = ("scale", "unscale_", "step", "update", "__reduce_ex__", *SETTERS)  # the wrappers' names in the instance dict
 
 
@@ -62,7 +64,7 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
         rec = state.get(RECORDER)
         try:
             base_unscale_(scaler, optimizer)
-        except (AssertionError, RuntimeError) as error:
+        except MISUSE_ERRORS as error:
             diagnose_error(rec, optimizer, error)
             raise
         if rec is not None:
@@ -80,7 +82,7 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
                 report(rec.before_step)
         try:
             return base_step(scaler, optimizer, *args, **kwargs)
-        except (AssertionError, RuntimeError) as error:
+        except MISUSE_ERRORS as error:
             diagnose_error(rec, optimizer, error)
             raise
 
@@ -93,7 +95,7 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
                 report(rec.before_update)
         try:
             base_update(scaler, new_scale)
-        except (AssertionError, RuntimeError) as error:
+        except MISUSE_ERRORS as error:
             diagnose_error(rec, None, error)
             raise
 

@@ -203,7 +203,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
             return scaler.unscale_(optimizer)
         try:
             base_unscale_(scaler, optimizer)
-        except (AssertionError, RuntimeError) as error:
+        except _scaler.MISUSE_ERRORS as error:
             leave()
             diagnose(rec, optimizer, error)
             raise
@@ -235,7 +235,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
         rec._ran = False  # (the optimizer's post-step hook sets True if its step runs in here)
         try:
             result = base_step(scaler, optimizer, *args, **kwargs)
-        except (AssertionError, RuntimeError) as error:
+        except _scaler.MISUSE_ERRORS as error:
             leave()
             diagnose(rec, optimizer, error)
             raise
@@ -284,7 +284,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
             return scaler.update(new_scale)
         try:
             return base_update(scaler, new_scale)
-        except (AssertionError, RuntimeError) as error:
+        except _scaler.MISUSE_ERRORS as error:
             leave()
             diagnose(rec, None, error)
             raise

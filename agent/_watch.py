@@ -229,7 +229,12 @@ class Recorder(Steady):
             grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
             modules = None
         if grads:
-            self._add_norms((self._foreach_norm(grads), scale is not None, modules))
+            try:
+                norms = self._foreach_norm(grads)
+            except RuntimeError:  # sparse gradients (an Embedding(sparse=True)): _foreach_norm has no kernel for them
+                norm = self._torch.linalg.vector_norm
+                norms = [norm(g.coalesce().values() if g.is_sparse else g) for g in grads]
+            self._add_norms((norms, scale is not None, modules))
 
     def on_clipped(self, parameters: Any, args: tuple, kwargs: dict[str, Any], total: Any) -> None:
         """`clip_grad_norm_` returned `total`: after this run's `unscale_` and over its optimizer's parameters,

@@ -1,5 +1,6 @@
 """A watched model, scaler and optimizer behave as the user's own: copies (an EMA's deepcopy), whole-module
-`torch.save`, checkpoints loaded with `weights_only=True`, TorchScript, torch.compile and hand-written optimizers."""
+`torch.save`, checkpoints loaded with `weights_only=True`, TorchScript, torch.compile, hand-written optimizers and
+sparse gradients."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pickle
 import time
 from typing import Any
 
+import pytest
 import torch
 
 import ampwatch
@@ -186,3 +188,35 @@ def _compiled_step_params(watched: bool) -> list[torch.Tensor]:
 def test_a_compiled_model_computes_bitwise_the_same_watched() -> None:
     # (the agent's first-forward hook broke the traced graph in two, which inductor then computed differently)
     assert all(torch.equal(a, b) for a, b in zip(_compiled_step_params(False), _compiled_step_params(True)))
+
+
+@pytest.mark.parametrize("two_optimizers", [False, True])
+def test_sparse_embedding_gradients_count_in_the_norm(sqlite_server, two_optimizers: bool) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    embedding, head = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 1)
+    model = torch.nn.Sequential(embedding, head)
+    if two_optimizers:
+        optimizers = [torch.optim.SparseAdam(list(embedding.parameters()), lr=1e-2), torch.optim.SGD(head.parameters(), lr=1e-2)]
+    else:
+        optimizers = [torch.optim.SGD(model.parameters(), lr=1e-2)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    expected = []
+    with ampwatch.init("guest", "sparse", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizers, scaler=scaler)
+        for _ in range(8):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randint(0, 50, (4, 3))).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            for optimizer in optimizers:
+                scaler.unscale_(optimizer)
+            grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in model.parameters()]
+            expected.append(math.sqrt(sum(g.double().pow(2).sum().item() for g in grads)))
+            for optimizer in optimizers:
+                scaler.step(optimizer)
+            scaler.update()
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]
+    assert series["steps"] == list(range(8))
+    assert [round(v, 4) for v in series["values"]] == [round(v, 4) for v in expected]
