@@ -145,8 +145,13 @@ class Diagnosis:
                            "before any layer ran. A data problem, not the model: check the data pipeline.")  # fmt: skip
             else:
                 modules = [n for n, _ in forward if n != INPUT]
+                before = modules[modules.index(module) - 1] if modules.index(module) > 0 else None
+                between = f"between `{before}` and `{module}`" if before else f"before `{module}`"
                 message = (f"Origin of the non-finite values at step {step}: first non-finite output: `{module}` "
-                           f"(forward, module {modules.index(module) + 1} of {len(modules)} in call order).")  # fmt: skip
+                           f"(forward, module {modules.index(module) + 1} of {len(modules)} in call order). Either "
+                           f"`{module}` made them, or it received them from an operation outside any module {between} (a "
+                           "functional call in a parent's forward, such as a softmax over a fully masked row, a log of 0 "
+                           "or a division by 0): every module's output before it was finite.")  # fmt: skip
             details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
             kind = "nonfinite_loss"
         else:
