@@ -251,7 +251,7 @@ class Recorder(Steady):
             self._clip_trusted = seen[1] == 2.0 and len(ids) == len(own) and all(map(own.__contains__, ids))
             self._clip_seen, self._clip_groups, self._clip_params = seen, groups, parameters
         if self._deferred is optimizer:
-            if self._clip_trusted:
+            if self._clip_trusted or seen[1] == 2.0 and self._covers_gradients(optimizer, ids):
                 self._deferred = None
                 if self._norm is None:
                     self._norm = total
@@ -259,6 +259,13 @@ class Recorder(Steady):
                     self._add_norms(([total], False, None))
             elif not self._param_ids(optimizer).isdisjoint(ids):
                 self._deferred = None  # another clip changed these gradients: this step's norm is lost
+
+    def _covers_gradients(self, optimizer: Any, ids: tuple[int, ...]) -> bool:
+        """Whether a clip over the parameters `ids` covered every gradient of `optimizer` (its other parameters have
+        none: layers frozen this step, or a clip over the parameters that have one), so its norm is the step's."""
+        clipped = set(ids)
+        return clipped <= self._param_ids(optimizer) and all(
+            p.grad is None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped)
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
         """Remember the stage for diagnosis; fused optimizers unscale in their kernel: norm of grads / scale."""

@@ -220,3 +220,39 @@ def test_sparse_embedding_gradients_count_in_the_norm(sqlite_server, two_optimiz
         series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]
     assert series["steps"] == list(range(8))
     assert [round(v, 4) for v in series["values"]] == [round(v, 4) for v in expected]
+
+
+class _Branchy(torch.nn.Module):
+    """Its first layer is used on even steps only: on odd steps the clip is over the parameters that have gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra, self.body = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return self.body(self.extra(x) if step % 2 == 0 else x)
+
+
+def test_a_clip_over_the_parameters_that_have_gradients_is_the_norm_of_every_step(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = _Branchy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    clipped = []
+    with ampwatch.init("guest", "clip-subset", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(12):
+            if step == 9:
+                model.extra.requires_grad_(False)  # frozen from now on
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8), step).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            clipped.append(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e3).item())
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    with sqlite_server.client() as http:
+        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]
+    assert series["steps"] == list(range(12))
+    assert [round(v, 5) for v in series["values"]] == [round(v, 5) for v in clipped]
