@@ -21,7 +21,7 @@ from ampwatch.server.alerts._db import ACTIVE, steps, utc
 from ampwatch.server.alerts._ingest import ensure_liveness
 from ampwatch.server.alerts._rules import applies, project_of
 
-L, R, A = models.RunLiveness, models.Run, models.Alert
+L, R, A, Rule = models.RunLiveness, models.Run, models.Alert, models.AlertRule
 LEASE_S = 30.0
 _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 _REMIND_STATUSES = ("running", "stalled")  # a finished or dead run does not need reminding
@@ -30,9 +30,12 @@ _REMIND_STATUSES = ("running", "stalled")  # a finished or dead run does not nee
 def runs_to_evaluate(session: Session, *, limit: int = 200) -> list[str]:
     """Runs with data newer than their last evaluation, and runs with open alerts."""
     fresh = select(L.run_id).join(R, R.id == L.run_id).where(or_(L.evaluated_at.is_(None), L.evaluated_at < R.last_seen_at))
-    # Open alerts of a finished or dead run change only with new data, unless a timer runs (for, keep_firing_for).
-    timed = or_(R.status.in_(_REMIND_STATUSES), A.state == "pending", A.cleared_at.is_not(None))
-    open_ = select(A.run_id).join(R, R.id == A.run_id).where(A.state.in_(ACTIVE), timed).distinct()
+    # Open alerts of a finished or dead run change only with new data, unless a timer runs (for, keep_firing_for)
+    # or their rule was disabled or deleted (they resolve).
+    orphaned = or_(Rule.id.is_(None), Rule.enabled.is_(False))
+    timed = or_(R.status.in_(_REMIND_STATUSES), A.state == "pending", A.cleared_at.is_not(None), orphaned)
+    open_ = select(A.run_id).join(R, R.id == A.run_id).outerjoin(Rule, Rule.id == A.rule_id)
+    open_ = open_.where(A.state.in_(ACTIVE), timed).distinct()
     return list(dict.fromkeys([*session.scalars(fresh.limit(limit)), *session.scalars(open_.limit(limit))]))
 
 

@@ -114,6 +114,26 @@ def test_a_threshold_rule_watches_every_rank_of_a_two_rank_run(feed, receiver, w
                     ("resolved", "loss_any_rank"), ("resolved", "loss_per_rank"), ("resolved", "loss_per_rank")], sent  # fmt: skip
 
 
+@pytest.mark.parametrize(("change", "status"), [("delete", "finished"), ("disable", "crashed")])
+def test_deleting_or_disabling_a_rule_resolves_its_alert_on_a_run_that_already_ended(feed, receiver, wait_for, change, status) -> None:  # type: ignore[no-untyped-def]
+    # (only running runs were evaluated again: the alert of a finished or crashed run stayed firing for good)
+    rule = {"name": "val_high", "kind": "threshold", "series": "val", "aggregation": "last", "op": ">", "threshold": 5}
+    rule_id = feed.http.post("/api/v1/alert-rules", json=rule).json()["id"]
+    run = feed.run("ended")
+    feed.send(run, val=(range(0, 3), 9.0))
+    receiver.wait(1, alert__rule="val_high")
+    feed.http.post(f"/api/v1/runs/{run}/batches", json={"seq": 99, "status": status}).raise_for_status()
+    wait_for(lambda: feed.http.get(f"/api/v1/runs/{run}").json()["status"] == status, what=f"the run {status}")
+    time.sleep(1.0)  # ten evaluation passes: the run's last data has been evaluated, so nothing new wakes it
+    if change == "delete":
+        assert feed.http.delete(f"/api/v1/alert-rules/{rule_id}").status_code == 204
+    else:
+        feed.http.patch(f"/api/v1/alert-rules/{rule_id}", json={"enabled": False}).raise_for_status()
+    [resolved] = receiver.wait(1, status="resolved", alert__rule="val_high")
+    assert resolved["reason"] == "The rule was disabled or deleted."
+    assert feed.alerts(run)["val_high"]["state"] == "resolved"
+
+
 def test_a_firing_alert_sends_reminders_every_repeat_interval(feed, receiver) -> None:  # type: ignore[no-untyped-def]
     rule_id = next(r["id"] for r in feed.http.get("/api/v1/alert-rules").json() if r["name"] == "nonfinite_param")
     feed.http.patch(f"/api/v1/alert-rules/{rule_id}", json={"repeat_interval_s": 0.5}).raise_for_status()
