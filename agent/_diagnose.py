@@ -57,6 +57,9 @@ class Analyzer:
         self._stepped = False  # a step was applied: a skip streak after one is no start-up calibration
         self._applied_scale = math.inf  # the loss scale of the last step GradScaler applied
         self._below_floor = False  # a scale below the floor was reported; until it is back above
+        self._scaled = False  # a GradScaler record (a step's skipped flag) was seen: this run has a scaler
+        self._origin: tuple[str, str] | None = None  # (module, phase) of the last NaN origin named (see `event`)
+        self.clipping = False  # the loop clips with clip_grad_norm_ (the agent's recorder tells; see ampwatch._origin)
         self._nonfinite_loss = False
         self._nan_grad_streak = 0
         self._skip_steps: deque[int] = deque()  # recent skipped steps
@@ -98,6 +101,9 @@ class Analyzer:
         for name in ("loss", "scale", "grad_norm", "param_norm"):  # a sum is finite only if every value is
             if name in c and not math.isfinite(sum(c[name][1])):
                 return False
+        if (skipped or self._scaled) and not all(  # values the user logged at steps without GradScaler's record
+                _within(c[name][0], skipped[0] if skipped else []) for name in ("loss", "grad_norm") if name in c):
+            return False
         if lr and any(self._skipped_at.values()):  # a schedule step right after a skipped step: judged one by one
             return False
         if loss and not self._loss_median.stays_below(loss[1], self.t.loss_spike_factor):
@@ -116,7 +122,7 @@ class Analyzer:
             self._grad_median.extend(norm[1])
         if skipped:
             self._skipped_at = {step: False for step in skipped[0][-2:]}
-            self._stepped = True
+            self._stepped = self._scaled = True
             if "scale" in c:
                 self._applied_scale = c["scale"][1][-1]
         if "param_norm" in c:
@@ -130,21 +136,37 @@ class Analyzer:
         events: list[Event] = []
         loss, scale, norm = values.get("loss"), values.get("scale"), values.get("grad_norm")
         skipped = values.get("skipped")
-        if "param_norm" in values:
-            self._check_params(step, values["param_norm"], scale, events)
+        if skipped is None and self._scaled:
+            self._logged(step, loss, events)
+            loss = norm = None
         if loss is not None:
             self._check_loss(step, loss, scale, skipped, norm, events)
         if skipped is not None and scale is not None:
             self._check_skip(step, bool(skipped), scale, loss, norm, events)
         if norm is not None:
             self._check_grad(step, norm, loss, bool(skipped), scale, events)
+        if "param_norm" in values:  # (taken after the optimizer step: the loss and gradients above came before it)
+            self._check_params(step, values["param_norm"], events)
         if skipped is not None:
+            self._scaled = True
             self._skipped_at[step] = bool(skipped)
             if len(self._skipped_at) > 2:  # the last two steps are all the scheduler check reads
                 del self._skipped_at[next(iter(self._skipped_at))]
         if "lr" in values:
             self._check_scheduler(step, values["lr"], events)
         return events
+
+    def _logged(self, step: int, loss: float | None, out: list[Event]) -> None:
+        """Values the user logged at a step of a scaler run without GradScaler's record of that step: a copy of what the
+        agent recorded itself, arriving after its step was judged (a skip wakes the sender) or at a step numbered
+        otherwise (a resumed run's global step), or a loss logged before its optimizer step, arriving a batch early.
+        Only a non-finite loss at a step not known to be skipped is judged (GradScaler skips such a step, whatever its
+        number); feeding the rest to the medians would mix two orders of steps."""
+        if loss is None or step in self._skip_steps:  # (a skipped step was judged with its record)
+            return
+        self._last_loss = (step, loss)
+        if not math.isfinite(loss):
+            self._check_loss(step, loss, None, None, None, out)
 
     # -- skipped steps and the loss scale --------------------------------------------------
     def _check_skip(self, step: int, skipped: bool, scale: float, loss: float | None, norm: float | None, out: list[Event]) -> None:
@@ -157,7 +179,17 @@ class Analyzer:
                         f"its loss scale ({pow2(self._calibration_start or scale)} at the first skip, {pow2(scale)} now). "
                         "This is normal.",
                         {"calibration": True, "skips": self._calibration_skips, "scale": scale}))  # fmt: skip
-            elif self._nan_alarm is not None:  # the evidence the NaN-gradient event could not have yet
+            elif self._nan_alarm is not None and self._streak_start_scale <= self._applied_scale:
+                out.append(self.event(step, "skipped_step", "info",
+                    f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}. The NaN "
+                    f"gradients reported at step {self._nan_alarm} began at loss scale {pow2(self._streak_start_scale)}, "
+                    "a scale steps had been applied at, so not because the scale had grown too high: most likely an operation "
+                    "that makes NaN on some batches (look for sqrt, log, pow or a norm of zero, or a division by a value "
+                    "that can be 0), or a batch whose gradients are too large for fp16. If they come back, the NaN-origin "
+                    "probe names where.",
+                    {"recovered": True, "streak": self._streak, "scale": scale, "overflow": False,
+                     "nonfinite_grad_step": self._nan_alarm}))  # fmt: skip
+            elif self._nan_alarm is not None:  # the evidence the NaN-gradient event could not have yet (the scale had grown)
                 out.append(self.event(step, "skipped_step", "info",
                     f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}. The "
                     f"NaN gradients reported at step {self._nan_alarm} stopped once the scale was lower, so they were most "
@@ -182,8 +214,12 @@ class Analyzer:
         recent.append(step)
         while recent[0] <= step - self.t.window:
             recent.popleft()
-        if self.calibrating and step >= self.t.calibration_steps:
-            self.calibrating = False  # still skipping when calibration should be long over: not calibration
+        # Still skipping when calibration should be long over, or NaN gradients with a finite loss at a scale steps were
+        # applied at (calibration only searches downwards from too high a scale): not calibration.
+        nan_again = (self._stepped and scale <= self._applied_scale and norm is not None and math.isnan(norm)
+                     and (loss is None or math.isfinite(loss)))  # fmt: skip
+        if self.calibrating and (step >= self.t.calibration_steps or nan_again):
+            self.calibrating = False
         if self.calibrating and (loss is None or math.isfinite(loss)):  # (a NaN loss is a bad batch, told as such)
             self._calibration_skips += 1
             self._calibration_start = self._calibration_start or scale
@@ -201,11 +237,11 @@ class Analyzer:
                 what = (f"the scale fell to {pow2(scale / 2)} at step {step}, below {self.t.scale_floor:g}, after skips that keep "
                         f"coming back ({len(recent)} in the last {self.t.window} steps)")  # fmt: skip
             out.append(self.event(step, "scale_collapse", "critical",
-                f"Loss scale collapse: {what}: the gradients overflow or are NaN at any scale. {self._param_note()}Check the "
-                "data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows).",
+                f"Loss scale collapse: {what}: the gradients overflow or are NaN at any scale. {self._param_note()}"
+                f"{self._collapse_advice()}",
                 {"streak": self._streak, "scale_before": self._streak_start_scale, "scale_after": scale / 2}))  # fmt: skip
-        elif self.calibrating or self._collapsed:
-            return
+        elif self.calibrating or self._collapsed or self._below_floor:
+            return  # (below the floor, the scale_collapse event said it: no skip is normal scaling there)
         elif self._streak == 1 and loss is not None and not math.isfinite(loss):
             return  # the nonfinite_loss event says it all
         elif self._streak == 1:
@@ -232,10 +268,15 @@ class Analyzer:
         if skipped:
             fate = (f"GradScaler skipped the step (loss scale {pow2(scale or 0)} → {pow2((scale or 0) / 2)}), so this step "
                     "did not change the parameters.")
-        elif scale is None:
+        elif not self._scaled:
             fate = "There is no GradScaler to skip the step: the optimizer may now write NaN into the parameters."
+        elif skipped is None:  # a value the user logged (see _logged)
+            fate = ("GradScaler skips a step whose loss is non-finite (its gradients are too), so that step most likely did "
+                    "not change the parameters.")  # fmt: skip
         else:
-            fate = "The step was not skipped."
+            fate = (f"Yet GradScaler applied step {step}, so its gradients were finite: this loss is most likely another "
+                    "step's (the step passed to run.log counts otherwise than the agent, which counts optimizer steps from "
+                    "0), or a part of it no parameter depends on is non-finite.")  # fmt: skip
         out.append(self.event(step, "nonfinite_loss", "critical",
             f"{what} loss at step {step}: the forward pass produced a non-finite value "
             f"({'the parameters are non-finite' if self._param_bad else 'a bad batch, or a layer that overflows'}). {fate}",
@@ -299,17 +340,32 @@ class Analyzer:
                               {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None,
                                "grad_norm": _spell(norm)}))  # fmt: skip
 
-    def _check_params(self, step: int, param_norm: float, scale: float | None, out: list[Event]) -> None:
+    def _check_params(self, step: int, param_norm: float, out: list[Event]) -> None:
         if math.isfinite(param_norm):
             self._param_bad = False
             return
         if self._param_bad:
             return
         self._param_bad = True
+        if self._nonfinite_loss and self._last_loss is not None and self._last_loss[0] == step:
+            how = (f"The optimizer step after step {step}'s non-finite loss wrote it into them (the loss came from the batch, "
+                   "not from them). Restore the last good checkpoint, and skip the update when the loss is non-finite.")  # fmt: skip
+        else:
+            how = ("Not a benign fp16 overflow: restore the last good checkpoint, and lower the learning rate or find the "
+                   "layer that overflows.")  # fmt: skip
         out.append(self.event(step, "nonfinite_param", "critical",
-            f"The parameters are non-finite at step {step}: the run cannot recover. Not a benign fp16 overflow: "
-            "restore the last good checkpoint, and lower the learning rate or find the layer that overflows.",
+            f"The parameters are non-finite at step {step}: the run cannot recover. {how}",
             {"param_norm": _spell(param_norm), "grad_norm_trend": self._trend()}))  # fmt: skip
+
+    def _collapse_advice(self) -> str:
+        """What to do about a collapse: what the origin named, if it was; else values fp16 cannot hold."""
+        module, phase = self._origin or ("", "")
+        if phase == "backward":
+            return (f"The NaN-origin event named the backward of `{module}`: an operation there makes NaN at any scale (sqrt, "
+                    "log, pow or a norm at 0), which bf16 does not fix: guard it (an epsilon, a clamp).")  # fmt: skip
+        if module == "(input batch)":
+            return "The NaN-origin event named the input batch: a data problem, which bf16 does not fix: check the data pipeline."
+        return "Check the data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows)."
 
     def _param_note(self) -> str:
         """Said in later events while the parameters are known to be non-finite: that, not the data, is the cause."""
@@ -322,16 +378,28 @@ class Analyzer:
             # `factor` times the usual high end (the 90th percentile), which is the median for a steady series: noisy
             # ones (small batches) reach several times their median now and then, but not for `spike_steps` in a row,
             # as a divergence does (whose high end keeps up with it). Around or below 0 (a log-likelihood), twice
-            # `factor` interquartile ranges above the median.
+            # `factor` interquartile ranges above the median. A loss's high end is its 90th percentile times how far its
+            # 99th is from the median (for a steady loss about 1): a small-batch loss near 0 (a classifier that has
+            # converged) is now and then a single hard example, hundreds of times its median and several times its 90th
+            # percentile; and a run of high values is one at `factor` times its 90th percentile. (Once reported, a spike is
+            # over when the value is back below half `factor` at the usual end.)
             mid, spread = median.value(), median.spread()
             above = (value - mid) / spread if spread > 0 else 0.0
-            high = self._high[name] = self._high[name] + 1 if mid > 0 and value >= factor * mid else 0
+            usual = median.quantile(0.9) if name == "loss" and mid > 0 else mid  # (what a run of high values is high above)
+            high = self._high[name] = self._high[name] + 1 if mid > 0 and value >= factor * usual else 0
             level = above / 2 if mid <= 0 else value / mid if high >= self.t.spike_steps else value / median.quantile(0.9)
-            if level >= factor and not spiking:
+            tail = median.quantile(0.99) / mid if name == "loss" and mid > 0 and high < self.t.spike_steps else 1.0
+            if level >= factor * tail and not spiking:
                 kind = "grad_spike" if name == "grad_norm" else "loss_spike"
                 what = "Gradient norm" if name == "grad_norm" else "Loss"
-                hint = (" No step was skipped: this is an explosion, not an fp16 overflow. Clip gradients or lower the "
-                        "learning rate." if name == "grad_norm" else " Check the batch and the learning rate.")  # fmt: skip
+                if name == "loss":
+                    hint = " Check the batch and the learning rate."
+                elif self.clipping:
+                    hint = (" No step was skipped: this is an explosion, not an fp16 overflow. The loop clips (clip_grad_norm_), "
+                            "so this update was cut down to its max_norm; if it comes back, lower the learning rate or look at "
+                            "the batches it comes on.")  # fmt: skip
+                else:
+                    hint = " No step was skipped: this is an explosion, not an fp16 overflow. Clip gradients or lower the learning rate."
                 how = f"{value / mid:.0f}× its median" if mid > 0 else f"{above:.0f} interquartile ranges above its median"
                 run = f", {high} steps in a row at {factor:g}× or more" if high >= self.t.spike_steps else ""
                 out.append(self.event(step, kind, "warning",
@@ -363,8 +431,17 @@ class Analyzer:
         return {"last": recent[-1], "min": min(recent), "max": max(recent), "steps": len(recent)}
 
     def event(self, step: int, kind: str, severity: str, message: str, details: dict[str, Any]) -> Event:
+        """An event as the server takes it. (The NaN-origin probe's events are made here too: a later collapse says
+        what its origin means.)"""
+        if "origin" in details:
+            self._origin = (details["origin"], details["phase"])
         return {"step": step, "rank": self.rank, "type": kind, "severity": severity, "message": message,
                 "details": details, "time": time.time()}  # fmt: skip
+
+
+def _within(steps: list[int], known: list[int]) -> bool:
+    """Whether every step of `steps` is one of `known` (usually the very same list)."""
+    return steps == known or set(steps) <= set(known)
 
 
 def _spell(value: float) -> float | str:
