@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import case, func, select, text
 from sqlalchemy.orm import Session
 
 from ampwatch.server import alerts, models, rollups, series
@@ -181,7 +181,8 @@ def _store_events(session: Session, run_id: str, batch: BatchIn, stamp: datetime
 
 RUN_SORTS = {
     "started": models.Run.created_at, "seen": models.Run.last_seen_at, "step": models.Run.last_step,
-    "name": models.Run.name, "status": models.Run.status, "health": models.Run.health,
+    "name": models.Run.name, "status": models.Run.status,
+    "health": case({h: rank for rank, h in _HEALTH.items()}, value=models.Run.health),  # by severity, not spelling
 }  # fmt: skip
 
 
@@ -189,10 +190,11 @@ def list_runs(
     session: Session, *, project: str | None = None, status: str | None = None, search: str | None = None,
     sort: str = "started", descending: bool = True, seen_after: datetime | None = None,
 ) -> list[tuple[models.Run, str]]:  # fmt: skip
-    """Runs with their project's name, newest first unless `sort` (a RUN_SORTS key) says otherwise;
-    `search` matches part of the run's name, `seen_after` keeps runs heard from since then."""
+    """Runs with their project's name, newest first unless `sort` (a RUN_SORTS key) says otherwise (runs with
+    no value for it, no step yet, last either way); `search` matches part of the run's name, `seen_after` keeps
+    runs heard from since then."""
     column = RUN_SORTS.get(sort, models.Run.created_at)
-    order = column.desc() if descending else column.asc()
+    order = (column.desc() if descending else column.asc()).nulls_last()  # (SQLite and Postgres differ by default)
     query = select(models.Run, models.Project.name).join(models.Project).order_by(order, models.Run.id)
     if project is not None:
         query = query.where(models.Project.name == project)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import re
 
 import pytest
 
@@ -285,3 +286,20 @@ def test_every_event_of_a_long_run_can_be_paged_through(http) -> None:  # type: 
         seen += [e["step"] for e in page]
         after = page[-1]["id"]
     assert seen == list(range(1500))
+
+
+def test_runs_sort_by_health_by_severity_and_put_runs_without_steps_last_on_every_database(http) -> None:  # type: ignore[no-untyped-def]
+    # (health sorted as text: critical < ok < warning; a run with no step came first on Postgres, last on SQLite)
+    for name, health, step in (("a", "critical", 10), ("b", "ok", 500), ("c", "warning", 7), ("d", "ok", None)):
+        http.put(f"/api/v1/runs/s-{name}", json={"project": "sorted", "name": name}).raise_for_status()
+        if step is not None:
+            events = [{"step": step, "type": "grad_spike", "severity": health, "message": "m"}] if health != "ok" else []
+            body = {"seq": 1, "points": {"loss": {"steps": [step], "values": [1.0]}}, "events": events}
+            http.post(f"/api/v1/runs/s-{name}/batches", json=body).raise_for_status()
+
+    def order(sort: str, direction: str) -> list[str]:
+        page = http.get("/", params={"project": "sorted", "sort": sort, "order": direction}).text
+        return [run_id.removeprefix("s-") for run_id in re.findall(r'<tr data-run-id="([^"]+)"', page)]
+
+    assert (order("health", "desc"), order("health", "asc")) == (["a", "c", "b", "d"], ["b", "d", "c", "a"])
+    assert (order("step", "desc"), order("step", "asc")) == (["b", "a", "c", "d"], ["c", "a", "b", "d"])
