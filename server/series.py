@@ -75,17 +75,27 @@ def read_series(
     session: Session, *, series_id: int, rank: int, start: int | None = None, end: int | None = None,
     max_points: int | None = None,
 ) -> Points:  # fmt: skip
-    """Points of one series in [start, end]; with `max_points`, per-bucket min and max, the first and the last
-    point, and every non-finite point on top (so at most `max_points` finite points)."""
+    """Points of one series in [start, end]; with `max_points`, when the range holds more points than that,
+    per-bucket min and max, the first and the last point, and every non-finite point on top (so at most
+    `max_points` finite points)."""
     span = bounds(session, series_id=series_id, rank=rank)
     if span is None:
         return [], []
     lo, hi = max(span[0], start if start is not None else span[0]), min(span[1], end if end is not None else span[1])
     if lo > hi:
         return [], []
-    if max_points is None or hi - lo + 1 <= max_points:
+    if max_points is None or hi - lo + 1 <= max_points or _count(session, series_id, rank, lo, hi, max_points + 1) <= max_points:
         return read_range(session, series_id=series_id, rank=rank, lo=lo, hi=hi)
     return _downsample(session, series_id, rank, lo, hi, max_points)
+
+
+def _count(session: Session, series_id: int, rank: int, lo: int, hi: int, limit: int) -> int:
+    """How many points lo <= step <= hi, counted no further than `limit` (a short walk of the primary key: a
+    sparse series with a dense burst spans more steps than it has points)."""
+    return session.execute(text(
+        "SELECT count(*) FROM (SELECT 1 FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi"
+        " LIMIT :limit) AS p"
+    ), {"sid": series_id, "rank": rank, "lo": lo, "hi": hi, "limit": limit}).scalar_one()  # fmt: skip
 
 
 def _downsample(session: Session, series_id: int, rank: int, lo: int, hi: int, max_points: int) -> Points:

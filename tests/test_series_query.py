@@ -90,6 +90,18 @@ def test_a_sparse_series_comes_back_whole(http) -> None:  # type: ignore[no-unty
     assert got["steps"] == steps
 
 
+def test_a_sparse_series_with_a_dense_burst_comes_back_whole_when_its_points_fit(http) -> None:  # type: ignore[no-untyped-def]
+    # (a layer norm every 100 steps, and every step while the NaN probe was armed: the span of steps, not the
+    # number of points, was held against max_points, so the burst came back thinned, zoomed in or not)
+    steps = sorted(set(range(0, 100_001, 100)) | set(range(50_000, 50_200)))
+    values = [1.0 + (s % 7) / 10 for s in steps]
+    http.post("/api/v1/runs/r1/batches", json={"seq": 2, "points": {"grad_norm/l.0": {"steps": steps, "values": values}}})
+    for zoom in ({}, {"start_step": 40_000, "end_step": 60_000}):
+        got = http.get("/api/v1/runs/r1/series", params={"name": "grad_norm/l.0", "max_points": 2_000, **zoom}).json()
+        lo, hi = zoom.get("start_step", 0), zoom.get("end_step", 100_000)
+        assert got["grad_norm/l.0"]["steps"] == [s for s in steps if lo <= s <= hi], zoom
+
+
 def test_the_heatmap_puts_layers_in_model_order_with_bucket_maxima_and_nan_cells(http) -> None:  # type: ignore[no-untyped-def]
     layers = ["blocks.10.mlp", "blocks.2.mlp", "embed"]
     points = {f"grad_norm/{m}": {"steps": list(range(0, 100, 5)), "values": [float(i) for i in range(20)]} for m in layers}
