@@ -105,6 +105,24 @@ def test_runs_page_updates_rows_and_adds_new_runs_live(sqlite_server: Any, page:
     assert page.locator("tbody tr").first.get_attribute("data-run-id") == "row-2"
 
 
+def test_a_run_that_leaves_the_runs_pages_status_filter_leaves_the_page_live(sqlite_server: Any, page: Any) -> None:
+    # (the runs stream never said so: a finished run stayed on a status=running page, shown as running)
+    url = sqlite_server.url
+    for run_id in ("going", "staying"):
+        ui.register(url, run_id, "filtered", run_id)
+        ui.post(url, run_id, 1, {"loss": {"steps": [0], "values": [1.0]}})
+    page.goto(f"{url}/?project=filtered&status=running")
+    page.wait_for_selector("#runs[data-live='open']", timeout=10_000)
+    ui.post(url, "going", 2, {}, status="finished")
+    page.wait_for_selector("tr[data-run-id='going']", state="detached", timeout=10_000)
+    assert ui.row(page, "staying")["status"] == "running"
+    ui.post(url, "staying", 2, {}, status="crashed")
+    page.wait_for_selector("tr.none", timeout=10_000)
+    live = page.locator("#runs tbody").inner_text()
+    page.reload()
+    assert page.locator("#runs tbody").inner_text() == live == "No run matches these filters.", "the page reads as after a reload"
+
+
 def test_compare_overlays_a_series_from_several_runs(sqlite_server: Any, page: Any) -> None:
     url = sqlite_server.url
     for i in range(3):

@@ -139,6 +139,23 @@ def test_the_runs_stream_sends_a_run_that_changed_with_its_vitals(http) -> None:
     assert all(r["id"] != "other" for m in runs for r in m["data"]), "the project filter holds"
 
 
+def test_the_runs_stream_says_when_a_run_leaves_its_status_filter_also_to_a_stream_opened_after(http) -> None:  # type: ignore[no-untyped-def]
+    # (the stream compared the filtered list with itself: a run that finished just dropped out of it, unsaid)
+    _post(http, 1, {"loss": {"steps": [0], "values": [1.0]}})
+    before = http.get("/api/v1/runs/r1").json()["last_seen_at"]
+    with sse(http, "/api/v1/stream/runs", params={"project": "p", "status": "running"}) as stream:
+        _post(http, 2, {"loss": {"steps": [1], "values": [1.0]}})
+        stream.until(lambda d: any(r["id"] == "r1" and r["last_step"] == 1 for r in d), event="runs")
+        assert http.post("/api/v1/runs/r1/batches", json={"seq": 3, "status": "finished"}).status_code == 200
+        runs = stream.until(lambda d: any(r["id"] == "r1" and not r["in_filter"] for r in d), event="runs")
+    row = next(r for r in runs[-1]["data"] if r["id"] == "r1")
+    assert (row["status"], row["in_filter"], row["last_step"]) == ("finished", False, 1)
+    # A browser reconnecting from before the change (its Last-Event-ID) is told too.
+    with sse(http, "/api/v1/stream/runs", params={"project": "p", "status": "running", "since": before}) as stream:
+        first = stream.next("runs")["data"]
+    assert [(r["id"], r["status"], r["in_filter"]) for r in first] == [("r1", "finished", False)]
+
+
 def test_many_open_streams_do_not_starve_other_requests(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     import contextlib
 

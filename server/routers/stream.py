@@ -231,8 +231,9 @@ async def stream_runs(
     since: Annotated[datetime | None, Query(description="Also send runs heard from after this time.")] = None,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> AsyncIterator[ServerSentEvent]:
-    """`runs` events: the runs (as `GET /runs` shows them, plus `skip_rate`, `scale`, `firing`) that changed
-    since the last message; the first message has those heard from after `since` (or `Last-Event-ID`)."""
+    """`runs` events: the runs (as `GET /runs` shows them, plus `skip_rate`, `scale`, `firing`, `in_filter`) that
+    changed since the last message, a run that no longer matches the filters once with `in_filter` false; the
+    first message has those heard from after `since` (or `Last-Event-ID`)."""
     sessions: sessionmaker[Session] = request.app.state.sessions
     settings = request.app.state.settings
     resume = _parse_time(last_event_id) or (utc(since) if since else None)
@@ -259,16 +260,21 @@ def _poll_runs(
     sessions: sessionmaker[Session], settings: Any, filters: dict[str, Any],
     snapshot: dict[str, tuple[Any, ...]] | None, since: datetime | None,
 ) -> tuple[list[dict[str, Any]], dict[str, tuple[Any, ...]], datetime | None]:  # fmt: skip
-    """Runs whose row (or firing-alert count) differs from `snapshot`; on the first call, those seen after `since`."""
+    """Runs whose row (or firing-alert count) differs from `snapshot`, and runs that left the filters (a finished
+    run under `status=running`: `in_filter` false); on the first call, those seen after `since`."""
     with sessions() as session:
         rows = store.list_runs(session, **filters)
         firing = store.firing_counts(session)
         now = {run.id: (run.status, run.health, run.last_step, utc(run.last_seen_at), firing.get(run.id, 0)) for run, _ in rows}
         if snapshot is None:
             changed = [(r, p) for r, p in rows if since is not None and now[r.id][3] > since]
+            # (a run may have left the filters while the browser reconnected; a run never leaves its project)
+            heard = store.list_runs(session, project=filters["project"], seen_after=since) if since is not None else []
+            left = [(r, p) for r, p in heard if r.id not in now]
         else:
             changed = [(r, p) for r, p in rows if snapshot.get(r.id) != now[r.id]]
-        vitals = store.run_vitals(session, run_ids=[r.id for r, _ in changed])
-        out = [{**run_out(r, p, settings).model_dump(mode="json"), **vitals[r.id]} for r, p in changed]
+            left = [row for run_id in snapshot.keys() - now.keys() if (row := store.get_run(session, run_id=run_id))]
+        vitals = store.run_vitals(session, run_ids=[r.id for r, _ in changed + left])
+        out = [{**run_out(r, p, settings).model_dump(mode="json"), **vitals[r.id], "in_filter": r.id in now} for r, p in changed + left]
     newest = max((now[r.id][3] for r, _ in changed), default=None)
     return out, now, newest

@@ -59,6 +59,14 @@
 
   function update(run) {
     let row = Array.from(body.rows).find((r) => r.dataset.runId === run.id);
+    if (run.in_filter === false) { // (a finished run on a status=running page): gone, as after a reload
+      if (row) row.remove();
+      if (!body.rows.length) {
+        const td = el("td", { className: "muted", colSpan: table.tHead.rows[0].cells.length, textContent: "No run matches these filters." });
+        body.append(el("tr", { className: "none" }, td));
+      }
+      return;
+    }
     if (!row) {
       const none = body.querySelector("tr.none");
       if (none) none.remove();
