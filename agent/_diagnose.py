@@ -179,25 +179,21 @@ class Analyzer:
                         f"its loss scale ({pow2(self._calibration_start or scale)} at the first skip, {pow2(scale)} now). "
                         "This is normal.",
                         {"calibration": True, "skips": self._calibration_skips, "scale": scale}))  # fmt: skip
-            elif self._nan_alarm is not None and self._streak_start_scale <= self._applied_scale:
+            elif self._nan_alarm is not None:  # the evidence the NaN-gradient event could not have yet
+                overflow = self._streak_start_scale > self._applied_scale  # (they began only once the scale had grown)
+                why = ("stopped once the scale was lower, so they were most likely fp16 overflow (gradients or activations too "
+                       "large for fp16 at the higher scale; inf - inf is NaN) rather than an operation that makes NaN. If they "
+                       "come back at this scale or lower, look for one that does on some batches (sqrt, log, a division by "
+                       "0); if the scale keeps having to fall, for activations that keep growing (bf16 has the range of fp32)."
+                       if overflow else
+                       f"began at loss scale {pow2(self._streak_start_scale)}, a scale steps had been applied at, so not "
+                       "because the scale had grown too high: most likely an operation that makes NaN on some batches (look "
+                       "for sqrt, log, pow or a norm of zero, or a division by a value that can be 0), or a batch whose "
+                       "gradients are too large for fp16. If they come back, the NaN-origin probe names where.")  # fmt: skip
                 out.append(self.event(step, "skipped_step", "info",
                     f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}. The NaN "
-                    f"gradients reported at step {self._nan_alarm} began at loss scale {pow2(self._streak_start_scale)}, "
-                    "a scale steps had been applied at, so not because the scale had grown too high: most likely an operation "
-                    "that makes NaN on some batches (look for sqrt, log, pow or a norm of zero, or a division by a value "
-                    "that can be 0), or a batch whose gradients are too large for fp16. If they come back, the NaN-origin "
-                    "probe names where.",
-                    {"recovered": True, "streak": self._streak, "scale": scale, "overflow": False,
-                     "nonfinite_grad_step": self._nan_alarm}))  # fmt: skip
-            elif self._nan_alarm is not None:  # the evidence the NaN-gradient event could not have yet (the scale had grown)
-                out.append(self.event(step, "skipped_step", "info",
-                    f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}. The "
-                    f"NaN gradients reported at step {self._nan_alarm} stopped once the scale was lower, so they were most "
-                    "likely fp16 overflow (gradients or activations too large for fp16 at the higher scale; inf - inf is "
-                    "NaN) rather than an operation that makes NaN. If they come back at this scale or lower, look for one "
-                    "that does on some batches (sqrt, log, a division by 0); if the scale keeps having to fall, for "
-                    "activations that keep growing (bf16 has the range of fp32).",
-                    {"recovered": True, "streak": self._streak, "scale": scale, "overflow": True,
+                    f"gradients reported at step {self._nan_alarm} {why}",
+                    {"recovered": True, "streak": self._streak, "scale": scale, "overflow": overflow,
                      "nonfinite_grad_step": self._nan_alarm}))  # fmt: skip
             elif self._streak >= self.t.warn_streak and not self.calibrating:
                 out.append(self.event(step, "skipped_step", "info",

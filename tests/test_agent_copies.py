@@ -12,6 +12,7 @@ import pickle
 import time
 from typing import Any
 
+import _runs
 import pytest
 import torch
 
@@ -151,14 +152,7 @@ def test_a_torchscript_model_is_watched_without_module_hooks(sqlite_server, capl
     with ampwatch.init("guest", "script", url=sqlite_server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for _ in range(12):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = torch.nn.functional.mse_loss(model(torch.randn(4, 8)).float(), torch.randn(4, 1))
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            _runs.clipped_step(model, optimizer, scaler, torch.randn(4, 8))
     assert "TorchScript model takes no hooks" in caplog.text
     with sqlite_server.client() as http:
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "scale", "grad_norm"]}).json()
