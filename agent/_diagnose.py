@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampwatch._median import RollingMedian
+from ampwatch._trends import Trends
 
 log = logging.getLogger("ampwatch")
 Event = dict[str, Any]
@@ -42,7 +43,7 @@ def pow2(value: float) -> str:
     return f"{value:g}"
 
 
-class Analyzer:
+class Analyzer(Trends):
     """Classifies each step from its standard series and emits events once per episode."""
 
     def __init__(self, rank: int = 0, thresholds: Thresholds | None = None) -> None:
@@ -367,49 +368,7 @@ class Analyzer:
         """Said in later events while the parameters are known to be non-finite: that, not the data, is the cause."""
         return "The parameters are already non-finite (see the nonfinite_param event), so every step will be. " if self._param_bad else ""
 
-    # -- spikes and schedules --------------------------------------------------------------
-    def _spike(self, step: int, name: str, value: float, median: RollingMedian, factor: float, out: list[Event]) -> None:
-        spiking = name == "grad_norm" and self._grad_spiking or name == "loss" and self._loss_spiking
-        if len(median) >= self.t.warmup:
-            # `factor` times the usual high end (the 90th percentile), which is the median for a steady series: noisy
-            # ones (small batches) reach several times their median now and then, but not for `spike_steps` in a row,
-            # as a divergence does (whose high end keeps up with it). Around or below 0 (a log-likelihood), twice
-            # `factor` interquartile ranges above the median. A loss's high end is its 90th percentile times how far its
-            # 99th is from the median (for a steady loss about 1): a small-batch loss near 0 (a classifier that has
-            # converged) is now and then a single hard example, hundreds of times its median and several times its 90th
-            # percentile; and a run of high values is one at `factor` times its 90th percentile. (Once reported, a spike is
-            # over when the value is back below half `factor` at the usual end.)
-            mid, spread = median.value(), median.spread()
-            above = (value - mid) / spread if spread > 0 else 0.0
-            usual = median.quantile(0.9) if name == "loss" and mid > 0 else mid  # (what a run of high values is high above)
-            high = self._high[name] = self._high[name] + 1 if mid > 0 and value >= factor * usual else 0
-            level = above / 2 if mid <= 0 else value / mid if high >= self.t.spike_steps else value / median.quantile(0.9)
-            tail = median.quantile(0.99) / mid if name == "loss" and mid > 0 and high < self.t.spike_steps else 1.0
-            if level >= factor * tail and not spiking:
-                kind = "grad_spike" if name == "grad_norm" else "loss_spike"
-                what = "Gradient norm" if name == "grad_norm" else "Loss"
-                if name == "loss":
-                    hint = " Check the batch and the learning rate."
-                elif self.clipping:
-                    hint = (" No step was skipped: this is an explosion, not an fp16 overflow. The loop clips (clip_grad_norm_), "
-                            "so this update was cut down to its max_norm; if it comes back, lower the learning rate or look at "
-                            "the batches it comes on.")  # fmt: skip
-                else:
-                    hint = " No step was skipped: this is an explosion, not an fp16 overflow. Clip gradients or lower the learning rate."
-                how = f"{value / mid:.0f}× its median" if mid > 0 else f"{above:.0f} interquartile ranges above its median"
-                run = f", {high} steps in a row at {factor:g}× or more" if high >= self.t.spike_steps else ""
-                out.append(self.event(step, kind, "warning",
-                    f"{what} {value:.4g} at step {step} is {how} over the last {len(median)} steps ({mid:.4g}){run}.{hint}",
-                    {name: value, "median": mid, "ratio": value / mid if mid > 0 else None, "spread": spread}))  # fmt: skip
-                spiking = True
-            elif level < factor / 2:
-                spiking = False
-        if name == "grad_norm":
-            self._grad_spiking = spiking
-        else:
-            self._loss_spiking = spiking
-        median.add(value)
-
+    # -- schedules ----------------------------------------------------------------------
     def _check_scheduler(self, step: int, lr: float, out: list[Event]) -> None:
         # The lr read at step k is the one iteration k used; a change from k-1 happened after iteration k-1.
         if self._last_lr is not None and self._skipped_at.get(step - 1) and lr != self._last_lr and not self._scheduler_reported:
@@ -419,12 +378,6 @@ class Analyzer:
                 "scheduler advances on skipped steps, so the schedule runs ahead of the optimizer. Step the "
                 "scheduler only when the optimizer stepped.", {"lr_before": self._last_lr, "lr_after": lr}))  # fmt: skip
         self._last_lr = lr
-
-    def _trend(self) -> dict[str, float] | None:
-        if not self._norm_history:
-            return None
-        recent = list(self._norm_history)
-        return {"last": recent[-1], "min": min(recent), "max": max(recent), "steps": len(recent)}
 
     def event(self, step: int, kind: str, severity: str, message: str, details: dict[str, Any]) -> Event:
         """An event as the server takes it. (The NaN-origin probe's events are made here too: a later collapse says

@@ -190,10 +190,7 @@ class Recorder(Steady):
         if self._first_forward_hook is not None:
             self._first_forward_hook.remove()
             self._first_forward_hook = None
-        guarded(self._check_forward_config, module)
-
-    def _check_forward_config(self, module: Any) -> None:
-        problem = forward_config_problem(module, self._scaler)
+        problem = guarded(forward_config_problem, module, self._scaler)
         if problem is not None:
             self._config(*problem)
 
@@ -261,8 +258,7 @@ class Recorder(Steady):
                 self._deferred = None  # another clip changed these gradients: this step's norm is lost
 
     def _covers_gradients(self, optimizer: Any, ids: tuple[int, ...]) -> bool:
-        """Whether a clip over the parameters `ids` covered every gradient of `optimizer` (its other parameters have
-        none: layers frozen this step, or a clip over the parameters that have one), so its norm is the step's."""
+        """Whether a clip over `ids` covered every gradient of `optimizer` (its other parameters have none): its norm is the step's."""
         clipped = set(ids)
         return clipped <= self._param_ids(optimizer) and all(
             p.grad is None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped)
@@ -345,8 +341,7 @@ class Recorder(Steady):
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        # A closure (Lightning, LBFGS) computes the gradients inside step(): take the norm after it.
-        # (`args` are step()'s own, the optimizer first)
+        # A closure (Lightning, LBFGS) computes the gradients inside step(): the norm after it. (`args[0]` is the optimizer.)
         if (args[1] if len(args) > 1 else kwargs.get("closure")) is None:
             guarded(self.on_unscaled, optimizer)
 
