@@ -117,7 +117,7 @@ class Diagnosis:
 
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
-        self.analyzer.clipping = bool(getattr(self._recorder, "_clip_seen", ()))  # (a clip between unscale_ and step was seen)
+        self.analyzer.clipping = bool(getattr(self._recorder, "_clip_seen", ()))  # (a clip of the gradients was seen)
         events = self.analyzer.observe_columns(columns)
         start, end, _ = self._quiet
         arming = [e["step"] for e in events if e["type"] in self._ARMING_TYPES and not start <= e["step"] < end]

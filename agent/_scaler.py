@@ -6,10 +6,12 @@ GradScaler's own exceptions pass through unchanged; pickling, deep copies and `s
 for the plain scaler, and `detach` removes the wrappers. They run four times per training step, so
 they are kept flat: one dict read, an inline guard, and the class's own method.
 
-While a run watches a scaler, `torch.nn.utils.clip_grad_norm_` is wrapped too: the total norm it returns
+While a run watches, `torch.nn.utils.clip_grad_norm_` is wrapped too: the total norm it returns
 (after `unscale_`: the true norm) is handed to the Recorder, which then need not compute its own. Its
 arguments and result pass through untouched; code that imported the function before `watch` keeps the
-original, and the agent then simply computes the norm itself.
+original, and the agent then simply computes the norm itself. Without an enabled scaler no `unscale_` says
+when the gradients are final, so the moment just before a clip changes them is hooked instead: torch's
+`clip_grad.clip_grads_with_norm_` (which every `clip_grad_norm_` calls, however it was imported).
 """
 
 from __future__ import annotations
@@ -143,25 +145,34 @@ _clip_listeners: dict[Any, Any] = {}  # Recorders that want the norms clip_grad_
 _clip_calls: tuple[Any, ...] = ()  # the latter, as the wrapper goes through them
 _clip_original: Any = None
 _Tensor: Any = None  # torch.Tensor, once a run listens
+_before_listeners: set[Any] = set()  # Recorders without an enabled scaler: they take the norm just before a clip
+_before: tuple[Any, ...] = ()  # the latter, as `_clip_grads_with_norm_` goes through them
+_inner_original: Any = None  # torch's `clip_grad._clip_grads_with_norm_`, while ours is in its place
+INNER = "_clip_grads_with_norm_"
 
 
-def listen_to_clipping(recorder: Any) -> None:
-    """From now on, `recorder.on_clipped` sees each call of `torch.nn.utils.clip_grad_norm_`."""
-    global _clip_original, _Tensor
+def listen_to_clipping(recorder: Any, before: bool = False) -> None:
+    """From now on, `recorder.on_clipped` sees each call of `torch.nn.utils.clip_grad_norm_`; with `before`, each
+    clip first lets `recorder` take the norm of gradients it is about to change (see `norm_before_clip`)."""
+    global _clip_original, _Tensor, _inner_original
     import torch.nn.utils
-    import torch.nn.utils.clip_grad
+    import torch.nn.utils.clip_grad as clip_grad
 
-    if recorder in _clip_listeners:
-        return
-    _Tensor = torch.Tensor
-    current = torch.nn.utils.clip_grad_norm_
-    if current is not _clip_grad_norm_:
-        _clip_original = current
-        functools.update_wrapper(_clip_grad_norm_, current)
-        torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_
-        if torch.nn.utils.clip_grad.clip_grad_norm_ is current:
-            torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_
-    _clip_listeners[recorder] = recorder.on_clipped
+    (_before_listeners.add if before else _before_listeners.discard)(recorder)
+    inner = getattr(clip_grad, INNER, None)
+    if _before_listeners and callable(inner) and inner is not _clip_grads_with_norm_:  # (older torch: see the wrapper)
+        _inner_original = inner
+        setattr(clip_grad, INNER, functools.update_wrapper(_clip_grads_with_norm_, inner))
+    if recorder not in _clip_listeners:
+        _Tensor = torch.Tensor
+        current = torch.nn.utils.clip_grad_norm_
+        if current is not _clip_grad_norm_:
+            _clip_original = current
+            functools.update_wrapper(_clip_grad_norm_, current)
+            torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_
+            if clip_grad.clip_grad_norm_ is current:
+                clip_grad.clip_grad_norm_ = _clip_grad_norm_
+        _clip_listeners[recorder] = recorder.on_clipped
     _listeners_changed()
 
 
@@ -173,8 +184,9 @@ def route_clipping(recorder: Any, on_clipped: Any) -> None:
 
 
 def _listeners_changed() -> None:
-    global _clip_calls
+    global _clip_calls, _before
     _clip_calls = tuple(_clip_listeners.values())
+    _before = tuple(_before_listeners)
 
 
 def stop_listening(recorder: Any) -> None:
@@ -182,7 +194,11 @@ def stop_listening(recorder: Any) -> None:
     if recorder not in _clip_listeners:  # (never imports torch: this runs at exit too)
         return
     del _clip_listeners[recorder]
+    _before_listeners.discard(recorder)
     _listeners_changed()
+    clip_grad = sys.modules.get("torch.nn.utils.clip_grad")
+    if not _before_listeners and getattr(clip_grad, INNER, None) is _clip_grads_with_norm_:
+        setattr(clip_grad, INNER, _inner_original)
     if not _clip_listeners:
         for name in ("torch.nn.utils", "torch.nn.utils.clip_grad"):
             module = sys.modules.get(name)
@@ -194,6 +210,8 @@ def _clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
     calls = _clip_calls
     if calls and not isinstance(parameters, _Tensor):
         parameters = list(parameters)  # as clip_grad_norm_ does itself: a generator can be read only once
+    if _before and _inner_original is None:  # (a torch without `_clip_grads_with_norm_`: before the clip, here)
+        _notify_before(parameters)
     total = _clip_original(parameters, *args, **kwargs)
     for on_clipped in calls:
         try:
@@ -201,3 +219,31 @@ def _clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         except Exception:
             report(on_clipped)
     return total
+
+
+def _clip_grads_with_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's own step of `clip_grad_norm_` that changes the gradients (their total norm already taken)."""
+    if _before:
+        _notify_before(parameters)
+    return _inner_original(parameters, *args, **kwargs)
+
+
+def _notify_before(parameters: Any) -> None:
+    for recorder in _before:
+        try:
+            norm_before_clip(recorder, parameters)
+        except Exception:
+            report(norm_before_clip)
+
+
+def norm_before_clip(recorder: Any, parameters: Any) -> None:
+    """Without an enabled GradScaler no `unscale_` marks the gradients final: a clip of the first optimizer's
+    parameters does, just before it changes them. The Recorder takes their norm now, or leaves it to the clip
+    it trusts (`on_clipped` then hands it the result); `optimizer.step()`'s pre-hook finds it taken."""
+    optimizers = recorder._optimizers
+    first = optimizers[0] if optimizers else None
+    if first is None or id(first) in recorder._normed:
+        return
+    ids = (id(parameters),) if isinstance(parameters, _Tensor) else map(id, parameters)
+    if not recorder._param_ids(first).isdisjoint(ids):
+        recorder.on_unscaled(first)

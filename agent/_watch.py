@@ -146,8 +146,6 @@ class Recorder(Steady):
             _scaler.attach(scaler, self)
             self._scaler = scaler
             self.reanchor = True  # the shadow copies this scaler's scale and rule at its next update()
-            if scaler.is_enabled():
-                _scaler.listen_to_clipping(self)
         # Steps are counted by an enabled scaler's update() or else by the first optimizer's step, never both: decided
         # again whenever watch() changes either (they may come in separate calls, in any order).
         for handle in self._step_hooks:
@@ -157,6 +155,8 @@ class Recorder(Steady):
         if first is not None and (self._scaler is None or not self._scaler.is_enabled()):
             self._step_hooks = (first.register_step_pre_hook(self._before_optimizer_step),
                                 first.register_step_post_hook(self._after_optimizer_step))  # fmt: skip
+        if self._step_hooks or self._scaler is not None and self._scaler.is_enabled():
+            _scaler.listen_to_clipping(self, before=bool(self._step_hooks))  # (no enabled scaler: the norm before a clip)
         for listened in self._optimizers if self._scaler is not None and self._scaler.is_enabled() else ():
             self._listen_ran(listened)  # (whether its step ran tells a skipped step without a host read)
         for problem in watch_config_problems(wrapped, scaler):
@@ -206,8 +206,8 @@ class Recorder(Steady):
             self._loss = loss if held is None else [*held, loss] if held.__class__ is list else [held, loss]
 
     def on_unscaled(self, optimizer: Any, scale: Any = None) -> None:
-        """Per-parameter gradient norms, one op: right after `unscale_` (true, not yet clipped gradients), or
-        in a fused step with the device `scale` they are still multiplied by. The rest is the sender's work."""
+        """Per-parameter gradient norms, one op: right after `unscale_` (true, not yet clipped gradients), before a
+        clip without a scaler, or in a fused step with the device `scale` they are still multiplied by."""
         key = id(optimizer)
         if key in self._normed:
             return

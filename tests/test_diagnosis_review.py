@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 
 import ampwatch
@@ -145,21 +146,30 @@ def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_
     assert param["step"] == 10 and "non-finite loss wrote it into them" in param["message"]
 
 
-def test_a_gradient_spike_in_a_loop_that_clips_does_not_say_to_clip(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_a_gradient_spike_in_a_loop_that_clips_does_not_say_to_clip(sqlite_server, amp: str) -> None:  # type: ignore[no-untyped-def]
+    """fp16 with a scaler, or bf16 without one: the spike is seen in the norm before the clip, and the loop is not
+    told to clip."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=10**6)  # (low: the spike must not overflow)
     with ampwatch.init("diag", url=sqlite_server.url) as run:
-        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        run.watch(model=model, optimizer=optimizer, scaler=scaler if amp == "fp16" else None)
         for step in range(80):
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast("cpu", dtype=torch.float16 if amp == "fp16" else torch.bfloat16):
                 out = model(torch.randn(16, 8)).float()
             loss = torch.nn.functional.mse_loss(out, torch.full((16, 1), 300.0 if step == 60 else 0.0))
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
+            if amp == "fp16":
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+            else:
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
+            if amp == "fp16":
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             optimizer.zero_grad()
     [spike] = [e for e in _events(sqlite_server, run.id) if e["type"] == "grad_spike"]
     assert spike["step"] == 60 and "Clip gradients" not in spike["message"] and "clip_grad_norm_" in spike["message"]

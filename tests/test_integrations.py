@@ -201,6 +201,7 @@ def test_accelerate_loop_records_every_optimizer_step_through_the_wrapped_optimi
                 expected_loss.append(loss.item())
                 expected_norm.append(_total_norm(model.parameters()) / (scale or 1.0))
                 scales.append(scale)
+                accelerator.clip_grad_norm_(model.parameters(), 1e-3)  # the norm before it is recorded, with or without a scaler
             optimizer.step()
             optimizer.zero_grad()
     run.finish()

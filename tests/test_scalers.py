@@ -136,42 +136,51 @@ def test_a_new_scaler_watched_mid_run_is_shadowed_from_its_own_scale(sqlite_serv
     assert data["lr"]["steps"] == list(range(8))  # the optimizer watched first is still watched
 
 
-def _clipping_loop(run: ampwatch.Run, steps: int, clip: Any, params_to_clip: Callable[[torch.nn.Module], Any]) -> list[float]:
-    """An AMP loop that clips after unscale_; returns the true (pre-clip) gradient norm of every step."""
+def _clipping_loop(run: ampwatch.Run, steps: int, clip: Any, params_to_clip: Callable[[torch.nn.Module], Any], amp: str) -> list[float]:
+    """A loop that clips every step: after unscale_ under fp16; under bf16 with no scaler; in fp32 with a disabled
+    scaler it never calls (nothing but the clip says when its gradients are final). Returns the true (pre-clip)
+    gradient norm of every step."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=amp == "fp16")
+    run.watch(model=model, optimizer=optimizer, scaler=None if amp == "bf16" else scaler)
     norms = []
     for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=torch.bfloat16 if amp == "bf16" else torch.float16, enabled=amp != "fp32"):
             loss = model(torch.randn(4, 8)).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
+        scaler.scale(loss).backward() if amp == "fp16" else loss.backward()
+        if amp == "fp16":
+            scaler.unscale_(optimizer)
         norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         clip(params_to_clip(model), 1e-3)  # clips every step: a norm read after it would be 1e-3
-        scaler.step(optimizer)
-        scaler.update()
+        if amp == "fp16":
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad()
     return norms
 
 
+@pytest.mark.parametrize("amp", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("how", ["module attribute", "imported before watch", "a subset"])
-def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(sqlite_server, monkeypatch, how: str) -> None:  # type: ignore[no-untyped-def]
+def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(sqlite_server, monkeypatch, how: str, amp: str) -> None:  # type: ignore[no-untyped-def]
     """`torch.nn.utils.clip_grad_norm_(model.parameters())` hands its result to the agent, which then skips its
-    own norm; a function imported earlier, or a clip of some parameters only, leaves the agent to compute it."""
+    own norm; a function imported earlier, or a clip of some parameters only, leaves the agent to compute it:
+    after unscale_ with a scaler, just before the clip changes the gradients without one."""
     calls = []
     foreach_norm = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or foreach_norm(*a, **k))  # counts clip's and ours
-    original = torch.nn.utils.clip_grad_norm_
+    original, inner = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad._clip_grads_with_norm_
     clip = (lambda params, max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm)) if how != "imported before watch" else original
     subset = how == "a subset"
-    with ampwatch.init("scalers", f"clip-{how}", url=sqlite_server.url) as run:
-        expected = _clipping_loop(run, 60, clip, (lambda m: m[2].parameters()) if subset else (lambda m: m.parameters()))
+    with ampwatch.init("scalers", f"clip-{how}-{amp}", url=sqlite_server.url) as run:
+        expected = _clipping_loop(run, 60, clip, (lambda m: m[2].parameters()) if subset else (lambda m: m.parameters()), amp)
         reused = torch.nn.utils.clip_grad_norm_ is not original
-    assert reused  # the wrapper is in place while the run watches a scaler...
-    assert torch.nn.utils.clip_grad_norm_ is original  # ...and gone after finish()
+        hooked = torch.nn.utils.clip_grad._clip_grads_with_norm_ is not inner
+    assert reused and hooked == (amp != "fp16")  # the wrappers are in place while the run watches...
+    assert torch.nn.utils.clip_grad_norm_ is original and torch.nn.utils.clip_grad._clip_grads_with_norm_ is inner  # ...and gone after
     with sqlite_server.client() as http:
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()
     assert data["grad_norm"]["steps"] == list(range(60))
