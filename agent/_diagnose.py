@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ampwatch._episodes import Episodes
+from ampwatch._episodes import spell as _spell
 from ampwatch._median import RollingMedian
 from ampwatch._trends import Trends
 
@@ -43,7 +45,7 @@ def pow2(value: float) -> str:
     return f"{value:g}"
 
 
-class Analyzer(Trends):
+class Analyzer(Trends, Episodes):
     """Classifies each step from its standard series and emits events once per episode."""
 
     def __init__(self, rank: int = 0, thresholds: Thresholds | None = None) -> None:
@@ -68,6 +70,9 @@ class Analyzer(Trends):
         self._last_loss: tuple[int, float] | None = None  # (a loss logged before its step's optimizer step comes a batch early)
         self._nan_alarm: int | None = None  # the step of a NaN-gradient event in this skip streak
         self._param_bad = False
+        self._episode: tuple[int, str] | None = None  # (first step, "loss" or "gradients") of a non-finite episode going on
+        self._loss_seen = False  # a loss was recorded (or the run was told it records none)
+        self._norm_steps = 0  # steps with a gradient norm before that
         self._grad_median = RollingMedian(self.t.window)
         self._loss_median = RollingMedian(self.t.window)
         self._grad_spiking = False
@@ -82,13 +87,15 @@ class Analyzer(Trends):
         """Events for a batch's series. A calm stretch (every value finite, no skipped step, nothing near a spike)
         only moves the state, in bulk; anything else is judged step by step, in step order."""
         standard = {name: columns[name] for name in OBSERVED if name in columns}
+        events: list[Event] = []
+        if not self._loss_seen:
+            self._check_loss_seen(standard, events)
         if not standard or self._absorb_calm(standard):
-            return []
+            return events
         by_step: dict[int, dict[str, float]] = {}
         for name, (steps, values) in standard.items():
             for step, value in zip(steps, values):
                 by_step.setdefault(step, {})[name] = value
-        events: list[Event] = []
         for step in sorted(by_step):
             events.extend(self.observe(step, by_step[step]))
         return events
@@ -119,6 +126,7 @@ class Analyzer(Trends):
         if norm:
             self._high["grad_norm"] = 0
             self._nan_grad_streak = 0
+            self._finite_norm()
             self._norm_history.extend(norm[1][-30:])
             self._grad_median.extend(norm[1])
         if skipped:
@@ -258,9 +266,11 @@ class Analyzer(Trends):
             self._nonfinite_loss = False
             self._spike(step, "loss", loss, self._loss_median, self.t.loss_spike_factor, out)
             return
+        self._went_bad(step, "loss")
         if self._nonfinite_loss:
             return
         self._nonfinite_loss = True
+        applied = self._applied(step)
         what = "NaN" if math.isnan(loss) else ("+Inf" if loss > 0 else "-Inf")
         if skipped:
             fate = (f"GradScaler skipped the step (loss scale {pow2(scale or 0)} → {pow2((scale or 0) / 2)}), so this step "
@@ -276,17 +286,19 @@ class Analyzer(Trends):
                     "0), or a part of it no parameter depends on is non-finite.")  # fmt: skip
         out.append(self.event(step, "nonfinite_loss", "critical",
             f"{what} loss at step {step}: the forward pass produced a non-finite value "
-            f"({'the parameters are non-finite' if self._param_bad else 'a bad batch, or a layer that overflows'}). {fate}",
+            f"({'the parameters are non-finite' if self._param_bad else f'most likely the parameters: {applied}' if applied else 'a bad batch, or a layer that overflows'}). {fate}",
             {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped), "grad_norm_trend": self._trend()}))  # fmt: skip
 
     def _check_grad(self, step: int, norm: float, loss: float | None, skipped: bool, scale: float | None, out: list[Event]) -> None:
         scaled = scale is not None
         if math.isfinite(norm):
             self._nan_grad_streak = 0
+            self._finite_norm()
             if not skipped:
                 self._norm_history.append(norm)
                 self._spike(step, "grad_norm", norm, self._grad_median, self.t.spike_factor, out)
             return
+        self._went_bad(step, "gradients")
         if loss is None and self._last_loss is not None and self._last_loss[0] == step:
             loss = self._last_loss[1]  # (logged before its step's optimizer step, it came a batch early)
         if loss is not None and not math.isfinite(loss):
@@ -337,23 +349,6 @@ class Analyzer(Trends):
                               {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None,
                                "grad_norm": _spell(norm)}))  # fmt: skip
 
-    def _check_params(self, step: int, param_norm: float, out: list[Event]) -> None:
-        if math.isfinite(param_norm):
-            self._param_bad = False
-            return
-        if self._param_bad:
-            return
-        self._param_bad = True
-        if self._nonfinite_loss and self._last_loss is not None and self._last_loss[0] == step:
-            how = (f"The optimizer step after step {step}'s non-finite loss wrote it into them (the loss came from the batch, "
-                   "not from them). Restore the last good checkpoint, and skip the update when the loss is non-finite.")  # fmt: skip
-        else:
-            how = ("Not a benign fp16 overflow: restore the last good checkpoint, and lower the learning rate or find the "
-                   "layer that overflows.")  # fmt: skip
-        out.append(self.event(step, "nonfinite_param", "critical",
-            f"The parameters are non-finite at step {step}: the run cannot recover. {how}",
-            {"param_norm": _spell(param_norm), "grad_norm_trend": self._trend()}))  # fmt: skip
-
     def _collapse_advice(self) -> str:
         """What to do about a collapse: what the origin named, if it was; else values fp16 cannot hold."""
         module, phase = self._origin or ("", "")
@@ -363,10 +358,6 @@ class Analyzer(Trends):
         if module == "(input batch)":
             return "The NaN-origin event named the input batch: a data problem, which bf16 does not fix: check the data pipeline."
         return "Check the data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows)."
-
-    def _param_note(self) -> str:
-        """Said in later events while the parameters are known to be non-finite: that, not the data, is the cause."""
-        return "The parameters are already non-finite (see the nonfinite_param event), so every step will be. " if self._param_bad else ""
 
     # -- schedules ----------------------------------------------------------------------
     def _check_scheduler(self, step: int, lr: float, out: list[Event]) -> None:
@@ -391,9 +382,3 @@ class Analyzer(Trends):
 def _within(steps: list[int], known: list[int]) -> bool:
     """Whether every step of `steps` is one of `known` (usually the very same list)."""
     return steps == known or set(steps) <= set(known)
-
-
-def _spell(value: float) -> float | str:
-    if math.isfinite(value):
-        return value
-    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")

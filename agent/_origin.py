@@ -153,6 +153,11 @@ class Diagnosis:
                            f"`{module}` made them, or it received them from an operation outside any module {between} (a "
                            "functional call in a parent's forward, such as a softmax over a fully masked row, a log of 0 "
                            "or a division by 0): every module's output before it was finite.")  # fmt: skip
+                applied = self.analyzer._applied(step)
+                if applied:  # (the parameters, not the data, made them: the first step's origin cannot be traced now)
+                    message = (f"At step {step} the first non-finite output is `{module}`'s, most likely because its "
+                               f"parameters are non-finite: {applied}. Where that step's values came from can no longer "
+                               "be traced: restore a good checkpoint, and the probe names it when it happens again.")  # fmt: skip
             details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
             kind = "nonfinite_loss"
         else:
@@ -169,8 +174,8 @@ class Diagnosis:
                          "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
                          "division by 0)")  # fmt: skip
             message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}, while every module's "
-                       "output was finite. Look there for sqrt, log, pow or a norm at 0 (or, if steps come back at a lower "
-                       "loss scale, for values too large for fp16).")  # fmt: skip
+                       "output was finite. Look there for sqrt, log, pow or a norm at 0" + (" (or, if steps come back at a "
+                       "lower loss scale, for values too large for fp16)." if self.analyzer._scaled else "."))  # fmt: skip
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward]}
             kind = "nonfinite_grad"
         named, length = (module, details["phase"]), 0

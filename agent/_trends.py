@@ -35,12 +35,11 @@ class Trends:
                 what = "Gradient norm" if name == "grad_norm" else "Loss"
                 if name == "loss":
                     hint = " Check the batch and the learning rate."
-                elif self.clipping:
-                    hint = (" No step was skipped: this is an explosion, not an fp16 overflow. The loop clips (clip_grad_norm_), "
-                            "so this update was cut down to its max_norm; if it comes back, lower the learning rate or look at "
-                            "the batches it comes on.")  # fmt: skip
-                else:
-                    hint = " No step was skipped: this is an explosion, not an fp16 overflow. Clip gradients or lower the learning rate."
+                else:  # (with a scaler, an explosion is told apart from an overflow, which GradScaler skips)
+                    hint = " No step was skipped: this is an explosion, not an fp16 overflow." if self._scaled else ""
+                    hint += (" The loop clips (clip_grad_norm_), so this update was cut down to its max_norm; if it comes back, "
+                             "lower the learning rate or look at the batches it comes on." if self.clipping else
+                             " Clip gradients or lower the learning rate.")  # fmt: skip
                 how = f"{value / mid:.0f}× its median" if mid > 0 else f"{above:.0f} interquartile ranges above its median"
                 run = f", {high} steps in a row at {factor:g}× or more" if high >= self.t.spike_steps else ""
                 out.append(self.event(step, kind, "warning",
