@@ -19,7 +19,7 @@ from __future__ import annotations
 import copyreg
 import functools
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ampwatch._guard import report
 
@@ -148,7 +148,7 @@ _Tensor: Any = None  # torch.Tensor, once a run listens
 _before_listeners: set[Any] = set()  # Recorders without an enabled scaler: they take the norm just before a clip
 _before: tuple[Any, ...] = ()  # the latter, as `_clip_grads_with_norm_` goes through them
 _inner_original: Any = None  # torch's `clip_grad._clip_grads_with_norm_`, while ours is in its place
-INNER = "_clip_grads_with_norm_"
+INNER, PUBLIC_INNER = "_clip_grads_with_norm_", "clip_grads_with_norm_"
 
 
 def listen_to_clipping(recorder: Any, before: bool = False) -> None:
@@ -163,6 +163,8 @@ def listen_to_clipping(recorder: Any, before: bool = False) -> None:
     if _before_listeners and callable(inner) and inner is not _clip_grads_with_norm_:  # (older torch: see the wrapper)
         _inner_original = inner
         setattr(clip_grad, INNER, functools.update_wrapper(_clip_grads_with_norm_, inner))
+        if getattr(torch.nn.utils, PUBLIC_INNER, None) is inner:  # (torchtitan's two-step clip: get_total_norm, then this)
+            setattr(torch.nn.utils, PUBLIC_INNER, _clip_grads_with_norm_)
     if recorder not in _clip_listeners:
         _Tensor = torch.Tensor
         current = torch.nn.utils.clip_grad_norm_
@@ -197,8 +199,10 @@ def stop_listening(recorder: Any) -> None:
     _before_listeners.discard(recorder)
     _listeners_changed()
     clip_grad = sys.modules.get("torch.nn.utils.clip_grad")
-    if not _before_listeners and getattr(clip_grad, INNER, None) is _clip_grads_with_norm_:
-        setattr(clip_grad, INNER, _inner_original)
+    if not _before_listeners:
+        for module, name in ((clip_grad, INNER), (sys.modules.get("torch.nn.utils"), PUBLIC_INNER)):
+            if getattr(module, name, None) is _clip_grads_with_norm_:
+                setattr(module, name, _inner_original)
     if not _clip_listeners:
         for name in ("torch.nn.utils", "torch.nn.utils.clip_grad"):
             module = sys.modules.get(name)
@@ -222,8 +226,11 @@ def _clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _clip_grads_with_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-    """torch's own step of `clip_grad_norm_` that changes the gradients (their total norm already taken)."""
+    """torch's own step of `clip_grad_norm_` that changes the gradients (their total norm already taken), also called
+    by itself (as `torch.nn.utils.clip_grads_with_norm_`, after `get_total_norm`)."""
     if _before:
+        if not isinstance(parameters, _Tensor):
+            parameters = list(parameters)  # (a generator can be read only once)
         _notify_before(parameters)
     return _inner_original(parameters, *args, **kwargs)
 
@@ -247,3 +254,19 @@ def norm_before_clip(recorder: Any, parameters: Any) -> None:
     ids = (id(parameters),) if isinstance(parameters, _Tensor) else map(id, parameters)
     if not recorder._param_ids(first).isdisjoint(ids):
         recorder.on_unscaled(first)
+
+
+def float32_norms(torch: Any) -> Callable[[list[Any]], Any]:
+    """`torch._foreach_norm` in float32 at least: the norm of fp16 gradients (a `model.half()`) overflows at 65504 while
+    none of their elements does (a float64 list keeps its own precision)."""
+    foreach_norm, low = torch._foreach_norm, (torch.float16, torch.bfloat16)
+
+    def norms(tensors: list[Any]) -> Any:
+        if tensors and tensors[0].dtype in low:
+            try:
+                return foreach_norm(tensors, 2, dtype=torch.float32)
+            except RuntimeError:  # (float64 tensors further on cannot be narrowed: each in its own precision)
+                pass
+        return foreach_norm(tensors)
+
+    return norms

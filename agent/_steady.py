@@ -18,6 +18,7 @@ one function per hook, and the Recorder's attributes in slots.
 
 from __future__ import annotations
 
+from numbers import Real
 from operator import is_
 from time import monotonic
 from typing import Any, Callable
@@ -45,7 +46,7 @@ class Steady:
         step = self.step
         optimizers = self._optimizers
         lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
-        lr = lr if lr.__class__ is float else None
+        lr = lr if lr.__class__ is float else _real(lr)
         loss, total, params = self._loss, True, None
         if self._user_step == step:
             user = self._user_names
@@ -261,7 +262,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
                 # that left the steady path).
                 at = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
-                entry = (RAN if found is None else PLAIN, at, rec._loss, found, rec._norm, lr if lr.__class__ is float else None)
+                entry = (RAN if found is None else PLAIN, at, rec._loss, found, rec._norm, lr if lr.__class__ is float else _real(lr))
                 append = rec._append
                 if append is not None and at & (FAST_RECORDS - 1):
                     append(entry)
@@ -307,3 +308,9 @@ def _ran_hook(rec: Any) -> Callable[..., None]:
 def _next_multiple(step: int, every: int) -> int:
     """The first multiple of `every` after `step`."""
     return (step // every + 1) * every
+
+
+def _real(lr: Any) -> float | None:
+    """A learning rate that is a number but not a float (an int, a NumPy scalar) as a float; a tensor (reading it would
+    be a host read) or anything else: None."""
+    return float(lr) if isinstance(lr, Real) and lr.__class__ is not bool else None

@@ -120,7 +120,7 @@ class Recorder(Steady):
         """Hook the scaler when it is enabled, else count steps through the optimizer."""
         import torch
 
-        self._tensor, self._foreach_norm, self._torch = torch.Tensor, torch._foreach_norm, torch
+        self._tensor, self._foreach_norm, self._torch = torch.Tensor, _scaler.float32_norms(torch), torch
         wrapped = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
         optimizers = [_unwrap(o) for o in wrapped]
         self._optimizers = optimizers or self._optimizers  # (a later watch of only a model or a scaler keeps them)

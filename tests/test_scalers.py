@@ -221,3 +221,70 @@ def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()
     assert data["grad_norm"]["steps"] == list(range(160))  # step 120's was lost before
     assert data["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
+
+
+def _series_of(server: Any, run_id: str, *names: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    with server.client() as http:
+        return http.get(f"/api/v1/runs/{run_id}/series", params={"name": list(names)}).json()
+
+
+def test_a_two_step_clip_without_a_scaler_records_the_norm_before_it(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """torchtitan's clip: `get_total_norm`, then `torch.nn.utils.clip_grads_with_norm_` (a generator of parameters)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    expected, clipped = [], []
+    with ampwatch.init("scalers", "two-step-clip", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer)
+        for _ in range(8):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean() * 100
+            loss.backward()
+            total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            expected.append(total.item())
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1e-3, total)
+            clipped.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+            optimizer.step()
+            optimizer.zero_grad()
+    assert max(clipped) < 1.1e-3 < min(expected)  # the clip still clipped (the generator reached it whole)
+    assert _series_of(sqlite_server, run.id, "grad_norm")["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_norm_of_fp16_gradients_does_not_overflow_where_none_of_them_does(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """`model.half()` without a scaler: 65 536 gradients of 400 have a norm of 102 400, past fp16's 65 504."""
+    weight = torch.nn.Parameter(torch.zeros(65536, dtype=torch.float16))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    with ampwatch.init("scalers", "half-norm", url=sqlite_server.url) as run:
+        run.watch(optimizer=optimizer)
+        for _ in range(3):
+            (weight * 400).float().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert _series_of(sqlite_server, run.id, "grad_norm")["grad_norm"]["values"] == [102400.0] * 3
+
+
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(sqlite_server, amp: str) -> None:  # type: ignore[no-untyped-def]
+    import numpy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1)  # (an int, as written)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp == "fp16")
+    lrs = []
+    with ampwatch.init("scalers", f"lr-types-{amp}", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(120):  # (past step 100: the steady path's lean steps too)
+            if step >= 60:
+                optimizer.param_groups[0]["lr"] = numpy.float32(1e-3 * step)  # a schedule read from a NumPy array
+            lrs.append(float(optimizer.param_groups[0]["lr"]))
+            with torch.autocast("cpu", dtype=torch.float16 if amp == "fp16" else torch.bfloat16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean() * 1e-3
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    data = _series_of(sqlite_server, run.id, "lr")["lr"]
+    assert data["steps"] == list(range(120)) and data["values"] == pytest.approx(lrs)
