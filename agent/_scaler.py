@@ -19,6 +19,7 @@ from __future__ import annotations
 import copyreg
 import functools
 import sys
+import weakref
 from typing import Any, Callable
 
 from ampwatch._guard import report
@@ -249,11 +250,27 @@ def norm_before_clip(recorder: Any, parameters: Any) -> None:
     it trusts (`on_clipped` then hands it the result); `optimizer.step()`'s pre-hook finds it taken."""
     optimizers = recorder._optimizers
     first = optimizers[0] if optimizers else None
-    if first is None or id(first) in recorder._normed:
+    if first is None:
         return
+    grad = next((g for group in first.param_groups for p in group["params"] if (g := p.grad) is not None), None)
+    if id(first) in recorder._normed:
+        mark = recorder._grad_mark
+        if mark is None or mark() is grad:  # another clip of this iteration's gradients
+            return
+        # New gradients since its norm was taken: the loop dropped that iteration without a step (a guard that skips
+        # non-finite updates), and this is the next one's clip.
+        recorder._norm = recorder._unscaled = recorder._deferred = None
+        recorder._normed.discard(id(first))
     ids = (id(parameters),) if isinstance(parameters, _Tensor) else map(id, parameters)
     if not recorder._param_ids(first).isdisjoint(ids):
+        recorder._grad_mark = weakref.ref(grad) if grad is not None else None
         recorder.on_unscaled(first)
+
+
+def grads_dropped(optimizers: list[Any]) -> bool:
+    """No watched optimizer holds a gradient: since the last `scale()`, the loop set them to None without a step (it
+    dropped that iteration), so the loss held from it is not this iteration's."""
+    return bool(optimizers) and all(p.grad is None for o in optimizers for group in o.param_groups for p in group["params"])
 
 
 def float32_norms(torch: Any) -> Callable[[list[Any]], Any]:

@@ -47,16 +47,16 @@ class Steady:
         optimizers = self._optimizers
         lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
         lr = lr if lr.__class__ is float else _real(lr)
-        loss, total, params = self._loss, True, None
+        loss, total, params, check = self._loss, True, None, True
         if self._user_step == step:
             user = self._user_names
             loss = None if "loss" in user else loss
             lr = None if "lr" in user else lr
-            total = "grad_norm" not in user
+            total, check = "grad_norm" not in user, "param_norm" not in user
         plain = step < self._plain_until and not self.arm_request
         if not plain and self._torch is not None:
             note_stream(self._torch)  # (the sender's CUDA reads wait for this step's stream)
-        if not plain and optimizers and (step % self.param_interval == 0 or self._probing):
+        if not plain and optimizers and check and (step % self.param_interval == 0 or self._probing):
             with self._torch.no_grad():  # (no graph, and no detached copy of each parameter: ~0.3 us each)
                 params = self._foreach_norm([p for o in optimizers for g in o.param_groups for p in g["params"]])
         entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)

@@ -40,7 +40,7 @@ class Recorder(Steady):
         "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
         "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
         "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error", "_ran", "_ran_on",
-        "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from", "_armed_until", "_skip_seen",
+        "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from", "_armed_until", "_skip_seen", "_grad_mark",
     )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
@@ -94,10 +94,8 @@ class Recorder(Steady):
         self._arming = 0
         self._probing = False  # the probe is armed (a copy of its flag, read every step)
         self._layers_due = False  # the current iteration takes per-layer norms
-        self._ever_scaled = False
-        self._silent_reported = False
-        self._last_optimizer: Any = None
-        self._stage_before: Any = None
+        self._ever_scaled = self._silent_reported = False
+        self._last_optimizer = self._stage_before = self._grad_mark = None  # (the latter: see _scaler.norm_before_clip)
         self._first_forward_hook: Any = None
         self._last_error = 0
         self.wake: Callable[[], Any] | None = None  # wakes the sender thread (see ampwatch._steady, update)
@@ -106,10 +104,10 @@ class Recorder(Steady):
     # -- what the user logged --------------------------------------------------------------
     def user_logged(self, step: int, names: tuple[str, ...]) -> None:
         """A standard name the user logs at a step replaces the agent's own value there."""
-        if step != self._user_step:
-            self._user_step, self._user_names = step, set()
         for name in names:
-            if name in STANDARD:
+            if name in STANDARD:  # (other names logged at other steps, a sample count, leave these be)
+                if step != self._user_step:
+                    self._user_step, self._user_names = step, set()
                 self._leave_steady()
                 self._user_names.add(name)
                 if name == "grad_norm" and step > self._norm_logged_at[1]:
@@ -203,6 +201,7 @@ class Recorder(Steady):
             # `.data`: a view of the value without the graph, as detach() gives, at half its cost on the thread
             # (no dispatch); the agent only ever reads it.
             loss, held = outputs.data, self._loss
+            held = None if held is not None and _scaler.grads_dropped(self._optimizers) else held
             self._loss = loss if held is None else [*held, loss] if held.__class__ is list else [held, loss]
 
     def on_unscaled(self, optimizer: Any, scale: Any = None) -> None:

@@ -160,6 +160,28 @@ def test_a_norm_the_user_logs_replaces_the_agents_and_leaves_no_gap_between(sqli
     assert all(norms[s] < 1000 for s in range(10) if s % every)  # the agent's own norm on the other steps
 
 
+def test_standard_names_the_user_logs_win_with_other_values_logged_at_other_steps_between(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """`loss` and `param_norm` logged at the current step replace the agent's, though a sample count is logged at
+    its own step in between (the agent's parameter check runs at steps 0 and 50 here)."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("e2e", "override-names", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(60):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 16)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            run.log({"loss": 1000.0 + step, "param_norm": 123.0})
+            run.log({"samples_seen": 4.0 * step}, step=4 * step)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    data = _series(sqlite_server, run.id, "loss", "param_norm")
+    assert data["loss"] == {"steps": list(range(60)), "values": [1000.0 + s for s in range(60)]}
+    assert data["param_norm"] == {"steps": list(range(60)), "values": [123.0] * 60}
+
+
 def test_nonfinite_and_exact_floats_round_trip_through_the_database(live_server) -> None:  # type: ignore[no-untyped-def]
     values = [0.1 + 0.2, "NaN", "Infinity", "-Infinity", -2.5e-310, 5e-324, 1.7976931348623157e308]
     with live_server.client() as http:

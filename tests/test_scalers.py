@@ -288,3 +288,45 @@ def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(sqlite_ser
             optimizer.zero_grad()
     data = _series_of(sqlite_server, run.id, "lr")["lr"]
     assert data["steps"] == list(range(120)) and data["values"] == pytest.approx(lrs)
+
+
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(sqlite_server, amp: str) -> None:  # type: ignore[no-untyped-def]
+    """A guard that skips non-finite updates (`zero_grad(); continue`, no step): with a scaler after backward, on the
+    loss; without one after clip_grad_norm_, on its norm. The next step's loss and norm are its own."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu") if amp == "fp16" else None
+    losses, norms = [], []
+    with ampwatch.init("scalers", f"dropped-{amp}", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for iteration in range(12):
+            x = torch.randn(4, 8) * (float("nan") if iteration in (3, 7) else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16 if scaler else torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                if not torch.isfinite(loss):
+                    optimizer.zero_grad()
+                    continue
+                scaler.unscale_(optimizer)
+            else:
+                loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            if scaler is None and not torch.isfinite(norm):  # (after unscale_, GradScaler wants its update(): it skips)
+                optimizer.zero_grad()
+                continue
+            losses.append(loss.item())
+            norms.append(norm.item())
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                run.log({"loss": loss})
+                optimizer.step()
+            optimizer.zero_grad()
+    data = _series_of(sqlite_server, run.id, "loss", "grad_norm")
+    assert data["loss"] == {"steps": list(range(10)), "values": pytest.approx(losses, rel=1e-6)}
+    assert data["grad_norm"]["steps"] == list(range(10))  # (an overflow the scaler skipped reads "Infinity")
+    assert [float(v) for v in data["grad_norm"]["values"]] == pytest.approx(norms, rel=1e-5)
