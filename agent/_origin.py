@@ -44,6 +44,7 @@ class OriginProbe:
         self._handles: list[Any] = []
         self.forward: list[tuple[str, Any]] = []
         self.backward: list[tuple[str, Any]] = []
+        self._passes: list[int] = []  # where each forward pass began in `backward` (accumulated micro-batches)
         self.steps_left = 0
         self.window = ARM_STEPS  # how many iterations the last arming lasts
         self.armed = False  # a plain attribute: the recorder reads it every step
@@ -70,14 +71,20 @@ class OriginProbe:
         self.armed = False
         self.forward.clear()
         self.backward.clear()
+        self._passes.clear()
 
     def take(self) -> tuple[list[str], list[Any], list[str], list[Any]]:
-        """This iteration's flags (True = non-finite), in forward order and in backward order."""
-        fwd, bwd = self.forward, self.backward
-        self.forward, self.backward = [], []
+        """This iteration's flags (True = non-finite), in forward order and in backward order. In backward order, an
+        `INPUT` entry (its flag a copy of the next one's, never read) begins each pass after the first: the
+        micro-batches of gradient accumulation each have their own forward and backward."""
+        fwd, bwd, starts = self.forward, self.backward, self._passes
+        self.forward, self.backward, self._passes = [], [], []
+        for at in reversed(sorted(set(starts) - {0, len(bwd)})):
+            bwd.insert(at, (INPUT, bwd[at][1]))
         return [n for n, _ in fwd], [f for _, f in fwd], [n for n, _ in bwd], [f for _, f in bwd]
 
     def _on_input(self, module: Any, args: Any) -> None:
+        self._passes.append(len(self.backward))
         guarded(self._flag, self.forward, INPUT, _first_float_tensor(args))
 
     def _hook_for(self, name: str) -> Hook:
@@ -134,7 +141,7 @@ class Diagnosis:
         if arming in self._found:
             return []
         first_fwd = next(((i, n) for i, (n, bad) in enumerate(forward) if bad), None)
-        first_bwd = next(((i, n) for i, (n, bad) in enumerate(backward) if bad), None)
+        first_bwd = next(((i, n) for i, (n, bad) in enumerate(backward) if bad and n != INPUT), None)
         if first_fwd is None and first_bwd is None:
             return []
         self._found.add(arming)
@@ -145,7 +152,9 @@ class Diagnosis:
                 message = (f"Origin of the non-finite values at step {step}: the input batch itself contains NaN/Inf, "
                            "before any layer ran. A data problem, not the model: check the data pipeline.")  # fmt: skip
             else:
-                modules = [n for n, _ in forward if n != INPUT]
+                start = next((i for i in range(index, -1, -1) if forward[i][0] == INPUT), -1) + 1  # (its own pass)
+                end = next((i for i in range(index, len(forward)) if forward[i][0] == INPUT), len(forward))
+                modules = [n for n, _ in forward[start:end]]
                 before = modules[modules.index(module) - 1] if modules.index(module) > 0 else None
                 between = f"between `{before}` and `{module}`" if before else f"before `{module}`"
                 message = (f"Origin of the non-finite values at step {step}: first non-finite output: `{module}` "
@@ -164,19 +173,20 @@ class Diagnosis:
             # Output gradients arrive in backward order: the first non-finite one was made by the backward of the
             # module processed just before it, or of functional code between the two (for the very first, by the loss).
             index, received = first_bwd  # type: ignore[misc]
-            module = backward[index - 1][0] if index > 0 else "(loss)"
-            if index > 0:
+            module = backward[index - 1][0] if index > 0 else INPUT
+            if module != INPUT:  # (else the first of its pass: the loss made it)
                 where = (f"in the backward of `{module}`, or of an operation outside any module between `{received}` and "
                          f"`{module}` (a functional call such as torch.sqrt in a parent's forward): the gradient `{module}` "
                          f"received was finite and the one passed on to `{received}` was not")  # fmt: skip
             else:
+                module = "(loss)"
                 where = (f"in the loss computation: the gradient of the last module's output (`{received}`) is already "
                          "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
                          "division by 0)")  # fmt: skip
             message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}, while every module's "
                        "output was finite. Look there for sqrt, log, pow or a norm at 0" + (" (or, if steps come back at a "
                        "lower loss scale, for values too large for fp16)." if self.analyzer._scaled else "."))  # fmt: skip
-            details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward]}
+            details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward if n != INPUT]}
             kind = "nonfinite_grad"
         named, length = (module, details["phase"]), 0
         if named == self._named:  # the same origin twice in a row: it keeps coming back from there

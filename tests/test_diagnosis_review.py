@@ -211,3 +211,29 @@ def test_a_nan_made_between_two_modules_is_not_blamed_on_the_second_alone(sqlite
         [origin] = [e for e in http.get(f"/api/v1/runs/{run.id}/events").json() if "origin" in e["details"]]
     assert (origin["step"], origin["details"]["origin"]) == (12, "proj")
     assert "or it received them from an operation outside any module between `v` and `proj`" in origin["message"]
+
+
+def test_a_nan_made_in_the_loss_of_an_accumulated_micro_batch_is_traced_to_the_loss(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    """Four micro-batches a step: each has its own forward and backward, and the probe tells them apart (it blamed
+    the first layer, whose gradient came from the micro-batch before, just ahead in backward order)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with ampwatch.init("diag", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(90):
+            for micro in range(4):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(torch.randn(16, 8)).float()
+                loss = torch.nn.functional.mse_loss(out, torch.zeros(16, 1)) / 4
+                if micro == 2 and step in (60, 61, 75):  # zero in the forward, NaN in the backward (d sqrt at 0)
+                    loss = loss + torch.sqrt(torch.relu(out) * 0.0).sum()
+                scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if step == 61:
+                time.sleep(0.4)  # the sender judges the streak and arms the probe before the loop goes on
+    [origin] = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
+    assert origin["step"] == 75 and origin["details"] == {**origin["details"], "origin": "(loss)", "phase": "backward"}
+    assert "in the loss computation" in origin["message"]
