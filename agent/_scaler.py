@@ -11,7 +11,8 @@ While a run watches, `torch.nn.utils.clip_grad_norm_` is wrapped too: the total 
 arguments and result pass through untouched; code that imported the function before `watch` keeps the
 original, and the agent then simply computes the norm itself. Without an enabled scaler no `unscale_` says
 when the gradients are final, so the moment just before a clip changes them is hooked instead: torch's
-`clip_grad.clip_grads_with_norm_` (which every `clip_grad_norm_` calls, however it was imported).
+`clip_grad._clip_grads_with_norm_` (which every `clip_grad_norm_` calls, however it was imported), and
+`clip_grad_value_` (see BEFORE).
 """
 
 from __future__ import annotations
@@ -147,27 +148,32 @@ _clip_calls: tuple[Any, ...] = ()  # the latter, as the wrapper goes through the
 _clip_original: Any = None
 _Tensor: Any = None  # torch.Tensor, once a run listens
 _before_listeners: set[Any] = set()  # Recorders without an enabled scaler: they take the norm just before a clip
-_before: tuple[Any, ...] = ()  # the latter, as `_clip_grads_with_norm_` goes through them
-_inner_original: Any = None  # torch's `clip_grad._clip_grads_with_norm_`, while ours is in its place
-INNER, PUBLIC_INNER = "_clip_grads_with_norm_", "clip_grads_with_norm_"
+_before: tuple[Any, ...] = ()  # the latter, as the functions below go through them
+# What changes gradients, wrapped while a Recorder takes the norm before a clip: clip_grad_norm_'s own second half
+# (however clip_grad_norm_ was imported), under its public name too (torchtitan's two-step clip), and value clipping.
+BEFORE = (("torch.nn.utils.clip_grad", "_clip_grads_with_norm_"), ("torch.nn.utils", "clip_grads_with_norm_"),
+          ("torch.nn.utils.clip_grad", "clip_grad_value_"), ("torch.nn.utils", "clip_grad_value_"))  # fmt: skip
+_before_wrapped: dict[tuple[str, str], tuple[Any, Any]] = {}  # (module, name) -> (torch's function, ours in its place)
 
 
 def listen_to_clipping(recorder: Any, before: bool = False) -> None:
     """From now on, `recorder.on_clipped` sees each call of `torch.nn.utils.clip_grad_norm_`; with `before`, each
     clip first lets `recorder` take the norm of gradients it is about to change (see `norm_before_clip`)."""
-    global _clip_original, _Tensor, _inner_original
+    global _clip_original, _Tensor
     import torch.nn.utils
     import torch.nn.utils.clip_grad as clip_grad
 
+    _Tensor = torch.Tensor
     (_before_listeners.add if before else _before_listeners.discard)(recorder)
-    inner = getattr(clip_grad, INNER, None)
-    if _before_listeners and callable(inner) and inner is not _clip_grads_with_norm_:  # (older torch: see the wrapper)
-        _inner_original = inner
-        setattr(clip_grad, INNER, functools.update_wrapper(_clip_grads_with_norm_, inner))
-        if getattr(torch.nn.utils, PUBLIC_INNER, None) is inner:  # (torchtitan's two-step clip: get_total_norm, then this)
-            setattr(torch.nn.utils, PUBLIC_INNER, _clip_grads_with_norm_)
+    if _before_listeners and not _before_wrapped:
+        wrappers: dict[Any, Any] = {}  # (one function under two names: one wrapper)
+        for module_name, name in BEFORE:
+            module, current = sys.modules[module_name], getattr(sys.modules[module_name], name, None)
+            if callable(current):  # (an older torch may lack some: then `_clip_grad_norm_` notifies)
+                wrapper = wrappers[current] = wrappers.get(current) or _changes_gradients(current)
+                setattr(module, name, wrapper)
+                _before_wrapped[(module_name, name)] = (current, wrapper)
     if recorder not in _clip_listeners:
-        _Tensor = torch.Tensor
         current = torch.nn.utils.clip_grad_norm_
         if current is not _clip_grad_norm_:
             _clip_original = current
@@ -199,11 +205,12 @@ def stop_listening(recorder: Any) -> None:
     del _clip_listeners[recorder]
     _before_listeners.discard(recorder)
     _listeners_changed()
-    clip_grad = sys.modules.get("torch.nn.utils.clip_grad")
     if not _before_listeners:
-        for module, name in ((clip_grad, INNER), (sys.modules.get("torch.nn.utils"), PUBLIC_INNER)):
-            if getattr(module, name, None) is _clip_grads_with_norm_:
-                setattr(module, name, _inner_original)
+        for (module_name, name), (original, wrapper) in _before_wrapped.items():
+            module = sys.modules.get(module_name)
+            if getattr(module, name, None) is wrapper:
+                setattr(module, name, original)
+        _before_wrapped.clear()
     if not _clip_listeners:
         for name in ("torch.nn.utils", "torch.nn.utils.clip_grad"):
             module = sys.modules.get(name)
@@ -215,7 +222,7 @@ def _clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
     calls = _clip_calls
     if calls and not isinstance(parameters, _Tensor):
         parameters = list(parameters)  # as clip_grad_norm_ does itself: a generator can be read only once
-    if _before and _inner_original is None:  # (a torch without `_clip_grads_with_norm_`: before the clip, here)
+    if _before and ("torch.nn.utils.clip_grad", "_clip_grads_with_norm_") not in _before_wrapped:  # (an older torch)
         _notify_before(parameters)
     total = _clip_original(parameters, *args, **kwargs)
     for on_clipped in calls:
@@ -226,14 +233,25 @@ def _clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
     return total
 
 
-def _clip_grads_with_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-    """torch's own step of `clip_grad_norm_` that changes the gradients (their total norm already taken), also called
-    by itself (as `torch.nn.utils.clip_grads_with_norm_`, after `get_total_norm`)."""
-    if _before:
+def _changes_gradients(original: Any) -> Any:
+    """`original`, a torch function that clips gradients in place, letting the Recorders take their norm first."""
+
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _before:
+            return original(parameters, *args, **kwargs)
         if not isinstance(parameters, _Tensor):
             parameters = list(parameters)  # (a generator can be read only once)
         _notify_before(parameters)
-    return _inner_original(parameters, *args, **kwargs)
+        try:
+            return original(parameters, *args, **kwargs)
+        finally:
+            for recorder in _before:  # the gradients' version after the clip: a later one means a backward added to them
+                mark = recorder._grad_mark
+                grad = mark[0]() if mark is not None else None
+                if grad is not None:
+                    recorder._grad_mark = (mark[0], grad._version)
+
+    return functools.update_wrapper(clip, original)
 
 
 def _notify_before(parameters: Any) -> None:
@@ -255,15 +273,15 @@ def norm_before_clip(recorder: Any, parameters: Any) -> None:
     grad = next((g for group in first.param_groups for p in group["params"] if (g := p.grad) is not None), None)
     if id(first) in recorder._normed:
         mark = recorder._grad_mark
-        if mark is None or mark() is grad:  # another clip of this iteration's gradients
+        if mark is None or grad is None or mark[0]() is grad and mark[1] == grad._version:  # a clip of the same gradients
             return
-        # New gradients since its norm was taken: the loop dropped that iteration without a step (a guard that skips
-        # non-finite updates), and this is the next one's clip.
+        # New gradients since its norm was taken (the loop dropped that iteration without a step, a guard that skips
+        # non-finite updates), or a backward added to them (a clip on every accumulated micro-batch): the norm again.
         recorder._norm = recorder._unscaled = recorder._deferred = None
         recorder._normed.discard(id(first))
     ids = (id(parameters),) if isinstance(parameters, _Tensor) else map(id, parameters)
     if not recorder._param_ids(first).isdisjoint(ids):
-        recorder._grad_mark = weakref.ref(grad) if grad is not None else None
+        recorder._grad_mark = (weakref.ref(grad), grad._version) if grad is not None else None
         recorder.on_unscaled(first)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from ampwatch._guard import guarded
 from ampwatch._run import Run
+from ampwatch._watch import _unwrap
 
 try:
     from lightning.pytorch import Callback
@@ -40,6 +41,7 @@ class AmpwatchCallback(Callback):
         self.run = run
         self.finish = finish
         self._feed = False  # True when the agent cannot see loss and norms by itself: no enabled GradScaler
+        self._feed_loss = False  # and the fit has one optimizer (with several, which backward is whose it cannot tell)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Optimizers and the precision plugin exist from here on (not yet in `setup`)."""
@@ -47,13 +49,14 @@ class AmpwatchCallback(Callback):
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """Without a scaler the agent cannot see the loss: hand it the one Lightning backpropagates."""
-        if self._feed:
+        if self._feed_loss:
             guarded(self.run._recorder.on_scale, loss)  # summed over accumulated micro-batches, as with a scaler
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """After the closure's backward, before Lightning clips: the gradient norm as the model made it."""
-        if self._feed:  # with a scaler the norm is taken at unscale_ (or in a fused step)
-            guarded(self.run._recorder.on_unscaled, optimizer)
+        recorder = self.run._recorder  # (with a scaler the norm is taken at unscale_, or in a fused step)
+        if self._feed and recorder._optimizers and _unwrap(optimizer) is recorder._optimizers[0]:  # (steps are its steps)
+            guarded(recorder.on_unscaled, recorder._optimizers[0])
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.finish:
@@ -67,4 +70,5 @@ class AmpwatchCallback(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         recording = self.run._worker is not None  # a disabled run hooks nothing and is fed nothing
         self._feed = recording and not (scaler is not None and scaler.is_enabled())
+        self._feed_loss = self._feed and len(trainer.optimizers) == 1  # (with several: the README asks to log it)
         self.run.watch(model=pl_module, optimizer=list(trainer.optimizers) or None, scaler=scaler)

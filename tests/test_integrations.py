@@ -342,3 +342,72 @@ def test_importing_ampwatch_loads_no_integration(tmp_path) -> None:  # type: ign
     code = f"import sys, ampwatch; print([m for m in {modules!r} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_lightning_gan_without_a_scaler_records_the_first_optimizers_steps_only(sqlite_server, lightning: ModuleType) -> None:  # type: ignore[no-untyped-def]
+    """Manual optimization, a generator's step then a discriminator's, bf16: the steps and norms are the generator's
+    (the first optimizer's); the discriminator's norm and loss were added to the next step."""
+    from ampwatch.lightning import AmpwatchCallback
+
+    class GAN(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.g = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+            self.d = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+            self.g_norms: list[float] = []
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            g_opt, d_opt = self.optimizers()
+            z = torch.randn(4, 8)
+            g_opt.zero_grad()
+            self.manual_backward(-self.d(self.g(z)).float().mean())
+            self.g_norms.append(_total_norm(self.g.parameters()))
+            g_opt.step()
+            d_opt.zero_grad()
+            self.manual_backward(self.d(self.g(z).detach()).float().mean() - self.d(batch).float().mean())
+            d_opt.step()
+
+        def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+            return [torch.optim.SGD(self.g.parameters(), lr=0.01), torch.optim.SGD(self.d.parameters(), lr=0.02)]
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(torch.randn(24, 16), batch_size=4)
+
+    torch.manual_seed(0)
+    module = GAN()
+    run = ampwatch.init(project="integrations", name="lightning-gan", url=sqlite_server.url)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_epochs=1, precision="bf16-mixed", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                callbacks=[AmpwatchCallback(run)])  # fmt: skip
+    trainer.fit(module)
+    data = _series(sqlite_server, run.id, "loss", "grad_norm")
+    assert data["grad_norm"]["steps"] == list(range(6))
+    assert data["grad_norm"]["values"] == pytest.approx(module.g_norms, rel=1e-4)
+    assert data["loss"] == {"steps": [], "values": []}  # (whose backward is whose: unknown with two optimizers; log it)
+
+
+@pytest.mark.parametrize("how", ["value", "norm on every micro-batch"])
+def test_clipping_without_a_scaler_by_value_or_on_every_micro_batch_records_the_norm_before_the_last_clip(sqlite_server, how: str) -> None:  # type: ignore[no-untyped-def]
+    """`clip_grad_value_` (Accelerate's too) changes the gradients as clip_grad_norm_ does; a clip called on every
+    micro-batch (Accelerate's, unguarded by sync_gradients) clips gradients a backward has added to since."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    expected = []
+    with ampwatch.init("integrations", f"clip-{how}", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer)
+        for _ in range(6):
+            for _micro in range(3):
+                model(torch.randn(4, 8)).pow(2).mean().mul(100).backward()
+                if how == "value":
+                    continue
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
+            if how == "value":
+                norm = _total_norm(model.parameters())
+                torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
+            expected.append(norm)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert min(expected) > 1e-2
+    assert _series(sqlite_server, run.id, "grad_norm")["grad_norm"]["values"] == pytest.approx(expected, rel=1e-4)
