@@ -386,28 +386,3 @@ def test_lightning_gan_without_a_scaler_records_the_first_optimizers_steps_only(
     assert data["grad_norm"]["values"] == pytest.approx(module.g_norms, rel=1e-4)
     assert data["loss"] == {"steps": [], "values": []}  # (whose backward is whose: unknown with two optimizers; log it)
 
-
-@pytest.mark.parametrize("how", ["value", "norm on every micro-batch"])
-def test_clipping_without_a_scaler_by_value_or_on_every_micro_batch_records_the_norm_before_the_last_clip(sqlite_server, how: str) -> None:  # type: ignore[no-untyped-def]
-    """`clip_grad_value_` (Accelerate's too) changes the gradients as clip_grad_norm_ does; a clip called on every
-    micro-batch (Accelerate's, unguarded by sync_gradients) clips gradients a backward has added to since."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    expected = []
-    with ampwatch.init("integrations", f"clip-{how}", url=sqlite_server.url) as run:
-        run.watch(model=model, optimizer=optimizer)
-        for _ in range(6):
-            for _micro in range(3):
-                model(torch.randn(4, 8)).pow(2).mean().mul(100).backward()
-                if how == "value":
-                    continue
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
-            if how == "value":
-                norm = _total_norm(model.parameters())
-                torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
-            expected.append(norm)
-            optimizer.step()
-            optimizer.zero_grad()
-    assert min(expected) > 1e-2
-    assert _series(sqlite_server, run.id, "grad_norm")["grad_norm"]["values"] == pytest.approx(expected, rel=1e-4)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ampwatch
+from _runs import clipped_step
 
 
 def test_two_optimizers_with_one_scaler_record_one_step_per_update(sqlite_server) -> None:  # type: ignore[no-untyped-def]
@@ -263,29 +264,22 @@ def test_the_norm_of_fp16_gradients_does_not_overflow_where_none_of_them_does(sq
     assert _series_of(sqlite_server, run.id, "grad_norm")["grad_norm"]["values"] == [102400.0] * 3
 
 
-@pytest.mark.parametrize("amp", ["fp16", "bf16"])
-def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(sqlite_server, amp: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(sqlite_server, enabled: bool) -> None:  # type: ignore[no-untyped-def]
     import numpy
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
+    model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1)  # (an int, as written)
-    scaler = torch.amp.GradScaler("cpu", enabled=amp == "fp16")
+    scaler = torch.amp.GradScaler("cpu", enabled=enabled)  # (disabled: steps through the optimizer's hooks)
     lrs = []
-    with ampwatch.init("scalers", f"lr-types-{amp}", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", f"lr-types-{enabled}", url=sqlite_server.url) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(120):  # (past step 100: the steady path's lean steps too)
             if step >= 60:
-                optimizer.param_groups[0]["lr"] = numpy.float32(1e-3 * step)  # a schedule read from a NumPy array
+                optimizer.param_groups[0]["lr"] = numpy.float32(1e-5 * step)  # a schedule read from a NumPy array
             lrs.append(float(optimizer.param_groups[0]["lr"]))
-            with torch.autocast("cpu", dtype=torch.float16 if amp == "fp16" else torch.bfloat16):
-                loss = model(torch.randn(4, 8)).float().pow(2).mean() * 1e-3
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            clipped_step(model, optimizer, scaler)
     data = _series_of(sqlite_server, run.id, "lr")["lr"]
     assert data["steps"] == list(range(120)) and data["values"] == pytest.approx(lrs)
 
@@ -330,3 +324,29 @@ def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(sqlite_serv
     assert data["loss"] == {"steps": list(range(10)), "values": pytest.approx(losses, rel=1e-6)}
     assert data["grad_norm"]["steps"] == list(range(10))  # (an overflow the scaler skipped reads "Infinity")
     assert [float(v) for v in data["grad_norm"]["values"]] == pytest.approx(norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("how", ["value", "norm on every micro-batch"])
+def test_clipping_without_a_scaler_by_value_or_on_every_micro_batch_records_the_norm_before_the_last_clip(sqlite_server, how: str) -> None:  # type: ignore[no-untyped-def]
+    """`clip_grad_value_` (Accelerate's too) changes the gradients as clip_grad_norm_ does; a clip called on every
+    micro-batch (Accelerate's, unguarded by sync_gradients) clips gradients a backward has added to since."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    expected = []
+    with ampwatch.init("scalers", f"clip-{how}", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer)
+        for _ in range(6):
+            for _micro in range(3):
+                model(torch.randn(4, 8)).pow(2).mean().mul(100).backward()
+                if how == "value":
+                    continue
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
+            if how == "value":
+                norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+                torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
+            expected.append(norm)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert min(expected) > 1e-2
+    assert _series_of(sqlite_server, run.id, "grad_norm")["grad_norm"]["values"] == pytest.approx(expected, rel=1e-4)
