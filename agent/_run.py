@@ -78,6 +78,7 @@ class Run:
         self._worker.outbox.on_registered = self._registered
         self._worker.diagnosis = Diagnosis(self._recorder, self.rank)
         self._recorder.wake = self._worker.wake
+        self._recorder._free_read = self._worker.free_read
         self._worker.start()
         _UNFINISHED.add(self)
         _install_sigterm_handler()

@@ -75,6 +75,8 @@ class Steady:
             if step + 1 >= self._plain_until:
                 self._end_plain(step)
             return
+        if self._free_read is not None:  # (the records the sender has read: see Worker.free_read)
+            self._free_read()
         probe = self._probe
         if probe is not None:
             if self._probing or self.arm_request:

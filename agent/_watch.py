@@ -35,17 +35,19 @@ class Recorder(Steady):
     # mostly memory they touch, and a dict of fifty attributes spreads them over many more cache lines.
     __slots__ = (
         "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "arm_request",
-        "_record", "_steady", "_full_hooks", "rank", "layer_interval", "param_interval", "origin_found", "reanchor",
-        "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted", "_clip_seen",
-        "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks", "_scaler", "_optimizers",
-        "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing", "_layers_due", "_ever_scaled",
-        "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook", "_last_error", "_ran", "_ran_on",
-        "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from", "_armed_until", "_skip_seen", "_grad_mark",
+        "_record", "_free_read", "_steady", "_full_hooks", "rank", "layer_interval", "param_interval", "origin_found",
+        "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted",
+        "_clip_seen", "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks",
+        "_scaler", "_optimizers", "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing",
+        "_layers_due", "_ever_scaled", "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook",
+        "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from",
+        "_armed_until", "_skip_seen", "_grad_mark",
     )  # fmt: skip
 
     def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
         self._record = record  # may return the buffer's append, for the next step records (see Worker.record)
         self._append: Callable[[tuple], None] | None = None
+        self._free_read: Callable[[], None] | None = None  # frees the records the sender read (see Worker.free_read)
         self.rank = rank
         self.step = 0
         self.layer_interval = layer_interval

@@ -34,6 +34,7 @@ _STEPS = (STEP, PLAIN, RAN)  # step records (see ampwatch._steps), decoded a run
 _DATA = (VALUES, ORIGIN, *_STEPS)  # the records the buffer cap may drop
 _KIND = operator.itemgetter(0)
 STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
+KEEP_READ = 8  # lists of records read by the sender, kept for the training thread to free (see `free_read`), at most
 FAST_RECORDS = 1024  # step records appended without the checks of `Worker.record` in a row, at most (a power of 2)
 DROPPED = "dropped_records"  # series: how many records and batches this rank dropped so far
 
@@ -90,6 +91,7 @@ class Worker:
         self._waiters: list[tuple[int, threading.Event]] = []
         self._last_batch_at = 0.0
         self._decoder = StepDecoder()
+        self.read: collections.deque[list[tuple]] = collections.deque()  # read by the sender, to free (see free_read)
 
     # -- training thread side -------------------------------------------------------------
     def record(self, entry: tuple) -> Callable[[tuple], None] | None:
@@ -108,6 +110,17 @@ class Worker:
         records.append(entry)
         return records.append if len(records) + FAST_RECORDS < self._max_records else None
 
+    def free_read(self) -> None:
+        """On the training thread, every few dozen steps: free the records the sender has read. Freeing a tensor lets go
+        of the GIL; on the sender each one handed the GIL to the training thread and waited to have it back (see
+        bench/NOTES.md), here nobody waits."""
+        read = self.read
+        try:
+            while read:
+                read.popleft()
+        except IndexError:  # (the sender let go of the oldest itself meanwhile)
+            pass
+
     def start(self) -> None:
         """Start sending now: the run registers and heartbeats before its first step."""
         if self._thread is None:
@@ -120,6 +133,7 @@ class Worker:
         is not spooled (the folder and its lock are the parent's)."""
         self._thread = None
         self.records.clear()
+        self.read.clear()
         self.outbox.close()
         if self.outbox.spool is not None:
             self.outbox.spool.close()  # (the child's copy of the lock's file: the lock stays the parent's)
@@ -160,6 +174,7 @@ class Worker:
             finally:
                 self._read_by = None
                 self._absorbing.release()
+        self.free_read()  # (the sender is done, or waits on the server: it frees what it reads later itself)
         self.outbox.close()
         if not delivered:
             self.outbox.dropped += self.outbox.spill()  # to disk; what the spool cannot take is lost with the process: counted
@@ -186,11 +201,17 @@ class Worker:
             self._wake.clear()
             try:
                 with self._absorbing:  # (and batch numbers are taken under it: see close())
-                    self._absorb(self._drain())
+                    entries = self._drain()
+                    self._absorb(entries)
+                    if entries and not self._stop:  # the training thread frees them (see free_read)
+                        self.read.append(entries)
+                        if len(self.read) > KEEP_READ:  # (it does not step: a run that only logs values)
+                            self.read.popleft()
+                    del entries
                     if not self._stop:
                         self._heartbeat()
-                # Only now that the records are freed (a tensor's release lets go of the GIL, and a thread taking it
-                # back while the interpreter shuts down aborts the whole process) may finish() return.
+                # Only now that the records this thread frees are freed (a tensor's release lets go of the GIL, and a
+                # thread taking it back while the interpreter shuts down aborts the whole process) may finish() return.
                 self._release_waiters()
                 if self._stop and not self.records:  # (what was not delivered is in the outbox: close() spools it)
                     return

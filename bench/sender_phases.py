@@ -78,6 +78,10 @@ def main() -> None:
             entries = self._drain()
             self._absorb(entries)
             freeing = time.thread_time()
+            if entries:  # (as Worker._loop: the training thread frees them, see Worker.free_read)
+                self.read.append(entries)
+                if len(self.read) > _worker.KEEP_READ:
+                    self.read.popleft()
             del entries
             totals["free records"] += time.thread_time() - freeing
             self._release_waiters()

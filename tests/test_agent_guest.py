@@ -11,6 +11,7 @@ import pickle
 import socket
 import threading
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import _runs
 import ampwatch
 from ampwatch import _watch
-from ampwatch._worker import RAN
+from ampwatch._worker import KEEP_READ, RAN
 
 
 def _train(run: Any, steps: int = 30, *, fused: bool = False, nan_step: int | None = 7) -> list[torch.Tensor]:
@@ -272,3 +273,43 @@ def test_critical_detections_are_also_logged_locally(monkeypatch, caplog) -> Non
         _train(run, steps=12, nan_step=7)
     critical = [r.getMessage() for r in caplog.records if r.name == "ampwatch" and r.levelname == "ERROR"]
     assert any(m.startswith("ampwatch: NaN loss at step 7:") for m in critical), caplog.text
+
+
+def test_the_sender_reads_the_step_tensors_and_the_training_thread_frees_them(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A tensor's release lets go of the GIL: freed on the sender, each one handed the GIL to the training thread and
+    waited to have it back. The norms clip_grad_norm_ returned (kept until the sender read them) are freed on the
+    training thread, every few dozen steps and the rest at finish(); where nothing steps (a run that only logs
+    tensors), the sender keeps a few passes' records at most."""
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0.05")  # the sender reads many times during the loop
+    freed_on: list[str] = []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("guest", "frees", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(200):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            weakref.finalize(norm, lambda: freed_on.append(threading.current_thread().name))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            time.sleep(0.002)
+        during = len(freed_on)
+    del norm
+    assert during > 100 and len(freed_on) == 200  # (freed as the loop went, not only at its end)
+    assert set(freed_on) == {threading.current_thread().name}
+    with sqlite_server.client() as http:
+        assert len(http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]["steps"]) == 200
+
+    logging = ampwatch.init("guest", "logs only", url=sqlite_server.url)
+    for step in range(40):
+        logging.log({"x": torch.tensor(float(step))}, step=step)
+        time.sleep(0.03)
+    assert 0 < len(logging._worker.read) <= KEEP_READ  # (private: the records kept for the training thread to free)
+    logging.finish()
+    assert not logging._worker.read
