@@ -2,8 +2,8 @@
 
 The training thread only appends tuples to a deque (atomic under the GIL, never blocks). This thread
 wakes every `flush_interval_s`, reads the records' tensors (CPU values directly, device scalars in one
-non-blocking copy per device), and sends batches in order. Failures are retried with backoff; the
-training loop never waits on any of it.
+non-blocking copy per device), hands the records back for the training thread to free (see `free_read`),
+and sends batches in order. Failures are retried with backoff; the training loop never waits on any of it.
 """
 
 from __future__ import annotations
