@@ -204,9 +204,9 @@ class Worker:
                     entries = self._drain()
                     self._absorb(entries)
                     if entries and not self._stop:  # the training thread frees them (see free_read)
-                        self.read.append(entries)
-                        if len(self.read) > KEEP_READ:  # (it does not step: a run that only logs values)
+                        if len(self.read) >= KEEP_READ:  # (it does not step: a run that only logs values)
                             self.read.popleft()
+                        self.read.append(entries)
                     del entries
                     if not self._stop:
                         self._heartbeat()

@@ -79,9 +79,9 @@ def main() -> None:
             self._absorb(entries)
             freeing = time.thread_time()
             if entries:  # (as Worker._loop: the training thread frees them, see Worker.free_read)
-                self.read.append(entries)
-                if len(self.read) > _worker.KEEP_READ:
+                if len(self.read) >= _worker.KEEP_READ:
                     self.read.popleft()
+                self.read.append(entries)
             del entries
             totals["free records"] += time.thread_time() - freeing
             self._release_waiters()
