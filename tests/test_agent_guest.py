@@ -306,10 +306,10 @@ def test_the_sender_reads_the_step_tensors_and_the_training_thread_frees_them(sq
     with sqlite_server.client() as http:
         assert len(http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]["steps"]) == 200
 
-    logging = ampwatch.init("guest", "logs only", url=sqlite_server.url)
+    only_logs = ampwatch.init("guest", "logs only", url=sqlite_server.url)
     for step in range(40):
-        logging.log({"x": torch.tensor(float(step))}, step=step)
+        only_logs.log({"x": torch.tensor(float(step))}, step=step)
         time.sleep(0.03)
-    assert 0 < len(logging._worker.read) <= KEEP_READ  # (private: the records kept for the training thread to free)
-    logging.finish()
-    assert not logging._worker.read
+    assert 0 < len(only_logs._worker.read) <= KEEP_READ  # (private: the records kept for the training thread to free)
+    only_logs.finish()
+    assert not only_logs._worker.read
