@@ -33,7 +33,7 @@ Measurements (all on one model and optimizer, so no condition gets a luckier mem
   background    CPU time of the threads the condition started (the agent's sender, the tensorboard writer)
                 per step of the sustained blocks (steps at the loop's own pace), final flush included.
                 On a spare core it competes with training only for the GIL, so on-thread + background
-                is a ceiling on the real cost.
+                estimates the real cost where a GIL hand-over is cheap (sender_phases.py: where it is not).
   sustained     whole blocks of `--sustained-steps` steps per condition, interleaved in shuffled rounds:
                 end-to-end wall time with the background at work (noisier; a cross-check).
   host reads    counted on the training thread with a TorchFunctionMode (`item`, `tolist`, `__bool__`,
@@ -244,11 +244,13 @@ LEGEND = """\
 on-thread = mean over adjacent pairs of (condition step - none step) / median none step, the top and bottom 1 %
 of pairs left out (one-off preemptions; what the agent does every 50 steps stays in, which the median of
 the pairs, printed next to it, leaves out); IQR of pairs shows the per-step spread. background = CPU of the
-threads the condition started (sender, writer) per step of the sustained blocks, final flush included. ceiling = on-thread + background: the most the agent itself can cost the training thread when
-a spare core runs its sender (they then compete only for the GIL). sustained = median over shuffled rounds of
+threads the condition started (sender, writer) per step of the sustained blocks, final flush included.
+ceiling = on-thread + background: what the agent itself costs the training thread when a spare core runs its
+sender and a hand-over of the GIL is cheap (on VMs with slow wake-ups the thread loses 1.5-2x the sender's CPU
+while it holds the GIL: sender_phases.py measures it). sustained = median over shuffled rounds of
 a whole block of the condition / the round's `none` block: end-to-end wall time, which here also pays for the
-local server sharing the helper CPU with the sender (a sender holding the GIL while the server has its CPU
-stalls training too) and for whatever else runs on the machine (noisy). median step =
+local server's work on the helper CPU (it slows the training thread too) and for whatever else runs on the
+machine (noisy). median step =
 the baseline step scaled by the sustained (or on-thread) overhead. server us = CPU of the local ampwatch
 server per logged step. Baseline host reads: GradScaler.step's found_inf .item() and AdamW's per-parameter
 CPU step counters (no device sync on a GPU)."""
