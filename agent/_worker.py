@@ -203,10 +203,8 @@ class Worker:
                 with self._absorbing:  # (and batch numbers are taken under it: see close())
                     entries = self._drain()
                     self._absorb(entries)
-                    if entries and not self._stop:  # the training thread frees them (see free_read)
-                        if len(self.read) >= KEEP_READ:  # (it does not step: a run that only logs values)
-                            self.read.popleft()
-                        self.read.append(entries)
+                    if not self._stop:
+                        self._keep_read(entries)
                     del entries
                     if not self._stop:
                         self._heartbeat()
@@ -222,6 +220,13 @@ class Worker:
                 log.exception("ampwatch: sender error")
             if self._stop and not self.records:
                 return
+
+    def _keep_read(self, entries: list[tuple]) -> None:
+        """Hand records this thread has read to the training thread, which frees them (see free_read)."""
+        if entries:
+            if len(self.read) >= KEEP_READ:  # (it does not step: a run that only logs values)
+                self.read.popleft()
+            self.read.append(entries)
 
     def _drain(self) -> list[tuple]:
         entries = []

@@ -74,7 +74,7 @@ def main() -> None:
         setattr(module, name, _timed(totals, label, getattr(module, name)))
     bursts: list[tuple[float, float, float, float]] = []  # (start, delivery start, end, CPU) of each pass of the sender's loop
 
-    def loop(self: Any) -> None:  # Worker._loop, with the records freed in a phase of their own
+    def loop(self: Any) -> None:  # Worker._loop, with its phases timed
         while True:
             self._wake.wait(self._settings.flush_interval_s)
             self._wake.clear()
@@ -82,10 +82,7 @@ def main() -> None:
             entries = self._drain()
             self._absorb(entries)
             freeing = time.thread_time()
-            if entries:  # (as Worker._loop: the training thread frees them, see Worker.free_read)
-                if len(self.read) >= _worker.KEEP_READ:
-                    self.read.popleft()
-                self.read.append(entries)
+            self._keep_read(entries)  # (as Worker._loop: the training thread frees them)
             del entries
             totals["free records"] += time.thread_time() - freeing
             self._release_waiters()
