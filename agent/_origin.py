@@ -9,6 +9,7 @@ arms the probe after such an event and turns its first hit into an event naming 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from ampwatch._diagnose import Analyzer, Columns, Event, Thresholds
@@ -17,6 +18,7 @@ from ampwatch._guard import Hook, guarded
 log = logging.getLogger("ampwatch")
 
 INPUT = "(input batch)"
+COMPILED = "(compiled model)"  # the output of torch.compile's wrapper (see `compiled_wrapper`)
 ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event (at first: see `OriginProbe.arm`)
 MAX_ARM_STEPS = 320
 QUIET_STEPS, MAX_QUIET_STEPS = 200, 3200  # after an origin is named again, steps whose events arm no probe (see Diagnosis)
@@ -31,6 +33,20 @@ def _first_float_tensor(value: Any) -> Any:
     if isinstance(value, dict):
         return next((t for t in map(_first_float_tensor, value.values()) if t is not None), None)
     return None
+
+
+def compiled_wrapper(model: Any) -> bool:
+    """Whether `model` is torch.compile's wrapper (an `OptimizedModule`): the modules inside it run in its graph, where
+    hooks added after it was compiled never run (dynamo does not guard on them), while its own hooks run outside."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: nothing was compiled)
+    return frames is not None and isinstance(model, getattr(frames, "OptimizedModule", ()))
+
+
+def module_names(model: Any) -> dict[int, str]:
+    """The module of each parameter, by id; for torch.compile's wrapper, as named in the model it compiled (no
+    `_orig_mod.`), so that a run's per-layer series are named the same whether it compiles or not."""
+    inner = model._orig_mod if compiled_wrapper(model) else model
+    return {id(p): n.rpartition(".")[0] or "(root)" for n, p in inner.named_parameters()}
 
 
 class OriginProbe:
@@ -48,6 +64,8 @@ class OriginProbe:
         self.steps_left = 0
         self.window = ARM_STEPS  # how many iterations the last arming lasts
         self.armed = False  # a plain attribute: the recorder reads it every step
+        self.compiled = compiled_wrapper(model)
+        self.blind_said = False  # whether the recorder said that an armed step's forward did not run the hooks
 
     def arm(self, missed: bool = False) -> None:
         """Hook every leaf module (and the model's input) for the next `window` iterations: `ARM_STEPS`, or after an
@@ -59,6 +77,9 @@ class OriginProbe:
             return
         self.armed = True
         self._handles.append(self._model.register_forward_pre_hook(Hook(self._on_input)))
+        if self.compiled:  # (the modules inside would not run their hooks: the wrapper's output, outside its graph)
+            self._handles.append(self._model.register_forward_hook(self._hook_for(COMPILED)))
+            return
         for name, module in self._model.named_modules():
             if name and not any(True for _ in module.children()):
                 self._handles.append(module.register_forward_hook(self._hook_for(name)))
@@ -151,6 +172,12 @@ class Diagnosis:
             if module == INPUT:
                 message = (f"Origin of the non-finite values at step {step}: the input batch itself contains NaN/Inf, "
                            "before any layer ran. A data problem, not the model: check the data pipeline.")  # fmt: skip
+            elif module == COMPILED:
+                message = (f"Origin of the non-finite values at step {step}: the input batch was finite and the output of "
+                           "the compiled model was not, so one of its modules made them. torch.compile runs them in one "
+                           "graph, which the agent does not hook (that would recompile the model, stall the loop and could "
+                           "change how it computes). To name the module, run the steps from the last checkpoint without "
+                           "torch.compile, watched: the probe names it there.")  # fmt: skip
             else:
                 start = next((i for i in range(index, -1, -1) if forward[i][0] == INPUT), -1) + 1  # (its own pass)
                 end = next((i for i in range(index, len(forward)) if forward[i][0] == INPUT), len(forward))

@@ -31,6 +31,11 @@ from ampwatch._worker import FAST_RECORDS, ORIGIN, PLAIN, RAN, STEP
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
+BLIND = ("The NaN-origin probe, armed after a non-finite value, saw no forward pass of the watched model in a whole step: "
+         "its hooks did not run, so it cannot say where NaN/Inf come from. Most likely the model was compiled after "
+         "watch() (torch.compile(model): the compiled graph does not run hooks added to the modules inside it later): "
+         "pass the compiled model to watch() instead, and the probe tells a bad input batch from the model; run uncompiled "
+         "to have it name the module. Or the loop calls another model than the one passed to watch().")  # fmt: skip
 
 
 class Steady:
@@ -99,6 +104,9 @@ class Steady:
             if fwd or bwd:
                 flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
                 self._record((ORIGIN, step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
+            elif not probe.blind_said:  # type: ignore[union-attr]
+                probe.blind_said = True  # type: ignore[union-attr]
+                self._config(BLIND, {"probe": "no forward seen", "armed_step": step})
             probe.steps_left -= 1  # type: ignore[union-attr]
             if probe.steps_left <= 0:  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
                 probe.disarm()  # type: ignore[union-attr]

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from ampwatch import _scaler
 from ampwatch._guard import Hook, guarded, warn_once
 from ampwatch._misuse import SILENT_UNSCALED, Signature, classify, forward_config_problem, watch_config_problems
-from ampwatch._origin import OriginProbe
+from ampwatch._origin import OriginProbe, module_names
 from ampwatch._steady import Steady
 from ampwatch._steps import ANCHOR_EVERY
 from ampwatch._worker import EVENT
@@ -130,7 +130,7 @@ class Recorder(Steady):
             if self._probe is not None:
                 self._probe.disarm()
             self._model = model
-            self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in model.named_parameters()}
+            self._module_of = module_names(model)
             self._probe = OriginProbe(model)
             self._layers_due = self.step % self.layer_interval == 0
             # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's) has it on
@@ -376,7 +376,7 @@ class Recorder(Steady):
             if len(self._layer_names) >= 16:  # the parameter set keeps changing (MoE, layer drop): start over
                 self._layer_names.clear()
             if any(id(p) not in self._module_of for p in params):  # parameters were replaced: look again
-                self._module_of = {id(p): n.rpartition(".")[0] or "(root)" for n, p in self._model.named_parameters()}
+                self._module_of = module_names(self._model)
             self._layer_names[key] = tuple(self._module_of.get(id(p), "(unnamed)") for p in params)
         return self._layer_names[key]
 

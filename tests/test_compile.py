@@ -1,0 +1,75 @@
+"""torch.compile: a compiled model is watched as the model it compiles is, and the armed NaN-origin probe leaves its
+graph alone. The models compile with the `aot_eager` backend (a real dynamo and AOTAutograd graph, without
+inductor's C++ build): whether hooks run inside the graph is dynamo's doing, whatever the backend."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+import ampwatch
+
+BAD = (4, 12)  # steps whose batch holds a value fp16 cannot: the first layer's output overflows, the batch is finite
+
+
+def _train(server: Any, *, watch: str | None, steps: int = 20) -> tuple[list[torch.Tensor], str | None]:
+    """A standard fp16 loop over a compiled model; `watch`: "compiled" (watch the compiled model), "model" (watch the
+    model, then compile it) or None (no agent). Returns the parameters after the loop, and the run's id."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    run = ampwatch.init("compile", url=server.url) if watch else None
+    if run is not None and watch == "model":
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    compiled = torch.compile(model, backend="aot_eager")
+    if run is not None and watch == "compiled":
+        run.watch(model=compiled, optimizer=optimizer, scaler=scaler)
+    for step in range(steps):
+        x = torch.randn(16, 8)
+        if step in BAD:
+            x[0, 0] = 1e30
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(compiled(x).float(), torch.zeros(16, 1))
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        if step == BAD[0]:
+            time.sleep(0.4)  # let the sender see the non-finite step and arm the probe before the loop goes on
+    if run is not None:
+        run.finish()
+    return [p.detach().clone() for p in model.parameters()], run.id if run is not None else None
+
+
+def _events(server: Any, run_id: str) -> list[dict[str, Any]]:
+    with server.client() as http:
+        return http.get(f"/api/v1/runs/{run_id}/events").json()
+
+
+def test_a_compiled_model_is_named_as_the_origin_and_its_layers_as_the_model_s(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    plain, _ = _train(sqlite_server, watch=None)
+    params, run_id = _train(sqlite_server, watch="compiled")
+    assert all(torch.equal(a, b) for a, b in zip(plain, params))  # (the armed probe's hooks stay outside the graph)
+    events = _events(sqlite_server, run_id)
+    assert [e["step"] for e in events if e["type"] == "nonfinite_loss" and "origin" not in e["details"]][:1] == [BAD[0]]
+    [origin] = [e for e in events if "origin" in e["details"]]
+    assert (origin["step"], origin["details"]["origin"], origin["details"]["phase"]) == (BAD[1], "(compiled model)", "forward")
+    assert "the input batch was finite and the output of the compiled model was not" in origin["message"]
+    assert "without torch.compile" in origin["message"]
+    with sqlite_server.client() as http:
+        names = set(http.get(f"/api/v1/runs/{run_id}").json()["series"])
+    assert {"grad_norm/0", "grad_norm/2"} <= names and not [n for n in names if "_orig_mod" in n], names
+
+
+def test_a_model_compiled_after_watch_is_said_to_hide_its_forward_from_the_probe(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    _, run_id = _train(sqlite_server, watch="model", steps=12)
+    events = _events(sqlite_server, run_id)
+    assert [e["step"] for e in events if e["type"] == "nonfinite_loss"][:1] == [BAD[0]]
+    [blind] = [e for e in events if e["details"].get("probe") == "no forward seen"]
+    assert (blind["type"], blind["severity"]) == ("amp_config", "warning") and blind["step"] > BAD[0]
+    assert "compiled after watch()" in blind["message"] and "pass the compiled model to watch()" in blind["message"]
+    assert not [e for e in events if "origin" in e["details"]]
