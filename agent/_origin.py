@@ -42,11 +42,27 @@ def compiled_wrapper(model: Any) -> bool:
     return frames is not None and isinstance(model, getattr(frames, "OptimizedModule", ()))
 
 
+def wrapped(model: Any) -> list[Any]:
+    """`model` and the models that the wrappers around it run, outermost first: torch.compile's (`_orig_mod`),
+    DistributedDataParallel's and DataParallel's (`module`), in any order (nanoGPT's DDP of a compiled model)."""
+    import torch
+
+    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    chain = [model]
+    while True:
+        if compiled_wrapper(model):
+            model = model._orig_mod
+        elif isinstance(model, parallel):
+            model = model.module
+        else:
+            return chain
+        chain.append(model)
+
+
 def module_names(model: Any) -> dict[int, str]:
-    """The module of each parameter, by id; for torch.compile's wrapper, as named in the model it compiled (no
-    `_orig_mod.`), so that a run's per-layer series are named the same whether it compiles or not."""
-    inner = model._orig_mod if compiled_wrapper(model) else model
-    return {id(p): n.rpartition(".")[0] or "(root)" for n, p in inner.named_parameters()}
+    """The module of each parameter, by id, named as in the model that wrappers run (no `_orig_mod.` or `module.`), so
+    that a run's per-layer series are named the same whether it compiles or not, on one device or with DDP."""
+    return {id(p): n.rpartition(".")[0] or "(root)" for n, p in wrapped(model)[-1].named_parameters()}
 
 
 class OriginProbe:
@@ -64,7 +80,9 @@ class OriginProbe:
         self.steps_left = 0
         self.window = ARM_STEPS  # how many iterations the last arming lasts
         self.armed = False  # a plain attribute: the recorder reads it every step
-        self.compiled = compiled_wrapper(model)
+        chain = wrapped(model)
+        self._inner = chain[-1]  # (its modules are named as per-layer series are: see module_names)
+        self.compiled = any(map(compiled_wrapper, chain))
         self.blind_said = False  # whether the recorder said that an armed step's forward did not run the hooks
 
     def arm(self, missed: bool = False) -> None:
@@ -77,10 +95,10 @@ class OriginProbe:
             return
         self.armed = True
         self._handles.append(self._model.register_forward_pre_hook(Hook(self._on_input)))
-        if self.compiled:  # (the modules inside would not run their hooks: the wrapper's output, outside its graph)
+        if self.compiled:  # (the modules inside would not run their hooks: the outermost output, outside the graph)
             self._handles.append(self._model.register_forward_hook(self._hook_for(COMPILED)))
             return
-        for name, module in self._model.named_modules():
+        for name, module in self._inner.named_modules():
             if name and not any(True for _ in module.children()):
                 self._handles.append(module.register_forward_hook(self._hook_for(name)))
 

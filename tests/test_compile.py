@@ -14,9 +14,10 @@ import ampwatch
 BAD = (4, 12)  # steps whose batch holds a value fp16 cannot: the first layer's output overflows, the batch is finite
 
 
-def _train(server: Any, *, watch: str | None, steps: int = 20) -> tuple[list[torch.Tensor], str | None]:
+def _train(server: Any, *, watch: str | None, steps: int = 20, ddp: bool = False) -> tuple[list[torch.Tensor], str | None]:
     """A standard fp16 loop over a compiled model; `watch`: "compiled" (watch the compiled model), "model" (watch the
-    model, then compile it) or None (no agent). Returns the parameters after the loop, and the run's id."""
+    model, then compile it) or None (no agent); `ddp`: the compiled model in DistributedDataParallel, as nanoGPT has it.
+    Returns the parameters after the loop, and the run's id."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -26,6 +27,8 @@ def _train(server: Any, *, watch: str | None, steps: int = 20) -> tuple[list[tor
     if run is not None and watch == "model":
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
     compiled = torch.compile(model, backend="aot_eager")
+    if ddp:
+        compiled = torch.nn.parallel.DistributedDataParallel(compiled)
     if run is not None and watch == "compiled":
         run.watch(model=compiled, optimizer=optimizer, scaler=scaler)
     for step in range(steps):
@@ -63,6 +66,19 @@ def test_a_compiled_model_is_named_as_the_origin_and_its_layers_as_the_model_s(s
     with sqlite_server.client() as http:
         names = set(http.get(f"/api/v1/runs/{run_id}").json()["series"])
     assert {"grad_norm/0", "grad_norm/2"} <= names and not [n for n in names if "_orig_mod" in n], names
+
+
+def test_ddp_of_a_compiled_model_is_probed_outside_the_graph_and_named_as_the_model(sqlite_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
+    try:
+        _, run_id = _train(sqlite_server, watch="compiled", ddp=True)
+    finally:
+        torch.distributed.destroy_process_group()
+    [origin] = [e for e in _events(sqlite_server, run_id) if "origin" in e["details"]]
+    assert (origin["step"], origin["details"]["origin"]) == (BAD[1], "(compiled model)")
+    with sqlite_server.client() as http:
+        names = set(http.get(f"/api/v1/runs/{run_id}").json()["series"])
+    assert {"grad_norm/0", "grad_norm/2"} <= names and not [n for n in names if "module" in n], names
 
 
 def test_a_model_compiled_after_watch_is_said_to_hide_its_forward_from_the_probe(sqlite_server) -> None:  # type: ignore[no-untyped-def]

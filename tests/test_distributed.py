@@ -47,11 +47,13 @@ def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp
         runs = http.get("/api/v1/runs", params={"project": "ddp"}).json()
         assert [r["id"] for r in runs] == list(ids)  # both ranks chose the same run id, without talking
         run = runs[0]
+        names = http.get(f"/api/v1/runs/{run['id']}").json()["series"]
         assert (run["status"], run["environment"]["world_size"], run["last_step"]) == ("finished", 2, steps - 1)
         by_rank = {
             rank: http.get(f"/api/v1/runs/{run['id']}/series", params={"name": ["loss", "scale", "skipped"], "rank": rank}).json()
             for rank in (0, 1)
         }
+    assert {"grad_norm/0", "grad_norm/2"} <= set(names), names  # per-layer series named as without DDP (no `module.`)
     for rank in (0, 1):
         assert by_rank[rank]["loss"]["steps"] == list(range(steps))
     assert by_rank[0]["loss"]["values"] != by_rank[1]["loss"]["values"]  # each rank's own records
