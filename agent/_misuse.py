@@ -5,6 +5,7 @@ Every finding comes with its fix; see AMP_NOTES.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,56 @@ SILENT_UNSCALED = (
     "loss scale (a norm of 0.2 becomes 3e-6) and the model stops learning, silently. "
     "Fix: scaler.scale(loss).backward()."
 )
+CLIPPED_SCALED = (
+    "clip_grad_norm_ ran on the scaled gradients, before scaler.unscale_(optimizer): max_norm applied to gradients "
+    "multiplied by the loss scale (2^16 at first), so nearly every step is clipped, and once step() unscales them the "
+    "update is the scale's factor too small: the model barely learns, silently. "
+    "Fix: scaler.unscale_(optimizer), then clip_grad_norm_, then scaler.step(optimizer)."
+)
+CLIPPED_SCALED_NORM = (
+    "clip_grad_norm_ ran on the scaled gradients, before scaler.unscale_(optimizer): with max_norm=inf it changes "
+    "nothing, but the norm it returns is multiplied by the loss scale (a norm you log from it is off by that factor; "
+    "the agent's grad_norm is the unscaled one). Fix: scaler.unscale_(optimizer) before clip_grad_norm_."
+)
+
+
+def diagnose(rec: Any, optimizer: Any, error: BaseException) -> None:
+    """GradScaler raised (for `optimizer`, None when update() did): record the likely cause and its fix on the Recorder
+    `rec` (the error itself propagates)."""
+    optimizer = optimizer if optimizer is not None else rec._last_optimizer
+    if optimizer is None or id(error) == rec._last_error:
+        return
+    rec._last_error = id(error)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stage = rec._stage_before
+    signature = Signature.taken(error, params, rec._model, stage.name if stage is not None else "READY", rec._scale_calls > 0,
+                                [o for o in rec._optimizers if o is not optimizer])  # fmt: skip
+    found = classify(signature)
+    if found is not None:
+        cause, explanation = found
+        details = {"cause": cause, "error": str(error), "stage": signature.stage,
+                   "params_with_grad": signature.params_with_grad, "replaced_params": signature.replaced_params}  # fmt: skip
+        rec._misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
+
+
+def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    """`clip_grad_norm_` ran after this iteration's scale() and before its unscale_ for an optimizer of the parameters
+    it clipped: it clipped the scaled gradients (said once per run, on the Recorder `rec`)."""
+    scaler = rec._scaler
+    if scaler is None or not scaler._enabled:
+        return
+    states = getattr(scaler, "_per_optimizer_states", {})
+    ids = {id(parameters)} if isinstance(parameters, rec._tensor) else set(map(id, parameters))
+    for optimizer in rec._optimizers:
+        state = states.get(id(optimizer))  # (none yet, or READY: not unscaled in this iteration)
+        if (state is None or state["stage"].name == "READY") and not rec._param_ids(optimizer).isdisjoint(ids):
+            max_norm = args[0] if args else kwargs.get("max_norm")
+            norm_only = isinstance(max_norm, (int, float)) and math.isinf(max_norm)  # (a tensor is not read: a host read)
+            rec._said.add("clip_before_unscale")
+            details = {"max_norm": str(max_norm) if isinstance(max_norm, (int, float)) else None}
+            message = CLIPPED_SCALED_NORM if norm_only else CLIPPED_SCALED
+            rec._misuse("clip_grad_norm_ before scaler.unscale_(optimizer)", "clip_before_unscale", message, "warning", details)
+            return
 
 
 # -- configuration mistakes (amp_config) --------------------------------------------------------

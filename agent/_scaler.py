@@ -23,6 +23,7 @@ import sys
 import weakref
 from typing import Any, Callable
 
+from ampwatch import _misuse
 from ampwatch._guard import report
 
 RECORDER = "_ampwatch_recorder"  # the instance attribute holding the Recorder; never pickled
@@ -137,9 +138,9 @@ def diagnose_error(rec: Any, optimizer: Any, error: BaseException) -> None:
     """GradScaler raised (the caller re-raises): let the Recorder record the likely cause."""
     if rec is not None:
         try:
-            rec.on_error(optimizer, error)
+            _misuse.diagnose(rec, optimizer, error)
         except Exception:
-            report(rec.on_error)
+            report(_misuse.diagnose)
 
 
 # -- clip_grad_norm_ --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from ampwatch import _scaler
 from ampwatch._guard import Hook, guarded, warn_once
-from ampwatch._misuse import SILENT_UNSCALED, Signature, classify, forward_config_problem, watch_config_problems
+from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe, module_names
 from ampwatch._steady import Steady
 from ampwatch._steps import ANCHOR_EVERY
@@ -39,7 +39,7 @@ class Recorder(Steady):
         "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted",
         "_clip_seen", "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks",
         "_scaler", "_optimizers", "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing",
-        "_layers_due", "_ever_scaled", "_silent_reported", "_last_optimizer", "_stage_before", "_first_forward_hook",
+        "_layers_due", "_ever_scaled", "_said", "_last_optimizer", "_stage_before", "_first_forward_hook",
         "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from",
         "_armed_until", "_skip_seen", "_grad_mark",
     )  # fmt: skip
@@ -96,7 +96,8 @@ class Recorder(Steady):
         self._arming = 0
         self._probing = False  # the probe is armed (a copy of its flag, read every step)
         self._layers_due = False  # the current iteration takes per-layer norms
-        self._ever_scaled = self._silent_reported = False
+        self._ever_scaled = False
+        self._said: set[str] = set()  # the misuses that raise nothing, by cause: each is said once
         self._last_optimizer = self._stage_before = self._grad_mark = None  # (the latter: see _scaler.norm_before_clip)
         self._first_forward_hook: Any = None
         self._last_error = 0
@@ -238,7 +239,9 @@ class Recorder(Steady):
         """`clip_grad_norm_` returned `total`: after this run's `unscale_` and over its optimizer's parameters,
         that is the step's gradient norm (and the next steps' norm is left to it too)."""
         optimizer = self._unscaled
-        if optimizer is None:  # not between this run's unscale_ and step
+        if optimizer is None:  # not between this run's unscale_ and step (before unscale_, after scale(): see clipped_scaled)
+            if self._scale_calls and "clip_before_unscale" not in self._said:
+                guarded(clipped_scaled, self, parameters, args, kwargs)
             return
         ids = (id(parameters),) if isinstance(parameters, self._tensor) else tuple(map(id, parameters))
         groups = optimizer.param_groups
@@ -277,9 +280,9 @@ class Recorder(Steady):
         self._ran = False if optimizer in self._ran_on else None  # (True once its post-step hook fires)
         if not scaler._enabled:
             return
-        if self._scale_calls == 0 and self._ever_scaled and not self._silent_reported and any(
+        if self._scale_calls == 0 and self._ever_scaled and "unscaled_backward" not in self._said and any(
                 p.grad is not None for group in optimizer.param_groups for p in group["params"]):  # fmt: skip
-            self._silent_reported = True
+            self._said.add("unscaled_backward")
             self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             self.on_unscaled(optimizer, scaler._scale)
@@ -296,24 +299,6 @@ class Recorder(Steady):
         self._clip_seen = ()  # the next clip decides again whether to trust it
         self._normed.discard(id(optimizer))
         self.on_unscaled(optimizer)
-
-    def on_error(self, optimizer: Any, error: BaseException) -> None:
-        """GradScaler raised: record the likely cause and its fix (the error itself propagates)."""
-        optimizer = optimizer if optimizer is not None else self._last_optimizer
-        if optimizer is None or id(error) == self._last_error:
-            return
-        self._last_error = id(error)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        model = self._model
-        stage = self._stage_before
-        signature = Signature.taken(error, params, model, stage.name if stage is not None else "READY", self._scale_calls > 0,
-                                    [o for o in self._optimizers if o is not optimizer])  # fmt: skip
-        found = classify(signature)
-        if found is not None:
-            cause, explanation = found
-            details = {"cause": cause, "error": str(error), "stage": signature.stage,
-                       "params_with_grad": signature.params_with_grad, "replaced_params": signature.replaced_params}  # fmt: skip
-            self._misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
 
     def before_update(self, scaler: Any, scale_set_by_hand: bool = False) -> None:
         """The iteration ends: keep found_inf (update() discards it), copy the scale when the shadow needs an

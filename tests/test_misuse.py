@@ -199,3 +199,40 @@ def test_a_correct_loop_has_no_misuse(sqlite_server) -> None:  # type: ignore[no
     for _ in range(5):
         _good_step(model, optimizer, scaler)
     assert _misuse_events(sqlite_server, run) == []
+
+
+def _clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, max_norm: float,
+                  unscale_first: bool) -> None:  # fmt: skip
+    scaler.scale(_loss(model)).backward()
+    if unscale_first:
+        scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_clipping_before_unscale_is_reported_once_without_raising(sqlite_server, fused: bool) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server, fused=fused)
+    _good_step(model, optimizer, scaler)
+    for _ in range(3):
+        _clipped_step(model, optimizer, scaler, 1.0, unscale_first=False)  # clips the gradients times 2^16
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["severity"], event["step"], event["details"]["cause"]) == ("warning", 1, "clip_before_unscale")
+    assert "barely learns" in event["message"] and event["details"]["max_norm"] == "1.0"
+
+
+def test_a_norm_taken_by_clipping_before_unscale_is_said_to_be_scaled(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    _clipped_step(model, optimizer, scaler, float("inf"), unscale_first=False)  # clips nothing: only the norm is off
+    [event] = _misuse_events(sqlite_server, run)
+    assert event["details"] == {"cause": "clip_before_unscale", "max_norm": "inf"}
+    assert "multiplied by the loss scale" in event["message"] and "barely learns" not in event["message"]
+
+
+def test_clipping_after_unscale_has_no_misuse(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    for _ in range(60):  # (past the first plan: the lean hooks of the steady path too)
+        _clipped_step(model, optimizer, scaler, 1.0, unscale_first=True)
+    assert _misuse_events(sqlite_server, run) == []
