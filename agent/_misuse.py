@@ -46,6 +46,13 @@ def classify(sig: Signature) -> tuple[str, str] | None:
             f"scaler.{call}(optimizer) was called twice for one optimizer before scaler.update(). "
             f"Fix: call {call} once per optimizer per iteration, then scaler.update()."
         )
+    if "Attempting to unscale FP16 gradients" in sig.message:
+        return "fp16_parameters", (
+            "The optimizer's parameters, and so their gradients, are fp16 (model.half(), or a model loaded with "
+            "torch_dtype=torch.float16): GradScaler does not unscale fp16 gradients, as fp16 weights lose the small "
+            "updates mixed precision exists to keep. Fix: keep the parameters in fp32 and run the forward under "
+            "torch.autocast(device, dtype=torch.float16); or train in bf16 without a GradScaler."
+        )
     if "but _scale is None" in sig.message:
         return "no_scale_yet", (
             "GradScaler was used before its first scaler.scale() call: unscale_, step or update ran before any "

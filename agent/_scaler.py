@@ -28,8 +28,9 @@ from ampwatch._guard import report
 
 RECORDER = "_ampwatch_recorder"  # the instance attribute holding the Recorder; never pickled
 SETTERS = ("load_state_dict", "set_growth_factor", "set_backoff_factor", "set_growth_interval")
-# What GradScaler raises on misuse (a fused optimizer stepped after unscale_ before backward: AttributeError)
-MISUSE_ERRORS = (AssertionError, RuntimeError, AttributeError)
+# What GradScaler raises on misuse (a fused optimizer stepped after unscale_ before backward: AttributeError; fp16
+# parameters: ValueError)
+MISUSE_ERRORS = (AssertionError, RuntimeError, AttributeError, ValueError)
 HOOKED = ("scale", "unscale_", "step", "update", "__reduce_ex__", *SETTERS)  # the wrappers' names in the instance dict
 
 

@@ -41,7 +41,7 @@ def _misuse_events(server: Any, run: Any) -> list[dict[str, Any]]:
 
 
 def _raises_unchanged(action: Callable[[], object], message: str) -> BaseException:
-    with pytest.raises((AssertionError, RuntimeError, AttributeError)) as raised:
+    with pytest.raises((AssertionError, RuntimeError, AttributeError, ValueError)) as raised:
         action()
     assert message in str(raised.value)
     return raised.value
@@ -236,3 +236,14 @@ def test_clipping_after_unscale_has_no_misuse(sqlite_server) -> None:  # type: i
     for _ in range(60):  # (past the first plan: the lean hooks of the steady path too)
         _clipped_step(model, optimizer, scaler, 1.0, unscale_first=True)
     assert _misuse_events(sqlite_server, run) == []
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_fp16_parameters_under_a_scaler(sqlite_server, unscale_first: bool) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    model.half()  # (the classic: the whole model in fp16 instead of autocast)
+    scaler.scale(model(torch.randn(4, 8).half()).float().pow(2).mean()).backward()
+    _raises_unchanged(lambda: scaler.unscale_(optimizer) if unscale_first else scaler.step(optimizer), "unscale FP16 gradients")
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["severity"], event["details"]["cause"]) == ("critical", "fp16_parameters")
+    assert "torch.autocast" in event["message"]
