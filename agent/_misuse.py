@@ -113,11 +113,40 @@ CLIPPED_SCALED_NORM = (
 )
 
 
+DIRECT_STEP = (
+    "optimizer.step() ran on the gradients of a scaled loss without scaler.step(optimizer): it applied them multiplied "
+    "by the loss scale (2^16 at first), and would apply inf/NaN ones instead of skipping the step; nor are steps "
+    "counted, as scaler.update() counts them. Fix: scaler.step(optimizer) in place of optimizer.step(), then "
+    "scaler.update(). (An optimizer whose own loss is not scaled: leave it out of watch().)"
+)
+NO_SCALER_STEP = (
+    "scaler.update() ran with no scaler.step(optimizer) or unscale_ since scaler.scale(): the loop steps the optimizer "
+    "itself (optimizer.step()), or calls update() after every micro-batch of gradient accumulation. "
+    "Fix: scaler.step(optimizer), then scaler.update(), once per optimizer step."
+)
+
+
+def stepped_directly(rec: Any, optimizer: Any) -> None:
+    """`optimizer`'s step ran outside scaler.step() after this iteration's scale(), its gradients not unscaled (said once
+    per run, on the Recorder `rec`)."""
+    scaler = rec._scaler
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    if scaler is not None and scaler._enabled and (state is None or state["stage"].name == "READY"):
+        rec._said.add("direct_step")
+        rec._misuse("optimizer.step() without scaler.step(optimizer)", "direct_step", DIRECT_STEP, "critical", {})
+
+
 def diagnose(rec: Any, optimizer: Any, error: BaseException) -> None:
     """GradScaler raised (for `optimizer`, None when update() did): record the likely cause and its fix on the Recorder
     `rec` (the error itself propagates)."""
+    if id(error) == rec._last_error:
+        return
+    if optimizer is None and rec._scale_calls and not getattr(rec._scaler, "_per_optimizer_states", True):
+        rec._last_error = id(error)  # (update() after scale() with no step or unscale_ of any optimizer in between)
+        rec._misuse(f"{type(error).__name__}: {error}", "no_scaler_step", NO_SCALER_STEP, "critical", {"error": str(error)})
+        return
     optimizer = optimizer if optimizer is not None else rec._last_optimizer
-    if optimizer is None or id(error) == rec._last_error:
+    if optimizer is None:
         return
     rec._last_error = id(error)
     params = [p for group in optimizer.param_groups for p in group["params"]]

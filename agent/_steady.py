@@ -23,8 +23,8 @@ from operator import is_
 from time import monotonic
 from typing import Any, Callable
 
-from ampwatch import _scaler
-from ampwatch._guard import report
+from ampwatch import _misuse, _scaler
+from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
 from ampwatch._steps import ANCHOR_EVERY
 from ampwatch._worker import FAST_RECORDS, ORIGIN, PLAIN, RAN, STEP
@@ -309,8 +309,10 @@ def _ran_hook(rec: Any) -> Callable[..., None]:
     tensor fewer for the sender to read and free; on either path, a step that did not run wakes the sender."""
 
     def ran(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if rec._ran is False:  # (only inside a scaler's step(): the flag is None at any other time)
+        if rec._ran is False:  # (only inside a scaler's step(): the flag is None before the iteration's first)
             rec._ran = True
+        elif rec._ran is None and rec._scale_calls and "direct_step" not in rec._said:  # (outside: see stepped_directly)
+            guarded(_misuse.stepped_directly, rec, optimizer)
 
     return ran
 

@@ -247,3 +247,26 @@ def test_fp16_parameters_under_a_scaler(sqlite_server, unscale_first: bool) -> N
     [event] = _misuse_events(sqlite_server, run)
     assert (event["severity"], event["details"]["cause"]) == ("critical", "fp16_parameters")
     assert "torch.autocast" in event["message"]
+
+
+def test_optimizer_step_on_scaled_gradients_is_reported_once_without_raising(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    _good_step(model, optimizer, scaler)
+    for _ in range(3):
+        scaler.scale(_loss(model)).backward()
+        optimizer.step()  # the scaled gradients applied as they are; no scaler.update() either
+        optimizer.zero_grad()
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["severity"], event["step"], event["details"]["cause"]) == ("critical", 1, "direct_step")
+    assert "multiplied by the loss scale" in event["message"] and "scaler.step(optimizer) in place of" in event["message"]
+
+
+def test_update_after_an_optimizer_step_outside_the_scaler(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    _good_step(model, optimizer, scaler)  # (a step() of an earlier iteration must not be taken for this one's)
+    scaler.scale(_loss(model)).backward()
+    optimizer.step()
+    _raises_unchanged(scaler.update, "No inf checks were recorded prior to update")
+    events = _misuse_events(sqlite_server, run)
+    assert [e["details"]["cause"] for e in events] == ["direct_step", "no_scaler_step"]
+    assert "or calls update() after every micro-batch" in events[1]["message"]
