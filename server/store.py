@@ -62,7 +62,7 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     # FOR NO KEY UPDATE: compatible with the key-share lock the batch's foreign key took, so two batches of a
     # run queue here instead of deadlocking. The lock also orders the point feed (see _append_feed).
     session.refresh(run, with_for_update={"key_share": True})
-    count = _store_points(session, run_id, batch)
+    count, series_ids = _store_points(session, run_id, batch)
     events = _store_events(session, run_id, batch, stamp)
     steps = [max(s.steps) for s in batch.points.values() if s.steps] + [e.step for e in batch.events]
     if steps:
@@ -75,18 +75,23 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
         run.finished_at = stamp if batch.status != "running" else None
     if count:
         _append_feed(session, run_id, batch)
+    skipped = batch.points.get("skipped")
+    world = (run.environment or {}).get("world_size")
+    if skipped is not None and skipped.steps and isinstance(world, int) and world > 1:  # (ranks must skip alike)
+        alerts.compare_ranks(session, run=run, rank=batch.rank, world=world, skipped=(skipped.steps, skipped.values),
+                             series_id=series_ids["skipped"], stamp=stamp)  # fmt: skip
     # Event rules fire in this transaction: the alert and its queued notifications commit with the batch.
     alerts.on_batch(session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp)
     session.commit()
     return BatchOut(stored=True, points=count)
 
 
-def _store_points(session: Session, run_id: str, batch: BatchIn) -> int:
+def _store_points(session: Session, run_id: str, batch: BatchIn) -> tuple[int, dict[str, int]]:
     """Upsert the batch's points in one statement and keep their blocks' rollups right. The same
     (series, rank, step) sent again replaces the value: a user's log overrides the agent's. Written below
     the ORM, whose per-row work would cost more than the database's (bench/ingest.py)."""
     if not batch.points:
-        return 0
+        return 0, {}
     ids = _series_ids(session, run_id, list(batch.points))
     written = {ids[name]: (points.steps, [to_db(v) for v in points.values]) for name, points in batch.points.items()}
     connection = session.connection()
@@ -108,7 +113,7 @@ def _store_points(session: Session, run_id: str, batch: BatchIn) -> int:
             connection.exec_driver_sql(_SQLITE_UPSERT, rows)
         count = len(rows)
     rollups.update_blocks(session, rank=batch.rank, written=written)
-    return count
+    return count, ids
 
 
 _UPSERT = "ON CONFLICT (series_id, rank, step) DO UPDATE SET value = excluded.value"

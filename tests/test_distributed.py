@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 SCRIPT = """
 import os, torch, torch.distributed as dist
@@ -13,7 +14,9 @@ import ampwatch
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+if SYNC:  # (else each rank trains its own replica: gradients never all-reduced, as under a broken setup)
+    model = torch.nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scaler = torch.amp.GradScaler("cpu")
 torch.manual_seed(1 + dist.get_rank())  # each rank sees its own data
@@ -34,15 +37,26 @@ dist.destroy_process_group()
 """
 
 
-def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    steps = 12
+def _launch(server: Any, tmp_path: Path, steps: int, sync: bool) -> set[str]:
+    """Two ranks of the script under torchrun; the run ids they printed."""
     script = tmp_path / "ddp_train.py"
-    script.write_text(SCRIPT.replace("STEPS", str(steps)))
+    script.write_text(SCRIPT.replace("STEPS", str(steps)).replace("SYNC", str(sync)))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    env = {"SERVER": sqlite_server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}
+    env = {"SERVER": server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    ids = {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("rank")}
+    return {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("rank")}
+
+
+def _disagreements(server: Any, run_id: str) -> list[dict[str, Any]]:
+    with server.client() as http:
+        events = http.get(f"/api/v1/runs/{run_id}/events").json()
+    return [e for e in events if e["details"].get("cause") == "ranks_disagree"]
+
+
+def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    steps = 12
+    ids = _launch(sqlite_server, tmp_path, steps, sync=True)
     with sqlite_server.client() as http:
         runs = http.get("/api/v1/runs", params={"project": "ddp"}).json()
         assert [r["id"] for r in runs] == list(ids)  # both ranks chose the same run id, without talking
@@ -59,3 +73,21 @@ def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp
     assert by_rank[0]["loss"]["values"] != by_rank[1]["loss"]["values"]  # each rank's own records
     assert by_rank[0]["scale"]["values"] == by_rank[1]["scale"]["values"]  # found_inf agrees through all-reduce
     assert by_rank[0]["skipped"]["values"][5] == by_rank[1]["skipped"]["values"][5] == 1
+    assert _disagreements(sqlite_server, run["id"]) == []  # all-reduced gradients: one found_inf, one scale
+
+
+def test_ranks_whose_scalers_skip_different_steps_are_told_apart_by_the_server(live_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Without DDP each rank's scaler sees its own gradients: only rank 1 overflows at step 5 (rank 0's own data may make
+    # it skip another step, as it did at step 4 on one machine: the first step they disagree on is named).
+    [run_id] = _launch(live_server, tmp_path, 12, sync=False)
+    [event] = _disagreements(live_server, run_id)
+    with live_server.client() as http:
+        skipped = [http.get(f"/api/v1/runs/{run_id}/series", params={"name": "skipped", "rank": r}).json()["skipped"]["values"]
+                   for r in (0, 1)]  # fmt: skip
+    first = next(step for step, (a, b) in enumerate(zip(*skipped)) if a != b)
+    assert first <= 5 and skipped[1][5] == 1
+    assert (event["type"], event["severity"], event["step"]) == ("scaler_misuse", "critical", first)
+    skipper = 0 if skipped[0][first] else 1
+    assert (event["details"]["skipped_by"], event["details"]["kept_by"]) == (skipper, 1 - skipper)
+    assert f"rank {skipper} skipped step {first} and rank {1 - skipper} did not" in event["message"]
+    assert "ShardedGradScaler" in event["message"]

@@ -16,12 +16,13 @@ from sqlalchemy.orm import Session
 from ampwatch.server.alerts._admin import configure_env_webhook
 from ampwatch.server.alerts._config import ConfigError, load_config_file
 from ampwatch.server.alerts._ingest import on_batch
+from ampwatch.server.alerts._ranks import compare_ranks
 from ampwatch.server.alerts._rules import seed_builtins
 from ampwatch.server.alerts._service import AlertService
 from ampwatch.server.alerts.schemas import explain
 from ampwatch.server.settings import Settings
 
-__all__ = ["AlertService", "ConfigError", "on_batch", "prepare"]
+__all__ = ["AlertService", "ConfigError", "compare_ranks", "on_batch", "prepare"]
 
 
 def prepare(session: Session, settings: Settings) -> None:

@@ -103,9 +103,11 @@ def _open(session: Session, rule: models.AlertRule, run: models.Run, project: st
     )  # fmt: skip
 
 
-def raise_event(session: Session, *, run: models.Run, kind: str, severity: str, message: str, details: dict, stamp: datetime) -> None:
-    """An event the server itself diagnosed (a crash or a hang): stored like the agent's, then rules apply."""
-    event = models.Event(run_id=run.id, step=run.last_step or 0, rank=0, type=kind, severity=severity,
+def raise_event(session: Session, *, run: models.Run, kind: str, severity: str, message: str, details: dict, stamp: datetime,
+                step: int | None = None) -> None:  # fmt: skip
+    """An event the server itself diagnosed (a crash, a hang, ranks out of step): stored like the agent's, then rules
+    apply; at `step`, else at the run's last step."""
+    event = models.Event(run_id=run.id, step=step if step is not None else run.last_step or 0, rank=0, type=kind, severity=severity,
                          message=message, details=details, time=stamp)  # fmt: skip
     session.add(event)
     run.health = _HEALTH[max(SEVERITY_RANK[severity], {"ok": 0, "warning": 1, "critical": 2}[run.health])]
