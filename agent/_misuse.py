@@ -111,8 +111,6 @@ CLIPPED_SCALED_NORM = (
     "nothing, but the norm it returns is multiplied by the loss scale (a norm you log from it is off by that factor; "
     "the agent's grad_norm is the unscaled one). Fix: scaler.unscale_(optimizer) before clip_grad_norm_."
 )
-
-
 DIRECT_STEP = (
     "optimizer.step() ran on the gradients of a scaled loss without scaler.step(optimizer): it applied them multiplied "
     "by the loss scale (2^16 at first), and would apply inf/NaN ones instead of skipping the step; nor are steps "
