@@ -42,7 +42,8 @@ def compare_ranks(session: Session, *, run: models.Run, rank: int, world: int, s
         "the same way (and their loss scales drift apart). The gradients are not all-reduced before unscale_: with FSDP "
         "(sharded gradients) use ShardedGradScaler (torch.distributed.fsdp.sharded_grad_scaler), which all-reduces "
         "found_inf; with DDP, check that no_sync() does not cover the micro-batch before the step, and that every rank "
-        "runs the same number of steps."
+        "runs the same number of steps. (Ranks that train separate models on purpose: give each its own run, with "
+        "AMPWATCH_RUN_ID.)"
     )  # fmt: skip
     details = {"cause": CAUSE, "detected_by": "server", "skipped_by": skipper, "kept_by": kept}
     raise_event(session, run=run, kind="scaler_misuse", severity="critical", message=message, details=details, stamp=stamp,
