@@ -21,6 +21,9 @@ _CURES = {
 }
 QUIET_STEPS = 100  # other events (spikes, misuse) clear after this many steps without a new one
 NEVER = ("run_crashed", "run_stalled")  # these resolve when the run reports again (see _ingest)
+# Misuses that raise nothing and recur at every step (a mistake in the loop or the launch), which the agent and the
+# server say once: no quiet clears them, only the run's end.
+LASTING = ("unscaled_backward", "clip_before_unscale", "direct_step", "ranks_disagree")
 
 
 def cleared(session: Session, *, alert: models.Alert, event_type: str, run: models.Run) -> str | None:
@@ -29,6 +32,8 @@ def cleared(session: Session, *, alert: models.Alert, event_type: str, run: mode
         return None
     after = alert.last_step if alert.last_step is not None else -1
     rank = alert.rank if alert.rank >= 0 else int(alert.details.get("rank", 0))
+    if event_type == "scaler_misuse" and (alert.details or {}).get("cause") in LASTING:
+        return None if run.status in ("running", "stalled") else f"The run ended ({run.status}); the mistake is in its code."
     if event_type not in _CURES:
         if run.last_step is not None and run.last_step - after >= QUIET_STEPS:
             return f"No new {event_type} for {QUIET_STEPS} steps (through step {steps(run.last_step)})."

@@ -302,3 +302,27 @@ def test_the_readmes_rules_file_example_loads(alert_server, tmp_path) -> None:  
         channels = {c["name"] for c in http.get("/api/v1/alert-channels").json()}
     assert (rules["loss_high"]["keep_firing_for_s"], rules["loss_high"]["repeat_interval_s"]) == (60, 3600)
     assert rules["many_spikes"]["source"] == "file" and {"oncall", "mail"} <= channels
+
+
+def test_a_misuse_that_recurs_unseen_is_not_cleared_by_quiet_steps_only_by_the_run_s_end(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+    def misuse(run: str, cause: str, step: int) -> None:
+        feed.seq += 1
+        event = {"step": step, "type": "scaler_misuse", "severity": "warning", "message": cause, "details": {"cause": cause}}
+        feed.http.post(f"/api/v1/runs/{run}/batches", json={"seq": feed.seq, "rank": 0, "points": {}, "events": [event]}).raise_for_status()
+
+    lasting, passing = feed.run("clips-scaled"), feed.run("raised-once")
+    misuse(lasting, "clip_before_unscale", 3)  # said once, though every step after repeats it
+    misuse(passing, "gradients_missing", 3)  # GradScaler raised: the loop may have gone on without the mistake
+    receiver.wait(2, alert__rule="scaler_misuse")
+    for run in (lasting, passing):
+        feed.send(run, loss=(range(4, 200), 1.0))
+    [quiet] = receiver.wait(1, status="resolved", run__id=passing)
+    assert quiet["reason"].startswith("No new scaler_misuse for 100 steps")
+    time.sleep(0.5)  # (several evaluation passes: the alert_server's interval is 0.1 s)
+    assert feed.alerts(lasting)["scaler_misuse"]["state"] == "firing"
+    assert not receiver.bodies(status="resolved", run__id=lasting)
+    feed.seq += 1
+    feed.http.post(f"/api/v1/runs/{lasting}/batches", json={"seq": feed.seq, "rank": 0, "points": {}, "events": [],
+                                                            "status": "finished"}).raise_for_status()  # fmt: skip
+    [ended] = receiver.wait(1, status="resolved", run__id=lasting)
+    assert ended["reason"] == "The run ended (finished); the mistake is in its code."
