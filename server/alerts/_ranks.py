@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
-from ampwatch.server.alerts._db import steps as said_steps
+from ampwatch.server.alerts._db import steps
 from ampwatch.server.alerts._ingest import raise_event
 
 CAUSE = "ranks_disagree"
@@ -37,7 +37,7 @@ def compare_ranks(session: Session, *, run: models.Run, rank: int, world: int, s
     step, other, other_skipped = min(apart)
     skipper, kept = (other, rank) if other_skipped else (rank, other)
     message = (
-        f"Ranks disagree on skipped steps: rank {skipper} skipped step {said_steps(step)} and rank {kept} did not. Each "
+        f"Ranks disagree on skipped steps: rank {skipper} skipped step {steps(step)} and rank {kept} did not. Each "
         "rank's GradScaler decides on gradients the others did not see, so the ranks no longer train the same model "
         "the same way (and their loss scales drift apart). The gradients are not all-reduced before unscale_: with FSDP "
         "(sharded gradients) use ShardedGradScaler (torch.distributed.fsdp.sharded_grad_scaler), which all-reduces "
