@@ -84,6 +84,8 @@ class OriginProbe:
         self._inner = chain[-1]  # (its modules are named as per-layer series are: see module_names)
         self.compiled = any(map(compiled_wrapper, chain))
         self.blind_said = False  # whether the recorder said that an armed step's forward did not run the hooks
+        # -1 outside a backward pass; inside one, activation checkpointing runs forwards again to recompute activations
+        self._graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
     def arm(self, missed: bool = False) -> None:
         """Hook every leaf module (and the model's input) for the next `window` iterations: `ARM_STEPS`, or after an
@@ -123,6 +125,8 @@ class OriginProbe:
         return [n for n, _ in fwd], [f for _, f in fwd], [n for n, _ in bwd], [f for _, f in bwd]
 
     def _on_input(self, module: Any, args: Any) -> None:
+        if self._graph_task() != -1:  # (a recomputation: not a pass of its own)
+            return
         self._passes.append(len(self.backward))
         guarded(self._flag, self.forward, INPUT, _first_float_tensor(args))
 
@@ -133,7 +137,8 @@ class OriginProbe:
         return Hook(on_output)
 
     def _on_output(self, name: str, tensor: Any) -> None:
-        self._flag(self.forward, name, tensor)
+        if self._graph_task() == -1:  # (a recomputation's outputs were flagged in the forward; their gradients are new)
+            self._flag(self.forward, name, tensor)
         # (not on a leaf, such as a Parameter a module returns as it is: a leaf's hooks stay for good)
         if tensor is not None and tensor.requires_grad and tensor.grad_fn is not None:
             tensor.register_hook(lambda grad: guarded(self._flag, self.backward, name, grad))

@@ -237,3 +237,43 @@ def test_a_nan_made_in_the_loss_of_an_accumulated_micro_batch_is_traced_to_the_l
     [origin] = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
     assert origin["step"] == 75 and origin["details"] == {**origin["details"], "origin": "(loss)", "phase": "backward"}
     assert "in the loss computation" in origin["message"]
+
+
+class _Checkpointed(torch.nn.Module):
+    """Runs `inner` under activation checkpointing: its forward runs again in the backward, to recompute activations."""
+
+    def __init__(self, inner: torch.nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_modules_recomputed_by_activation_checkpointing_count_once_in_the_origin(sqlite_server, reentrant: bool) -> None:  # type: ignore[no-untyped-def]
+    """The recomputation in the backward runs the forward hooks again: its outputs are not a second pass (they were
+    counted: "module 3 of 7")."""
+    torch.manual_seed(0)
+    explode = _model()[2]  # (test_diagnosis.Explode: -inf at the steps in `at`)
+    explode.at = {4, 12}
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                _Checkpointed(torch.nn.Sequential(explode, torch.nn.Linear(16, 16)), reentrant), torch.nn.Linear(16, 1))  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("review", "checkpointed", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(20):
+            explode.step = step
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if step == 4:
+                time.sleep(0.5)  # the sender reads the NaN and the probe arms for the next ones
+    [origin] = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
+    assert (origin["step"], origin["details"]["origin"]) == (12, "2.inner.0")
+    assert origin["details"]["order"] == ["(input batch)", "0", "1", "2.inner.0", "2.inner.1", "3"]
+    assert "(forward, module 3 of 5 in call order)" in origin["message"]
