@@ -22,6 +22,7 @@ RUNS = {
                      ["syncs/step", "\nampwatch-off "]),
     "hook_phases": (["--pairs", "50", "--hidden", "16"], ["lean steps:"]),
     "sender_phases": (["--seconds", "2", "--hidden", "16"], ["stall per step", "during the passes", "awaiting the server", "wake-ups per step"]),
+    "alert_eval": (["--backends", "sqlite", "--runs", "2", "--steps", "50", "--passes", "2"], ["SQL / run", "\nsqlite "]),
     "alert_latency": (["--backend", "sqlite", "--trials", "2", "--healthy-steps", "20"], ["target p95 < 2 s"]),
     "ingest": (["--backends", "sqlite", "--batch-sizes", "500", "--clients", "1", "--points", "5000"], [" ok\n"]),
     "load": (["--backends", "sqlite", "--agents", "2", "--steps", "50", "--procs", "1"], ["every point once"]),

@@ -9,7 +9,7 @@ from sqlalchemy import and_, func, not_, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
-from ampwatch.server.alerts._context import series_tail
+from ampwatch.server.alerts._context import series_id, series_tail
 from ampwatch.server.alerts._db import pow2, steps
 
 # event type → (series that shows the cure, what a cured value looks like, how many cured points in a row)
@@ -39,11 +39,13 @@ def cleared(session: Session, *, alert: models.Alert, event_type: str, run: mode
             return f"No new {event_type} for {QUIET_STEPS} steps (through step {steps(run.last_step)})."
         return None
     name, cure, need = _CURES[event_type]
-    tail = series_tail(session, run_id=run.id, name=name, rank=rank, after=after, limit=need)
-    if len(tail) < need or not all(_cured(v, cure) for _, v in tail):
+    series = series_id(session, run_id=run.id, name=name)
+    tail = series_tail(session, series, rank=rank, after=after, limit=need) if series is not None else []
+    if series is None or len(tail) < need or not all(_cured(v, cure) for _, v in tail):
         return None
-    first = _first_cured(session, run.id, name, rank, after, cure) or tail[-1][0]
-    scale = series_tail(session, run_id=run.id, name="scale", rank=rank, after=-1, limit=1)
+    first = _first_cured(session, series, rank, after, cure) or tail[-1][0]
+    scale_series = series_id(session, run_id=run.id, name="scale")
+    scale = series_tail(session, scale_series, rank=rank, after=-1, limit=1) if scale_series is not None else []
     scale_text = pow2(scale[0][1]) if scale else None
     return _say(event_type, first, tail[0][0], scale_text)
 
@@ -64,13 +66,10 @@ def _cured(value: float | None, cure: str) -> bool:
     return value is not None and math.isfinite(value)
 
 
-def _first_cured(session: Session, run_id: str, name: str, rank: int, after: int, cure: str) -> int | None:
-    """The first cured step after the last uncured one (after `after`): where the episode really ended."""
-    series_id = session.scalar(select(models.Series.id).where(models.Series.run_id == run_id, models.Series.name == name))
-    if series_id is None:
-        return None
+def _first_cured(session: Session, series: int, rank: int, after: int, cure: str) -> int | None:
+    """The first cured step of a series (by id) after the last uncured one (after `after`): where the episode really ended."""
     P = models.Point
-    base = (P.series_id == series_id, P.rank == rank)
+    base = (P.series_id == series, P.rank == rank)
     good = P.value == 0 if cure == "zero" else and_(P.value.is_not(None), P.value < math.inf, P.value > -math.inf)
     last_bad = session.scalar(select(func.max(P.step)).where(*base, P.step > after, not_(good) | P.value.is_(None)))
     start = after if last_bad is None else last_bad

@@ -69,11 +69,11 @@ def _points(
     session: Session, run_id: str, name: str, rank: int, *, step_from: int | None = None,
     step_before: int | None = None, limit: int,
 ) -> list[tuple[int, float | None]]:  # fmt: skip
-    series_id = session.scalar(select(models.Series.id).where(models.Series.run_id == run_id, models.Series.name == name))
-    if series_id is None:
+    series = series_id(session, run_id=run_id, name=name)
+    if series is None:
         return []
     P = models.Point
-    query = select(P.step, P.value).where(P.series_id == series_id, P.rank == rank)
+    query = select(P.step, P.value).where(P.series_id == series, P.rank == rank)
     if step_from is not None:
         query = query.where(P.step >= step_from).order_by(P.step)
     if step_before is not None:
@@ -81,23 +81,24 @@ def _points(
     return [(s, v) for s, v in session.execute(query.limit(limit))]
 
 
-def series_tail(session: Session, *, run_id: str, name: str, rank: int, after: int, limit: int) -> list[tuple[int, float | None]]:
-    """The latest `limit` points of a series after step `after`, newest first (NaN is None)."""
-    series_id = session.scalar(select(models.Series.id).where(models.Series.run_id == run_id, models.Series.name == name))
-    if series_id is None:
-        return []
+def series_id(session: Session, *, run_id: str, name: str) -> int | None:
+    """The id of the run's series `name`, None if it has none."""
+    return session.scalar(select(models.Series.id).where(models.Series.run_id == run_id, models.Series.name == name))
+
+
+def series_tail(session: Session, series: int, *, rank: int, after: int, limit: int) -> list[tuple[int, float | None]]:
+    """The latest `limit` points of a series (by id) after step `after`, newest first (NaN is None)."""
     P = models.Point
-    query = select(P.step, P.value).where(P.series_id == series_id, P.rank == rank, P.step > after)
+    query = select(P.step, P.value).where(P.series_id == series, P.rank == rank, P.step > after)
     return [(s, v) for s, v in session.execute(query.order_by(P.step.desc()).limit(limit))]
 
 
-def series_ranks(session: Session, *, run_id: str, name: str, limit: int = 1024) -> list[int]:
-    """The ranks that have points in a series: one index seek per rank (no scan of a long series)."""
-    series_id = session.scalar(select(models.Series.id).where(models.Series.run_id == run_id, models.Series.name == name))
+def series_ranks(session: Session, series: int, *, limit: int = 1024) -> list[int]:
+    """The ranks that have points in a series (by id): one index seek per rank (no scan of a long series)."""
     ranks: list[int] = []
     P = models.Point
-    while series_id is not None and len(ranks) < limit:
-        rank = session.scalar(select(func.min(P.rank)).where(P.series_id == series_id, P.rank > (ranks[-1] if ranks else -1)))
+    while len(ranks) < limit:
+        rank = session.scalar(select(func.min(P.rank)).where(P.series_id == series, P.rank > (ranks[-1] if ranks else -1)))
         if rank is None:
             break
         ranks.append(rank)

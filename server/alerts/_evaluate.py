@@ -16,10 +16,10 @@ from sqlalchemy.orm import Session
 from ampwatch.server import models
 from ampwatch.server.alerts import _state
 from ampwatch.server.alerts._clearing import cleared
-from ampwatch.server.alerts._context import series_ranks, series_tail
+from ampwatch.server.alerts._context import series_id, series_ranks, series_tail
 from ampwatch.server.alerts._db import ACTIVE, steps, utc
 from ampwatch.server.alerts._ingest import ensure_liveness
-from ampwatch.server.alerts._rules import applies, project_of
+from ampwatch.server.alerts._rules import applies
 
 L, R, A, Rule = models.RunLiveness, models.Run, models.Alert, models.AlertRule
 LEASE_S = 30.0
@@ -39,38 +39,48 @@ def runs_to_evaluate(session: Session, *, limit: int = 200) -> list[str]:
     return list(dict.fromkeys([*session.scalars(fresh.limit(limit)), *session.scalars(open_.limit(limit))]))
 
 
-def claim(session: Session, run_id: str, stamp: datetime) -> datetime | None:
-    """Take the run's evaluation lease; the run's last_seen_at when taken, None when another process holds it."""
-    ensure_liveness(session, run_id)
-    done = session.execute(
+def claim(session: Session, run_id: str, stamp: datetime) -> bool:
+    """Take the run's evaluation lease, committed so that other processes see it; False when one of them holds it."""
+    taken = _take_lease(session, run_id, stamp)
+    if not taken and session.get(L, run_id) is None:  # (a run whose liveness row is not there yet)
+        ensure_liveness(session, run_id)
+        taken = _take_lease(session, run_id, stamp)
+    session.commit()
+    return taken
+
+
+def _take_lease(session: Session, run_id: str, stamp: datetime) -> bool:
+    return session.execute(
         update(L).where(L.run_id == run_id, or_(L.lease_until.is_(None), L.lease_until < stamp))
         .values(lease_until=stamp + timedelta(seconds=LEASE_S)).execution_options(synchronize_session=False)
-    )  # fmt: skip
-    seen = session.scalar(select(R.last_seen_at).where(R.id == run_id))
-    session.commit()
-    return seen if done.rowcount == 1 else None
+    ).rowcount == 1  # fmt: skip
 
 
 def release(session: Session, run_id: str, seen: datetime | None) -> None:
-    """Give the lease back, recording what was evaluated."""
+    """Give the lease back, recording what was evaluated (the run's last_seen_at as of the evaluation); the caller commits."""
     session.execute(update(L).where(L.run_id == run_id).values(lease_until=None, evaluated_at=seen).execution_options(synchronize_session=False))
-    session.commit()
 
 
-def evaluate_run(session: Session, run_id: str, stamp: datetime) -> None:
-    """Windowed rules, then the upkeep of every open alert of the run."""
-    run = session.get(R, run_id)
-    if run is None:
+def evaluate_run(session: Session, run_id: str, stamp: datetime, rules: list[models.AlertRule]) -> None:
+    """Windowed rules, then the upkeep of every open alert of the run; then the lease is given back (the caller
+    holds it, and commits). `rules`: every rule, read once per pass."""
+    found = session.execute(select(R, models.Project.name).join(models.Project, models.Project.id == R.project_id).where(R.id == run_id)).first()
+    if found is None:
+        release(session, run_id, None)
         return
+    run, project = found
     liveness = ensure_liveness(session, run_id)
-    project = project_of(session, run)
-    rules = {r.id: r for r in session.scalars(select(models.AlertRule))}
-    for rule in rules.values():
+    active = session.scalars(select(A).where(A.run_id == run_id, A.state.in_(ACTIVE))).all()
+    opened = False
+    for rule in rules:
         if rule.enabled and rule.kind in ("threshold", "event_rate") and applies(rule, project):
-            _window(session, rule, run, liveness, project, stamp)
-    for alert in session.scalars(select(A).where(A.run_id == run_id, A.state.in_(ACTIVE))).all():
-        rule = rules.get(alert.rule_id) if alert.rule_id is not None else None
-        _upkeep(session, alert, rule, run, stamp)
+            opened |= _window(session, rule, run, liveness, project, stamp, [a for a in active if a.rule == rule.name])
+    if opened:  # (alerts the windows opened get their upkeep too)
+        active = session.scalars(select(A).where(A.run_id == run_id, A.state.in_(ACTIVE))).all()
+    by_id = {r.id: r for r in rules}
+    for alert in active:
+        _upkeep(session, alert, by_id.get(alert.rule_id) if alert.rule_id is not None else None, run, stamp)
+    release(session, run_id, run.last_seen_at)
 
 
 def _upkeep(session: Session, alert: models.Alert, rule: models.AlertRule | None, run: models.Run, stamp: datetime) -> None:
@@ -92,19 +102,20 @@ def _upkeep(session: Session, alert: models.Alert, rule: models.AlertRule | None
             _state.remind(session, alert, rule, stamp=stamp)
 
 
-def _window(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness, project: str, stamp: datetime) -> None:
+def _window(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness, project: str,
+            stamp: datetime, active: list[models.Alert]) -> bool:  # fmt: skip
     """Measure every rank. A `per_rank` rule keeps one alert per (rule, run, rank); otherwise one alert per
-    (rule, run) holds while any rank breaks the threshold (it names the rank)."""
+    (rule, run) holds while any rank breaks the threshold (it names the rank). `active`: the rule's open alerts of
+    the run. Whether an alert holds (opened, or kept open)."""
     measured = _measure(session, rule, run, liveness)  # {rank: (value, step)}, ranks with a full window only
     if not measured:
-        return  # not enough data to decide either way
+        return False  # not enough data to decide either way
     holding = {rank: m for rank, m in measured.items() if _holds(rule, m[0])}
     if rule.per_rank:
         keys = {rank: (rank, m) for rank, m in holding.items()}
     else:
         keys = {-1: min(holding.items())} if holding else {}
-    query = select(A).where(A.rule == rule.name, A.run_id == run.id, A.state.in_(ACTIVE))
-    for alert in session.scalars(query).all():  # clear what no longer holds (or was keyed before per_rank changed)
+    for alert in active:  # clear what no longer holds (or was keyed before per_rank changed)
         if alert.rank not in keys and (not rule.per_rank or alert.rank in measured or alert.rank < 0):
             value, step = measured.get(alert.rank, min(measured.items())[1])
             reason = f"{_what(rule)} is {value:.4g} at step {steps(step)}, no longer {rule.op} {rule.threshold:g}."
@@ -119,6 +130,7 @@ def _window(session: Session, rule: models.AlertRule, run: models.Run, liveness:
                                        details=details, stamp=stamp, reason=message, occurrence=False)  # fmt: skip
         if alert.state == "pending" and _for_met(rule, alert, step, stamp):
             _state.fire(session, alert, step=step, reason=f"held for {_for_text(rule)}", stamp=stamp)
+    return bool(keys)
 
 
 def _holds(rule: models.AlertRule, value: float) -> bool:
@@ -139,9 +151,10 @@ def _measure(session: Session, rule: models.AlertRule, run: models.Run, liveness
         if not rule.per_rank:
             return {0: (float(sum(counts.values())), run.last_step)}  # the run's rate, every rank's events together
         return {rank: (float(counts.get(rank, 0)), run.last_step) for rank in {0, *counts}}
-    measured = {}
-    for rank in series_ranks(session, run_id=run.id, name=rule.series or ""):
-        tail = series_tail(session, run_id=run.id, name=rule.series or "", rank=rank, after=floor - 1, limit=window)
+    measured: dict[int, tuple[float, int]] = {}
+    series = series_id(session, run_id=run.id, name=rule.series or "")
+    for rank in series_ranks(session, series) if series is not None else ():
+        tail = series_tail(session, series, rank=rank, after=floor - 1, limit=window)
         if len(tail) == window:
             measured[rank] = (aggregate(rule.aggregation or "mean", [v for _, v in tail]), tail[0][0])
     return measured

@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import httpx
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server.alerts import _deliver, _evaluate, _liveness
+from ampwatch.server.models import AlertRule, Run
 from ampwatch.server.alerts._db import WAKE, now
 from ampwatch.server.alerts._targets import scope_of
 from ampwatch.server.settings import Settings
@@ -83,22 +85,24 @@ class AlertService:
             _liveness.detect_stalled(session, self.settings, stamp)
             session.commit()
             run_ids = _evaluate.runs_to_evaluate(session)
+            rules = list(session.scalars(select(AlertRule))) if run_ids else []  # (read once a pass, not once a run)
         for run_id in run_ids:
             if self._stop.is_set():
                 return
-            _guard(f"evaluation of run {run_id}", functools.partial(self._evaluate_run, run_id))
+            _guard(f"evaluation of run {run_id}", functools.partial(self._evaluate_run, run_id, rules))
 
-    def _evaluate_run(self, run_id: str) -> None:
+    def _evaluate_run(self, run_id: str, rules: list[AlertRule]) -> None:
         with self.sessions() as session:
-            seen = _evaluate.claim(session, run_id, now())
-            if seen is None:
+            if not _evaluate.claim(session, run_id, now()):
                 return
             try:
-                _evaluate.evaluate_run(session, run_id, now())
+                _evaluate.evaluate_run(session, run_id, now(), rules)  # (and gives the lease back)
                 session.commit()
-            finally:
-                session.rollback()
-                _evaluate.release(session, run_id, seen)
+            except Exception:
+                session.rollback()  # the lease goes back, and the run counts as evaluated: a failing run is not retried every pass
+                _evaluate.release(session, run_id, session.scalar(select(Run.last_seen_at).where(Run.id == run_id)))
+                session.commit()
+                raise
 
     # -- dispatcher -----------------------------------------------------------------------
     def _dispatch_loop(self) -> None:
