@@ -326,3 +326,39 @@ def test_a_misuse_that_recurs_unseen_is_not_cleared_by_quiet_steps_only_by_the_r
                                                             "status": "finished"}).raise_for_status()  # fmt: skip
     [ended] = receiver.wait(1, status="resolved", run__id=lasting)
     assert ended["reason"] == "The run ended (finished); the mistake is in its code."
+
+
+def test_a_run_whose_evaluation_fails_gives_its_lease_back_and_the_other_runs_are_evaluated(alert_server, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A rule row no version of the API writes (an operator typed into the database: `!=`) makes one project's
+    evaluation raise: logged, the lease given back, the run counted as evaluated (not retried every second), and
+    another project's run still gets its skip_rate alert in the same pass."""
+    from sqlalchemy import select
+
+    from ampwatch.server import models
+    from ampwatch.server.alerts import _evaluate
+    from ampwatch.server.db import now
+
+    server = alert_server(alert_eval_interval_s=3600)  # (the passes are run here, one at a time)
+    service, sessions = server.app.state.alerts, server.app.state.sessions
+    with server.client() as http:
+        feed = Feed(http)
+        bad, good = feed.run("bad", project="hand-edited"), feed.run("good")
+        feed.send(bad, loss=(range(0, 300), 1.0))
+        feed.send(good, skipped=(range(0, 300), 1.0))
+        stamp = now()
+        with sessions() as session:
+            session.add(models.AlertRule(
+                name="typed_in", kind="threshold", severity="warning", min_event_severity="info", series="loss", aggregation="mean", op="!=",
+                threshold=1.0, window_steps=10, ignore_steps=0, for_steps=0, for_s=0.0, keep_firing_for_s=0.0,
+                repeat_interval_s=None, per_rank=False, inhibits=False, project="hand-edited", enabled=True, source="api",
+                description="", created_at=stamp, updated_at=stamp))  # fmt: skip
+            session.commit()
+        with caplog.at_level("ERROR", logger="ampwatch.alerts"):
+            service.evaluate_once()
+        assert "evaluation of run bad failed" in caplog.text
+        assert set(feed.alerts(good)) == {"skip_rate"} and feed.alerts(bad) == {}
+        with sessions() as session:
+            liveness, seen = session.execute(select(models.RunLiveness, models.Run.last_seen_at)
+                                             .join(models.Run, models.Run.id == models.RunLiveness.run_id).where(models.Run.id == bad)).one()  # fmt: skip
+            assert liveness.lease_until is None and liveness.evaluated_at == seen
+            assert bad not in _evaluate.runs_to_evaluate(session)
