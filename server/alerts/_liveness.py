@@ -38,7 +38,9 @@ def _crashed(session: Session, run_id: str, stamp: datetime) -> None:
     assert run is not None
     session.refresh(run)
     run.finished_at = run.last_seen_at
-    ensure_liveness(session, run_id).detected = "crashed"
+    liveness = ensure_liveness(session, run_id)
+    liveness.detected = "crashed"
+    liveness.evaluated_at = None  # evaluated once more: alerts that only the run's end resolves (see _clearing) resolve
     quiet_s = (stamp - utc(run.last_seen_at)).total_seconds()
     message = (
         f"No heartbeat for {quiet_s:.0f} s and the run never called finish(): the training process died (killed, out "

@@ -362,3 +362,18 @@ def test_a_run_whose_evaluation_fails_gives_its_lease_back_and_the_other_runs_ar
                                              .join(models.Run, models.Run.id == models.RunLiveness.run_id).where(models.Run.id == bad)).one()  # fmt: skip
             assert liveness.lease_until is None and liveness.evaluated_at == seen
             assert bad not in _evaluate.runs_to_evaluate(session)
+
+
+def test_a_misuse_alert_that_only_the_run_s_end_resolves_resolves_when_the_server_finds_the_run_crashed(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server(heartbeat_timeout_s=1.0)
+    with server.client() as http:
+        feed = Feed(http)
+        run = feed.run("clips-scaled-then-dies")
+        feed.seq += 1
+        event = {"step": 3, "type": "scaler_misuse", "severity": "warning", "message": "clips scaled gradients",
+                 "details": {"cause": "clip_before_unscale"}}  # fmt: skip
+        http.post(f"/api/v1/runs/{run}/batches", json={"seq": feed.seq, "rank": 0, "points": {}, "events": [event]}).raise_for_status()
+        receiver.wait(1, alert__rule="scaler_misuse")  # then silence: no heartbeat, no finish()
+        receiver.wait(1, alert__rule="run_crashed")
+        [ended] = receiver.wait(1, status="resolved", run__id=run, alert__rule="scaler_misuse")
+    assert ended["reason"] == "The run ended (crashed); the mistake is in its code."
