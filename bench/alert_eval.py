@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Server, postgres_problem, scratch_database, DEFAULT_PG_ADMIN_URL  # noqa: E402
+from _common import DEFAULT_PG_ADMIN_URL, Server, postgres_problem, scratch_database  # noqa: E402
 
 
 def _make_runs(url: str, count: int, steps: int, offset: int) -> None:

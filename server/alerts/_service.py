@@ -17,9 +17,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server.alerts import _deliver, _evaluate, _liveness
-from ampwatch.server.models import AlertRule, Run
 from ampwatch.server.alerts._db import WAKE, now
 from ampwatch.server.alerts._targets import scope_of
+from ampwatch.server.models import AlertRule, Run
 from ampwatch.server.settings import Settings
 
 log = logging.getLogger("ampwatch.alerts")
