@@ -28,6 +28,8 @@ def to_host(tensors: list[Any], deadline: float | None = None) -> list[Any]:
         return []
     import torch  # only reached when the user logged tensors, so torch is there
 
+    if not all(t.__class__ is torch.Tensor for t in tensors):  # (a subclass: FSDP2's and tensor parallelism's DTensor)
+        tensors = [_local(t) for t in tensors]
     if all(t.is_cpu for t in tensors):  # training on the CPU: no grouping by device
         return _cpu_values(tensors)
     by_device: dict[Any, list[int]] = {}
@@ -76,6 +78,14 @@ def _host_values(torch: Any, tensors: list[Any], device: Any, deadline: float | 
             time.sleep(0.001)
         stacked = host
     return stacked.tolist()
+
+
+def _local(tensor: Any) -> Any:
+    """A DTensor as this rank's local tensor, without a collective: with a Replicate placement (the total norm
+    clip_grad_norm_ returns under FSDP2) the whole value; with a Partial one (the norms of sharded gradients) this
+    rank's part, the norm of its shard. Other tensors as they are."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
 
 
 def _cpu_values(tensors: list[Any]) -> list[Any]:

@@ -20,7 +20,8 @@ from typing import Any
 
 MAX_NAME = 200  # the server's limit on project, run and series names
 ANCHOR_EVERY = 200  # a multiple of the default layer and parameter intervals (50): anchors come on steps that do more anyway
-Groups = list[tuple[list[Any], bool, "tuple[str, ...] | None"]]  # (per-parameter norms, of scaled grads, modules)
+Groups = list[tuple[list[Any], bool, "tuple[str, ...] | str | None"]]  # (per-parameter norms, of scaled grads, modules)
+CLIP_TOTAL = "(clip total)"  # a group's modules: its one norm is the step's total (see Recorder.on_clipped)
 Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values)
 
 # A step record: (kind, step, loss, found, norm, total, anchor, rule, lr, params)
@@ -29,7 +30,8 @@ Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, valu
 #   found   GradScaler's found_inf tensor, a list of them (several optimizers or devices), or None without a scaler
 #   norm    the total gradient norm (a 0-dim tensor: clip_grad_norm_'s), Groups: per optimizer the `_foreach_norm`
 #           of its gradients, whether they were still scaled, and the module of each parameter on per-layer
-#           steps (else None); or None
+#           steps (else None; CLIP_TOTAL: clip_grad_norm_'s total, where the per-parameter norms are each rank's
+#           shard's, under FSDP2); or None
 #   total   False when the user logged `grad_norm` at this step (their value wins; layers are still ours)
 #   anchor  copies of the scale and growth tracker before update(), or None
 #   rule    (growth factor, backoff factor, growth interval) of the scaler along with an anchor, else None
@@ -197,6 +199,7 @@ def _norms(groups: Groups, host: list[Any], at: int, scale: float | None, total_
     """Total unscaled gradient norm, and per-module norms where the record asked for them."""
     total = 0.0
     layers: dict[str, float] = {}
+    clipped = None
     for norms, scaled, modules in groups:
         n = len(norms)
         values = host[at : at + n]
@@ -204,11 +207,14 @@ def _norms(groups: Groups, host: list[Any], at: int, scale: float | None, total_
         if scaled and scale:
             values = [v / scale for v in values]
         squares = [v * v for v in values]  # never raises: overflow is inf
+        if modules == CLIP_TOTAL:
+            clipped = squares[0]
+            continue
         total += sum(squares)
         if modules is not None:
             for module, square in zip(modules, squares):
                 layers[module] = layers.get(module, 0.0) + square
-    named = {"grad_norm": total} if total_wanted else {}
+    named = {"grad_norm": total if clipped is None else clipped} if total_wanted else {}
     named.update((_layer_series(module), square) for module, square in layers.items())
     for name, square in named.items():
         series = _series(points, name)

@@ -16,7 +16,7 @@ from ampwatch._guard import Hook, guarded, warn_once
 from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe, module_names
 from ampwatch._steady import Steady
-from ampwatch._steps import ANCHOR_EVERY
+from ampwatch._steps import ANCHOR_EVERY, CLIP_TOTAL
 from ampwatch._worker import EVENT
 
 log = logging.getLogger("ampwatch")
@@ -234,6 +234,8 @@ class Recorder(Steady):
                 norm = self._torch.linalg.vector_norm
                 norms = [norm(g.coalesce().values() if g.is_sparse else g) for g in grads]
             self._add_norms((norms, scale is not None, modules))
+            if modules is not None and scale is None and grads[0].__class__ is not self._tensor and hasattr(grads[0], "placements"):
+                self._deferred = optimizer  # FSDP2's sharded gradients: these norms are this rank's shard's; a clip's is whole
 
     def on_clipped(self, parameters: Any, args: tuple, kwargs: dict[str, Any], total: Any) -> None:
         """`clip_grad_norm_` returned `total`: after this run's `unscale_` and over its optimizer's parameters,
@@ -256,6 +258,8 @@ class Recorder(Steady):
                 self._deferred = None
                 if self._norm is None:
                     self._norm = total
+                elif self._norm.__class__ is list and total.__class__ is not self._tensor:  # (a DTensor: see on_unscaled)
+                    self._norm.append(([total], False, CLIP_TOTAL))
                 else:
                     self._add_norms(([total], False, None))
             elif not self._param_ids(optimizer).isdisjoint(ids):

@@ -37,15 +37,78 @@ dist.destroy_process_group()
 """
 
 
-def _launch(server: Any, tmp_path: Path, steps: int, sync: bool) -> set[str]:
+def _launch(server: Any, tmp_path: Path, steps: int, sync: bool, text: str = SCRIPT) -> set[str]:
     """Two ranks of the script under torchrun; the run ids they printed."""
     script = tmp_path / "ddp_train.py"
-    script.write_text(SCRIPT.replace("STEPS", str(steps)).replace("SYNC", str(sync)))
+    script.write_text(text.replace("STEPS", str(steps)).replace("SYNC", str(sync)).replace("OUT", repr(str(tmp_path))))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     env = {"SERVER": server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("rank")}
+
+
+FSDP2 = """
+import json, os, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+import ampwatch
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+for layer in (model[0], model[2], model):
+    fully_shard(layer)  # each rank holds half of each parameter's rows: parameters and gradients are DTensors
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = ShardedGradScaler("cpu")
+torch.manual_seed(1 + dist.get_rank())
+seen = {"norms": [], "layer0": None}
+with ampwatch.init("fsdp", "two-shards", url=os.environ["SERVER"]) as run:
+    run.watch(model=model, optimizer=optimizer, scaler=scaler)
+    for step in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        if step == 0:  # the whole first layer's gradient norm (a collective of this script's, on every rank alike)
+            grads = [p.grad.full_tensor() for p in model[0].parameters()]
+            seen["layer0"] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a DTensor, replicated on every rank
+        seen["norms"].append(norm.to_local().item())
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+with open(os.path.join(OUT, f"seen{dist.get_rank()}.json"), "w") as f:
+    json.dump(seen, f)
+print("rank", dist.get_rank(), "run", run.id, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_shards_report_the_global_grad_norm_and_their_shards_layer_norms(sqlite_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """FSDP2 (fully_shard) with ShardedGradScaler: the norms the agent keeps are DTensors, which it reads as each rank's
+    local tensor, with no collective (it dropped every step's record before: a DTensor has no tolist())."""
+    import json
+    import math
+
+    steps = 8
+    [run_id] = _launch(sqlite_server, tmp_path, steps, sync=True, text=FSDP2)
+    seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in (0, 1)]
+    with sqlite_server.client() as http:
+        run = http.get(f"/api/v1/runs/{run_id}").json()
+        series = {rank: http.get(f"/api/v1/runs/{run_id}/series", params={"name": ["grad_norm", "grad_norm/0", "skipped"],
+                                                                            "rank": rank}).json() for rank in (0, 1)}  # fmt: skip
+    assert (run["last_step"], run["ranks"]) == (steps - 1, [0, 1])
+    for rank in (0, 1):  # clip_grad_norm_'s total is replicated: each rank records the whole norm, exactly
+        assert series[rank]["grad_norm"]["steps"] == list(range(steps))
+        assert series[rank]["grad_norm"]["values"] == [v if math.isfinite(v) else str(v).replace("inf", "Infinity")
+                                                       for v in seen[rank]["norms"]]  # fmt: skip
+    # Per-layer norms: each rank's shard's; together they make the layer's.
+    shards = [series[rank]["grad_norm/0"]["values"][0] for rank in (0, 1)]
+    assert 0 < shards[0] != shards[1] > 0
+    assert math.isclose(math.hypot(*shards), seen[0]["layer0"], rel_tol=1e-5)
+    assert series[0]["skipped"]["values"] == series[1]["skipped"]["values"]  # found_inf all-reduced by ShardedGradScaler
+    assert _disagreements(sqlite_server, run_id) == []
 
 
 def _disagreements(server: Any, run_id: str) -> list[dict[str, Any]]:
