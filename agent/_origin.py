@@ -145,9 +145,13 @@ class OriginProbe:
 
     @staticmethod
     def _flag(flags: list[tuple[str, Any]], name: str, tensor: Any) -> None:
-        """True (on the device) where `tensor` holds a NaN or an Inf; sparse or nested tensors fail into the guard."""
+        """True (on the device) where `tensor` holds a NaN or an Inf; sparse or nested tensors fail into the guard. A
+        DTensor (tensor parallelism) is judged by this rank's part: reducing the whole would be a collective, issued by
+        a probe that the ranks arm at different steps."""
         if tensor is not None and len(flags) < MAX_FLAGS:
-            flags.append((name, ~tensor.detach().isfinite().all()))
+            tensor = tensor.detach()
+            local = getattr(tensor, "to_local", None)
+            flags.append((name, ~(tensor if local is None else local()).isfinite().all()))
 
 
 class Diagnosis:

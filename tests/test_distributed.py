@@ -111,6 +111,49 @@ def test_fsdp2_shards_report_the_global_grad_norm_and_their_shards_layer_norms(s
     assert _disagreements(sqlite_server, run_id) == []
 
 
+TENSOR_PARALLEL = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from ampwatch._origin import OriginProbe
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+plan = {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel(use_local_output=False)}
+parallelize_module(model, init_device_mesh("cpu", (2,)), plan)  # the layers' outputs are DTensors, sharded or partial
+probe = OriginProbe(model)
+counts = []
+for armed in (False, True):
+    if armed:
+        probe.arm()
+    with CommDebugMode() as comm:
+        model(torch.randn(4, 8)).full_tensor().pow(2).mean().backward()
+    counts.append(comm.get_total_counts())
+names, forward, _, backward = probe.take()
+plain = all(flag.__class__ is torch.Tensor for flag in forward + backward)
+print("rank", dist.get_rank(), "collectives", *counts, "flags", len(forward), len(backward), "plain", plain, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_nan_origin_probe_issues_no_collective_on_a_tensor_parallel_model(tmp_path: Path) -> None:
+    """Each rank arms its probe when its own sender has seen a non-finite value, so not at the same step as the others:
+    a collective of the probe's (reducing a sharded output's flag) would wait for ranks that never issue it."""
+    script = tmp_path / "tp.py"
+    script.write_text(TENSOR_PARALLEL)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        _, _, _, unarmed, armed, _, forward, backward, _, plain = line.split()
+        assert armed == unarmed and int(unarmed) > 0, line  # the model's own collectives only
+        assert int(forward) == 4 and int(backward) == 3 and plain == "True", line  # (input, 3 layers; 3 gradients)
+
+
 def _disagreements(server: Any, run_id: str) -> list[dict[str, Any]]:
     with server.client() as http:
         events = http.get(f"/api/v1/runs/{run_id}/events").json()
