@@ -179,6 +179,23 @@ def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any
             return
 
 
+CLIP_NONFINITE = (
+    "Under an enabled GradScaler, gradients that overflow fp16 are normal now and then (at start-up, and after the scale "
+    "grows): GradScaler skips those steps and lowers the scale, but clip_grad_norm_(..., error_if_nonfinite=True) raises "
+    "first and stops the run. Fix: drop error_if_nonfinite=True; NaN/Inf that are not overflow are reported as "
+    "nonfinite_grad."
+)
+
+
+def clip_raised(rec: Any, error: BaseException) -> None:
+    """`clip_grad_norm_` raised `error`: its error_if_nonfinite under an enabled GradScaler (said once per run, on `rec`)."""
+    scaler = rec._scaler
+    if scaler is not None and scaler._enabled and "cannot be clipped" in str(error) and "clip_nonfinite" not in rec._said:
+        rec._said.add("clip_nonfinite")
+        rec._misuse("clip_grad_norm_(error_if_nonfinite=True) raised", "clip_nonfinite", CLIP_NONFINITE, "critical",
+                    {"error": str(error)})  # fmt: skip
+
+
 # -- configuration mistakes (amp_config) --------------------------------------------------------
 def watch_config_problems(optimizers: list[Any], scaler: Any) -> list[Problem]:
     """What `watch()` can already tell: anomaly mode left on; HF Accelerate's fp16 on the CPU."""

@@ -24,7 +24,7 @@ import weakref
 from typing import Any, Callable
 
 from ampwatch import _misuse
-from ampwatch._guard import report
+from ampwatch._guard import guarded, report
 
 RECORDER = "_ampwatch_recorder"  # the instance attribute holding the Recorder; never pickled
 SETTERS = ("load_state_dict", "set_growth_factor", "set_backoff_factor", "set_growth_interval")
@@ -226,7 +226,12 @@ def _clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         parameters = list(parameters)  # as clip_grad_norm_ does itself: a generator can be read only once
     if _before and ("torch.nn.utils.clip_grad", "_clip_grads_with_norm_") not in _before_wrapped:  # (an older torch)
         _notify_before(parameters)
-    total = _clip_original(parameters, *args, **kwargs)
+    try:
+        total = _clip_original(parameters, *args, **kwargs)
+    except RuntimeError as error:  # (error_if_nonfinite=True)
+        for recorder in tuple(_clip_listeners):
+            guarded(_misuse.clip_raised, recorder, error)
+        raise
     for on_clipped in calls:
         try:
             on_clipped(parameters, args, kwargs, total)

@@ -270,3 +270,19 @@ def test_update_after_an_optimizer_step_outside_the_scaler(sqlite_server) -> Non
     events = _misuse_events(sqlite_server, run)
     assert [e["details"]["cause"] for e in events] == ["direct_step", "no_scaler_step"]
     assert "or calls update() after every micro-batch" in events[1]["message"]
+
+
+def test_a_clip_that_raises_at_an_overflow_under_a_scaler_is_told_so(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    run, model, optimizer, scaler = _setup(sqlite_server)
+    scaler.scale(_loss(model)).backward()
+    scaler.step(optimizer)
+    scaler.update(2.0**40)  # the fp16 backward overflows at this scale: GradScaler would skip the step
+    optimizer.zero_grad()
+    scaler.scale(_loss(model)).backward()
+    scaler.unscale_(optimizer)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)  # noqa: E731
+    error = _raises_unchanged(clip, "is non-finite, so it cannot be clipped")
+    assert type(error) is RuntimeError
+    [event] = _misuse_events(sqlite_server, run)
+    assert (event["severity"], event["step"], event["details"]["cause"]) == ("critical", 1, "clip_nonfinite")
+    assert "Fix: drop error_if_nonfinite=True" in event["message"]
