@@ -28,17 +28,15 @@ def to_host(tensors: list[Any], deadline: float | None = None) -> list[Any]:
         return []
     import torch  # only reached when the user logged tensors, so torch is there
 
-    try:
-        return _values(torch, tensors, deadline)
-    except RuntimeError:  # a DTensor (FSDP2, tensor parallelism) has no tolist() and does not stack with other tensors
-        if all(t.__class__ is torch.Tensor for t in tensors):
-            raise
-        return _values(torch, [_local(t) for t in tensors], deadline)
-
-
-def _values(torch: Any, tensors: list[Any], deadline: float | None) -> list[Any]:
     if all(t.is_cpu for t in tensors):  # training on the CPU: no grouping by device
-        return _cpu_values(tensors)
+        try:
+            return _cpu_values(tensors)
+        except RuntimeError:  # a DTensor (FSDP2, tensor parallelism) has no tolist()
+            if all(t.__class__ is torch.Tensor for t in tensors):
+                raise
+            return _cpu_values([_local(t) for t in tensors])
+    if not all(t.__class__ is torch.Tensor for t in tensors):  # (before any op: one on DTensors could be a collective)
+        tensors = [_local(t) for t in tensors]
     by_device: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
