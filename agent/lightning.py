@@ -3,8 +3,10 @@
     import ampwatch
     from ampwatch.lightning import AmpwatchCallback
 
-    run = ampwatch.init(project="llm", name="exp-12")
-    trainer = lightning.Trainer(..., callbacks=[AmpwatchCallback(run)])
+    trainer = lightning.Trainer(..., callbacks=[AmpwatchCallback(project="llm", name="exp-12")])
+
+or with a run started before (`AmpwatchCallback(run)`), where Lightning starts no processes of its own (one device,
+or a launch by torchrun).
 
 Imported only by Lightning users: `import ampwatch` never loads this module (nor Lightning).
 Works with the `lightning` package and with the older `pytorch_lightning` one.
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import logging
+
 from ampwatch._guard import guarded
-from ampwatch._run import Run
+from ampwatch._run import Run, init
 from ampwatch._watch import _unwrap
 
 try:
@@ -27,21 +31,39 @@ except ImportError:
         raise ImportError("ampwatch.lightning needs Lightning: pip install lightning") from error
 
 __all__ = ["AmpwatchCallback"]
+log = logging.getLogger("ampwatch")
+SPLIT = ("The run was started before Lightning started its {world} processes (strategy ddp launched by Lightning), so "
+         "each of them reports as rank 0 into a run of its own. Let the callback start it when the fit sets up, once the "
+         "processes know their ranks: AmpwatchCallback(project=..., name=...) instead of AmpwatchCallback(ampwatch.init(...)).")  # fmt: skip
 
 
 class AmpwatchCallback(Callback):
-    """Watches the fit's module, optimizers and its precision plugin's GradScaler with `run`.
+    """Watches the fit's module, optimizers and its precision plugin's GradScaler with `run`; without one, with a run it
+    starts itself when the fit sets up (`init`: `ampwatch.init`'s arguments): by then Lightning's DDP processes know
+    their ranks, so they report into one run.
 
     With `finish=True` (the default) the run is finished when the fit ends, and marked crashed when it
     raises; pass `finish=False` to keep it open (several fits, or logging after the fit) and finish it yourself.
     """
 
-    def __init__(self, run: Run, *, finish: bool = True) -> None:
+    def __init__(self, run: Run | None = None, *, finish: bool = True, **init: Any) -> None:
         super().__init__()
+        if run is not None and init:
+            raise TypeError("AmpwatchCallback takes a run, or ampwatch.init()'s arguments to start one, not both")
         self.run = run
         self.finish = finish
+        self._init = init
         self._feed = False  # True when the agent cannot see loss and norms by itself: no enabled GradScaler
         self._feed_loss = False  # and the fit has one optimizer (with several, which backward is whose it cannot tell)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """After Lightning's strategy has set up its processes (and their process group)."""
+        if self.run is None:
+            self.run = init(**self._init)
+        elif (self.run.world_size, self.run.rank) != (trainer.world_size, trainer.global_rank) and self.run._worker is not None:
+            message = SPLIT.format(world=trainer.world_size)
+            log.warning("ampwatch: %s", message)
+            self.run._recorder._config(message, {"check": "run_before_ddp", "global_rank": trainer.global_rank})
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Optimizers and the precision plugin exist from here on (not yet in `setup`)."""
@@ -59,11 +81,11 @@ class AmpwatchCallback(Callback):
             guarded(recorder.on_unscaled, recorder._optimizers[0])
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.finish:
+        if self.finish and self.run is not None:
             self.run.finish()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.finish:  # crashed, with the traceback (Ctrl-C too), as in `with ampwatch.init()`
+        if self.finish and self.run is not None:  # crashed, with the traceback (Ctrl-C too), as in `with ampwatch.init()`
             self.run.__exit__(type(exception), exception, exception.__traceback__)
 
     def _watch(self, trainer: Any, pl_module: Any) -> None:

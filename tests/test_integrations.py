@@ -34,9 +34,9 @@ def _stack(module: str, install: str) -> ModuleType:
         pytest.skip(message)
 
 
-def _series(server, run_id: str, *names: str) -> dict:  # type: ignore[no-untyped-def]
+def _series(server, run_id: str, *names: str, rank: int = 0) -> dict:  # type: ignore[no-untyped-def]
     with server.client() as http:
-        reply = http.get(f"/api/v1/runs/{run_id}/series", params=[("name", n) for n in names])
+        reply = http.get(f"/api/v1/runs/{run_id}/series", params=[("name", n) for n in names] + [("rank", rank)])
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -386,3 +386,53 @@ def test_lightning_gan_without_a_scaler_records_the_first_optimizers_steps_only(
     assert data["grad_norm"]["values"] == pytest.approx(module.g_norms, rel=1e-4)
     assert data["loss"] == {"steps": [], "values": []}  # (whose backward is whose: unknown with two optimizers; log it)
 
+
+
+LIGHTNING_DDP = """
+import os, sys, torch, lightning as L
+import ampwatch
+from ampwatch.lightning import AmpwatchCallback
+from lightning.pytorch.plugins import MixedPrecision
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).float().pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(256, 16), batch_size=8)
+
+url = os.environ["SERVER"]
+callback = AmpwatchCallback(ampwatch.init("lightning-ddp", "early", url=url)) if sys.argv[1] == "early" else \\
+    AmpwatchCallback(project="lightning-ddp", name="in-callback", url=url)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12, plugins=[MixedPrecision("16-mixed", "cpu")],
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    callbacks=[callback])
+trainer.fit(Module())
+"""
+
+
+@pytest.mark.parametrize("form", ["in-callback", "early"])
+def test_lightning_ddp_ranks_report_into_one_run_when_the_callback_starts_it(sqlite_server, lightning: ModuleType, tmp_path, form: str) -> None:  # type: ignore[no-untyped-def]
+    """Lightning's DDP launcher starts the other ranks itself, after the script's first lines ran: a run started there
+    knows no ranks yet (each process reported as rank 0 into a run of its own); one the callback starts at setup does."""
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_DDP)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "SERVER": sqlite_server.url}
+    done = subprocess.run([sys.executable, str(script), form], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with sqlite_server.client() as http:
+        runs = http.get("/api/v1/runs", params={"project": "lightning-ddp"}).json()
+        events = [e for r in runs for e in http.get(f"/api/v1/runs/{r['id']}/events").json() if e["type"] == "amp_config"]
+    if form == "in-callback":
+        [run] = runs
+        assert (run["status"], run["environment"]["world_size"], run["last_step"]) == ("finished", 2, 11)
+        for rank in (0, 1):
+            assert _series(sqlite_server, run["id"], "loss", rank=rank)["loss"]["steps"] == list(range(12))
+        assert events == []
+    else:  # the mistake is said in each rank's run
+        assert len(runs) == 2 and sorted(e["details"]["global_rank"] for e in events) == [0, 1]
+        assert all("AmpwatchCallback(project=..., name=...)" in e["message"] for e in events)
