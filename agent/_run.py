@@ -80,6 +80,8 @@ class Run:
         self._recorder.wake = self._worker.wake
         self._recorder._free_read = self._worker.free_read
         self._worker.start()
+        # Running, from this process's first batch on: a run id used before (AMPWATCH_RUN_ID, a resumed run) may have ended.
+        self._worker.record((STATUS, "running"))
         _UNFINISHED.add(self)
         _install_sigterm_handler()
 

@@ -26,11 +26,18 @@ def _series(server, run_id: str, name: str) -> dict:  # type: ignore[no-untyped-
 
 def test_a_relaunch_under_the_same_run_id_keeps_both_processes_data(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_RUN_ID", "resumed-run")
+    statuses = []
     for steps in (range(0, 5), range(100, 105)):  # two processes, one after the other
         with ampwatch.init("review", "resume", url=sqlite_server.url) as run:
             for step in steps:
                 run.log({"x": float(step)}, step=step)
+            run._worker.flush(10)  # type: ignore[union-attr]
+            with sqlite_server.client() as http:
+                statuses.append(http.get("/api/v1/runs/resumed-run").json()["status"])
     assert _series(sqlite_server, "resumed-run", "x")["steps"] == [0, 1, 2, 3, 4, 100, 101, 102, 103, 104]
+    # The second process runs again (it read "finished", and the server's crash check skipped it, while it trained).
+    with sqlite_server.client() as http:
+        assert statuses + [http.get("/api/v1/runs/resumed-run").json()["status"]] == ["running", "running", "finished"]
 
 
 def test_one_bad_metric_is_dropped_alone_and_the_run_still_finishes(sqlite_server) -> None:  # type: ignore[no-untyped-def]
