@@ -14,12 +14,13 @@ Works with the `lightning` package and with the older `pytorch_lightning` one.
 
 from __future__ import annotations
 
+import inspect
+import logging
 from typing import Any
 
-import logging
-
 from ampwatch._guard import guarded
-from ampwatch._run import Run, init
+from ampwatch._run import Run
+from ampwatch._run import init as init_run
 from ampwatch._watch import _unwrap
 
 try:
@@ -50,6 +51,7 @@ class AmpwatchCallback(Callback):
         super().__init__()
         if run is not None and init:
             raise TypeError("AmpwatchCallback takes a run, or ampwatch.init()'s arguments to start one, not both")
+        inspect.signature(init_run).bind(**init)  # a misspelt argument fails here, not in the fit
         self.run = run
         self.finish = finish
         self._init = init
@@ -59,11 +61,11 @@ class AmpwatchCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """After Lightning's strategy has set up its processes (and their process group)."""
         if self.run is None:
-            self.run = init(**self._init)
+            self.run = init_run(**self._init)
         elif (self.run.world_size, self.run.rank) != (trainer.world_size, trainer.global_rank) and self.run._worker is not None:
             message = SPLIT.format(world=trainer.world_size)
             log.warning("ampwatch: %s", message)
-            self.run._recorder._config(message, {"check": "run_before_ddp", "global_rank": trainer.global_rank})
+            guarded(self.run._recorder._config, message, {"check": "run_before_ddp", "global_rank": trainer.global_rank})
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Optimizers and the precision plugin exist from here on (not yet in `setup`)."""
