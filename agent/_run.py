@@ -80,8 +80,6 @@ class Run:
         self._recorder.wake = self._worker.wake
         self._recorder._free_read = self._worker.free_read
         self._worker.start()
-        # Running, from this process's first batch on: a run id used before (AMPWATCH_RUN_ID, a resumed run) may have ended.
-        self._worker.record((STATUS, "running"))
         _UNFINISHED.add(self)
         _install_sigterm_handler()
 
@@ -326,8 +324,9 @@ def _run_id(project: str, name: str | None, world_size: int) -> str:
         return explicit
     if world_size <= 1:
         return secrets.token_hex(8)
-    shared = [project, name or "", os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("MASTER_ADDR", ""),
-              os.environ.get("MASTER_PORT", ""), str(next(_LAUNCHES))]  # fmt: skip
+    # (SLURM's job and step ids: tasks that srun starts share them, and no two jobs do, where the address does)
+    shared = [project, name or "", *(os.environ.get(v, "") for v in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
+              "SLURM_JOB_ID", "SLURM_STEP_ID")), str(next(_LAUNCHES))]  # fmt: skip
     return hashlib.sha256("\0".join(shared).encode()).hexdigest()[:16]
 
 

@@ -88,6 +88,7 @@ class Worker:
         # number them from the launch time (ms), leaving room for 1000 batches per millisecond.
         self._seq = int(time.time() * 1000) * 1000
         self._reported_drops = 0
+        self._announce = True  # the first batch says the run is running (see _enqueue)
         self._waiters: list[tuple[int, threading.Event]] = []
         self._last_batch_at = 0.0
         self._decoder = StepDecoder()
@@ -140,6 +141,7 @@ class Worker:
         self.outbox = Outbox(Transport(self._settings.url, self._settings.token, self._settings.request_timeout_s),
                              self._run_id, self._run_doc, None)  # fmt: skip
         self._seq = int(time.time() * 1000) * 1000
+        self._announce = False  # (the parent's run: its status is the parent's to say)
 
     def wake(self) -> None:
         """Read what was recorded now, not at the next flush interval (never blocks)."""
@@ -350,6 +352,8 @@ class Worker:
             events.extend(self.diagnosis.observe_columns(points))
         if not points and not events and status is None and not heartbeat:
             return
+        if self._announce:  # this process's first batch: running (a run id used before, a resumed run, may have ended)
+            self._announce, status = False, status or "running"
         self._last_batch_at = time.monotonic()
         self._seq += 1
         body: dict[str, dict[str, str]] = {}

@@ -51,6 +51,20 @@ def test_one_bad_metric_is_dropped_alone_and_the_run_still_finishes(sqlite_serve
     assert _series(sqlite_server, run.id, "loss") == {"steps": [0, 1], "values": [1.0, 3.0]}
 
 
+def test_ranks_of_one_slurm_job_share_a_run_id_and_two_jobs_with_the_same_address_do_not() -> None:
+    """srun starts the ranks itself (no torchrun run id), and job scripts often fix MASTER_PORT: the job id tells launches apart."""
+    import subprocess
+    import sys
+
+    def derived(job: str) -> str:
+        env = {"PATH": os.environ["PATH"], "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
+               "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0"}  # fmt: skip
+        code = "from ampwatch._run import _run_id; print(_run_id('p', 'n', 2))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout.strip()
+
+    assert derived("1001") == derived("1001") != derived("1002")
+
+
 @pytest.mark.parametrize(("variable", "value"), [("AMPWATCH_RUN_ID", "not valid!"), ("RANK", "abc")])
 def test_init_never_raises_on_a_bad_environment(monkeypatch, variable: str, value: str) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv(variable, value)
