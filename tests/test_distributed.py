@@ -1,12 +1,15 @@
-"""Two-process DDP on the CPU (gloo, launched by torchrun): each rank reports its own records into one
-run, tagged with its rank, and the agent issues no collective of its own."""
+"""Two ranks on the CPU (gloo): DDP, FSDP2 and tensor parallelism launched by torchrun, and Lightning's own DDP launch.
+Each rank reports its own records into one run, tagged with its rank, and the agent issues no collective of its own."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 SCRIPT = """
 import os, torch, torch.distributed as dist
@@ -197,3 +200,56 @@ def test_ranks_whose_scalers_skip_different_steps_are_told_apart_by_the_server(l
     assert (event["details"]["skipped_by"], event["details"]["kept_by"]) == (skipper, 1 - skipper)
     assert f"rank {skipper} skipped step {first} and rank {1 - skipper} did not" in event["message"]
     assert "ShardedGradScaler" in event["message"]
+
+
+LIGHTNING_DDP = """
+import os, sys, torch, lightning as L
+import ampwatch
+from ampwatch.lightning import AmpwatchCallback
+from lightning.pytorch.plugins import MixedPrecision
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).float().pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(256, 16), batch_size=8)
+
+url = os.environ["SERVER"]
+callback = AmpwatchCallback(ampwatch.init("lightning-ddp", "early", url=url)) if sys.argv[1] == "early" else \\
+    AmpwatchCallback(project="lightning-ddp", name="in-callback", url=url)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12, plugins=[MixedPrecision("16-mixed", "cpu")],
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    callbacks=[callback])
+trainer.fit(Module())
+"""
+
+
+@pytest.mark.parametrize("form", ["in-callback", "early"])
+def test_lightning_ddp_ranks_report_into_one_run_when_the_callback_starts_it(sqlite_server, tmp_path: Path, form: str) -> None:  # type: ignore[no-untyped-def]
+    """Lightning's DDP launcher starts the other ranks itself, after the script's first lines ran: a run started there
+    knows no ranks yet (each process reported as rank 0 into a run of its own); one the callback starts at setup does."""
+    from test_integrations import _series, _stack
+
+    _stack("lightning", "lightning")
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_DDP)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "SERVER": sqlite_server.url}
+    done = subprocess.run([sys.executable, str(script), form], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with sqlite_server.client() as http:
+        runs = http.get("/api/v1/runs", params={"project": "lightning-ddp"}).json()
+        events = [e for r in runs for e in http.get(f"/api/v1/runs/{r['id']}/events").json() if e["type"] == "amp_config"]
+    if form == "in-callback":
+        [run] = runs
+        assert (run["status"], run["environment"]["world_size"], run["last_step"]) == ("finished", 2, 11)
+        for rank in (0, 1):
+            assert _series(sqlite_server, run["id"], "loss", rank=rank)["loss"]["steps"] == list(range(12))
+        assert events == []
+    else:  # the mistake is said in each rank's run
+        assert len(runs) == 2 and sorted(e["details"]["global_rank"] for e in events) == [0, 1]
+        assert all("AmpwatchCallback(project=..., name=...)" in e["message"] for e in events)
