@@ -13,22 +13,33 @@ def _parser() -> argparse.ArgumentParser:
     server = commands.add_parser("server", help="run the server and dashboard")
     server.add_argument("--host", help="address to bind (default 127.0.0.1, or AMPWATCH_HOST)")
     server.add_argument("--port", type=int, help="port (default 8600, or AMPWATCH_PORT)")
-    server.add_argument("--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)")
+    server.add_argument(
+        "--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)"
+    )
     server.add_argument("--insecure", action="store_true", default=None,
                         help="allow a non-loopback address without any access token (or AMPWATCH_INSECURE=1)")  # fmt: skip
 
     demo = commands.add_parser("demo", help="start a server and a small CPU training that goes unstable on purpose")
     demo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     demo.add_argument("--port", type=int, default=8600, help="port (default 8600)")
-    demo.add_argument("--db", metavar="URL", default="sqlite:///ampwatch-demo.db", help="database URL (default sqlite:///ampwatch-demo.db)")
+    demo.add_argument(
+        "--db",
+        metavar="URL",
+        default="sqlite:///ampwatch-demo.db",
+        help="database URL (default sqlite:///ampwatch-demo.db)",
+    )
     demo.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
-    demo.add_argument("--step-delay", type=float, default=0.02, help="seconds to pause per step, to watch it live (default 0.02)")
+    demo.add_argument(
+        "--step-delay", type=float, default=0.02, help="seconds to pause per step, to watch it live (default 0.02)"
+    )
     demo.add_argument("--exit", action="store_true", help="stop the server when training ends instead of serving on")
 
     db = commands.add_parser("db", help="database maintenance")
     db_commands = db.add_subparsers(dest="db_command", required=True, metavar="DB_COMMAND")
     upgrade = db_commands.add_parser("upgrade", help="apply migrations to the latest schema")
-    upgrade.add_argument("--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)")
+    upgrade.add_argument(
+        "--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)"
+    )
 
     token = commands.add_parser("token", help="manage access tokens (stored hashed in the database)")
     token_commands = token.add_subparsers(dest="token_command", required=True, metavar="TOKEN_COMMAND")
@@ -41,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     revoke = token_commands.add_parser("revoke", help="revoke a token by its id")
     revoke.add_argument("id", type=int, help="the token's id, as `ampwatch token list` shows it")
     for sub in (create, token_commands.choices["list"], revoke):
-        sub.add_argument("--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)")
+        sub.add_argument(
+            "--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)"
+        )
 
     sync = commands.add_parser("sync", help="upload runs left in the spool by offline mode or an unreachable server")
     sync.add_argument("dir", nargs="?", help="spool folder (default AMPWATCH_SPOOL_DIR, or ~/.cache/ampwatch/spool)")
@@ -62,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         from ampwatch._spool import default_root
         from ampwatch._sync import sync
 
-        return sync(Path(args.dir) if args.dir else default_root(), args.url, args.token or os.environ.get("AMPWATCH_TOKEN"))
+        return sync(
+            Path(args.dir) if args.dir else default_root(), args.url, args.token or os.environ.get("AMPWATCH_TOKEN")
+        )
     if args.command == "version":
         from ampwatch import __version__
 
@@ -71,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ampwatch.server import cli
     except ImportError as error:
-        print(f"ampwatch {args.command} needs the server: pip install \"ampwatch[server]\" ({error})", file=sys.stderr)
+        print(f'ampwatch {args.command} needs the server: pip install "ampwatch[server]" ({error})', file=sys.stderr)
         return 2
     return cli.run(args)
 

@@ -66,11 +66,17 @@ class Analyzer(Trends, Episodes):
         self._nonfinite_loss = False
         self._nan_grad_streak = 0
         self._skip_steps: deque[int] = deque()  # recent skipped steps
-        self._nan_steps: deque[int] = deque()  # recent steps with NaN gradients and a finite loss (GradScaler skipped them)
-        self._last_loss: tuple[int, float] | None = None  # (a loss logged before its step's optimizer step comes a batch early)
+        self._nan_steps: deque[int] = (
+            deque()
+        )  # recent steps with NaN gradients and a finite loss (GradScaler skipped them)
+        self._last_loss: tuple[int, float] | None = (
+            None  # (a loss logged before its step's optimizer step comes a batch early)
+        )
         self._nan_alarm: int | None = None  # the step of a NaN-gradient event in this skip streak
         self._param_bad = False
-        self._episode: tuple[int, str] | None = None  # (first step, "loss" or "gradients") of a non-finite episode going on
+        self._episode: tuple[int, str] | None = (
+            None  # (first step, "loss" or "gradients") of a non-finite episode going on
+        )
         self._loss_seen = False  # a loss was recorded (or the run was told it records none)
         self._norm_steps = 0  # steps with a gradient norm before that
         self._grad_median = RollingMedian(self.t.window)
@@ -110,7 +116,8 @@ class Analyzer(Trends, Episodes):
             if name in c and not math.isfinite(sum(c[name][1])):
                 return False
         if (skipped or self._scaled) and not all(  # values the user logged at steps without GradScaler's record
-                _within(c[name][0], skipped[0] if skipped else []) for name in ("loss", "grad_norm") if name in c):
+            _within(c[name][0], skipped[0] if skipped else []) for name in ("loss", "grad_norm") if name in c
+        ):
             return False
         if lr and any(self._skipped_at.values()):  # a schedule step right after a skipped step: judged one by one
             return False
@@ -178,7 +185,9 @@ class Analyzer(Trends, Episodes):
             self._check_loss(step, loss, None, None, None, out)
 
     # -- skipped steps and the loss scale --------------------------------------------------
-    def _check_skip(self, step: int, skipped: bool, scale: float, loss: float | None, norm: float | None, out: list[Event]) -> None:
+    def _check_skip(
+        self, step: int, skipped: bool, scale: float, loss: float | None, norm: float | None, out: list[Event]
+    ) -> None:
         if not skipped:
             if self.calibrating and step >= self.t.calibration_steps:
                 self.calibrating = False
@@ -231,7 +240,11 @@ class Analyzer(Trends, Episodes):
         # A healthy start-up calibration skips the first steps, many in a row from a high initial scale, but never to
         # below the floor. Outside a streak, below the floor counts from skips that keep coming back: one overflow of
         # gradients too large for fp16 is no collapse.
-        below = scale / 2 < self.t.scale_floor and not self._below_floor and (self._streak > 1 or len(recent) >= self.t.warn_streak)
+        below = (
+            scale / 2 < self.t.scale_floor
+            and not self._below_floor
+            and (self._streak > 1 or len(recent) >= self.t.warn_streak)
+        )
         streak = self._streak >= self.t.collapse_streak and (self._stepped or not self.calibrating)
         if (below or streak) and not self._collapsed:
             self._collapsed, self._below_floor = True, self._below_floor or below
@@ -260,7 +273,9 @@ class Analyzer(Trends, Episodes):
                 "usually causes. Watch for a scale collapse.", {"streak": self._streak, "scale_after": scale / 2}))  # fmt: skip
 
     # -- non-finite values -----------------------------------------------------------------
-    def _check_loss(self, step: int, loss: float, scale: float | None, skipped: float | None, norm: float | None, out: list[Event]) -> None:
+    def _check_loss(
+        self, step: int, loss: float, scale: float | None, skipped: float | None, norm: float | None, out: list[Event]
+    ) -> None:
         self._last_loss = (step, loss)
         if math.isfinite(loss):
             self._nonfinite_loss = False
@@ -273,8 +288,10 @@ class Analyzer(Trends, Episodes):
         applied = self._applied(step)
         what = "NaN" if math.isnan(loss) else ("+Inf" if loss > 0 else "-Inf")
         if skipped:
-            fate = (f"GradScaler skipped the step (loss scale {pow2(scale or 0)} → {pow2((scale or 0) / 2)}), so this step "
-                    "did not change the parameters.")
+            fate = (
+                f"GradScaler skipped the step (loss scale {pow2(scale or 0)} → {pow2((scale or 0) / 2)}), so this step "
+                "did not change the parameters."
+            )
         elif not self._scaled:
             fate = "There is no GradScaler to skip the step: the optimizer may now write NaN into the parameters."
         elif skipped is None:  # a value the user logged (see _logged)
@@ -289,7 +306,9 @@ class Analyzer(Trends, Episodes):
             f"({'the parameters are non-finite' if self._param_bad else f'most likely the parameters: {applied}' if applied else 'a bad batch, or a layer that overflows'}). {fate}",
             {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped), "grad_norm_trend": self._trend()}))  # fmt: skip
 
-    def _check_grad(self, step: int, norm: float, loss: float | None, skipped: bool, scale: float | None, out: list[Event]) -> None:
+    def _check_grad(
+        self, step: int, norm: float, loss: float | None, skipped: bool, scale: float | None, out: list[Event]
+    ) -> None:
         scaled = scale is not None
         if math.isfinite(norm):
             self._nan_grad_streak = 0
@@ -305,7 +324,9 @@ class Analyzer(Trends, Episodes):
             return  # the nonfinite_loss event said it
         if scaled and not math.isnan(norm):
             return  # inf is an ordinary fp16 overflow
-        self._nan_grad_streak += 1  # (counted in start-up calibration too, where an overflow can make NaN, inf - inf, but
+        self._nan_grad_streak += (
+            1  # (counted in start-up calibration too, where an overflow can make NaN, inf - inf, but
+        )
         if scaled and self.calibrating:  # not reported there)
             return
         kind = "NaN" if math.isnan(norm) else "Inf"
@@ -338,8 +359,14 @@ class Analyzer(Trends, Episodes):
             cause += ("either it overflows fp16 at this scale (inf - inf is NaN), which stops once GradScaler has lowered "
                       f"the scale enough, or an operation in it makes NaN at any scale: {look}.")  # fmt: skip
         else:
-            cause += look + (", or gradients too large for their dtype (clip them, or lower the learning rate)." if kind == "Inf" else ".")
-        fate = " GradScaler skipped the step." if scaled else " No GradScaler skipped it: the parameters may be NaN next."
+            cause += look + (
+                ", or gradients too large for their dtype (clip them, or lower the learning rate)."
+                if kind == "Inf"
+                else "."
+            )
+        fate = (
+            " GradScaler skipped the step." if scaled else " No GradScaler skipped it: the parameters may be NaN next."
+        )
         if recurring:
             count = f"{len(nan_steps)} steps in the last {self.t.window} ({', '.join(map(str, nan_steps))})"
         else:
@@ -362,7 +389,12 @@ class Analyzer(Trends, Episodes):
     # -- schedules ----------------------------------------------------------------------
     def _check_scheduler(self, step: int, lr: float, out: list[Event]) -> None:
         # The lr read at step k is the one iteration k used; a change from k-1 happened after iteration k-1.
-        if self._last_lr is not None and self._skipped_at.get(step - 1) and lr != self._last_lr and not self._scheduler_reported:
+        if (
+            self._last_lr is not None
+            and self._skipped_at.get(step - 1)
+            and lr != self._last_lr
+            and not self._scheduler_reported
+        ):
             self._scheduler_reported = True
             out.append(self.event(step, "amp_config", "warning",
                 f"The learning rate changed ({self._last_lr:.6g} → {lr:.6g}) after step {step - 1}, which GradScaler skipped: the "

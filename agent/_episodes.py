@@ -61,7 +61,11 @@ class Episodes:
 
     def _param_note(self: Any) -> str:
         """Said in later events while the parameters are known to be non-finite: that, not the data, is the cause."""
-        return "The parameters are already non-finite (see the nonfinite_param event), so every step will be. " if self._param_bad else ""
+        return (
+            "The parameters are already non-finite (see the nonfinite_param event), so every step will be. "
+            if self._param_bad
+            else ""
+        )
 
     def _check_loss_seen(self: Any, columns: dict[str, Any], out: list[Event]) -> None:
         """Without a scaler the agent sees the loss only where the loop logs it: say once if a run records none."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("ampwatch")
 _reported: set[str] = set()
@@ -50,5 +51,5 @@ class Hook:
     def __reduce__(self) -> tuple[Any, ...]:
         return (Hook, (None,))
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "Hook":
+    def __deepcopy__(self, memo: dict[int, Any]) -> Hook:
         return Hook(None)

@@ -25,7 +25,9 @@ class Signature:
     scaled_this_iteration: bool  # scaler.scale() was called since the last update()
 
     @classmethod
-    def taken(cls, error: BaseException, params: list[Any], model: Any, stage: str, scaled: bool, others: Any = ()) -> Signature:
+    def taken(
+        cls, error: BaseException, params: list[Any], model: Any, stage: str, scaled: bool, others: Any = ()
+    ) -> Signature:
         """The signature of `error`, raised for the optimizer holding `params` (`model`: the watched one or None;
         `others`: the other watched optimizers)."""
         return cls(
@@ -40,7 +42,9 @@ class Signature:
 
 def classify(sig: Signature) -> tuple[str, str] | None:
     """(cause, explanation with the fix) for a GradScaler misuse, or None for any other error."""
-    if "already been called" in sig.message and "since the last update" in sig.message:  # (unscale_'s says "on this optimizer")
+    if (
+        "already been called" in sig.message and "since the last update" in sig.message
+    ):  # (unscale_'s says "on this optimizer")
         call = "unscale_" if "unscale_" in sig.message else "step"
         return ("unscale_twice" if call == "unscale_" else "step_twice"), (
             f"scaler.{call}(optimizer) was called twice for one optimizer before scaler.update(). "
@@ -141,7 +145,9 @@ def diagnose(rec: Any, optimizer: Any, error: BaseException) -> None:
         return
     if optimizer is None and rec._scale_calls and not getattr(rec._scaler, "_per_optimizer_states", True):
         rec._last_error = id(error)  # (update() after scale() with no step or unscale_ of any optimizer in between)
-        rec._misuse(f"{type(error).__name__}: {error}", "no_scaler_step", NO_SCALER_STEP, "critical", {"error": str(error)})
+        rec._misuse(
+            f"{type(error).__name__}: {error}", "no_scaler_step", NO_SCALER_STEP, "critical", {"error": str(error)}
+        )
         return
     optimizer = optimizer if optimizer is not None else rec._last_optimizer
     if optimizer is None:
@@ -171,11 +177,15 @@ def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any
         state = states.get(id(optimizer))  # (none yet, or READY: not unscaled in this iteration)
         if (state is None or state["stage"].name == "READY") and not rec._param_ids(optimizer).isdisjoint(ids):
             max_norm = args[0] if args else kwargs.get("max_norm")
-            norm_only = isinstance(max_norm, (int, float)) and math.isinf(max_norm)  # (a tensor is not read: a host read)
+            norm_only = isinstance(max_norm, (int, float)) and math.isinf(
+                max_norm
+            )  # (a tensor is not read: a host read)
             rec._said.add("clip_before_unscale")
             details = {"max_norm": str(max_norm) if isinstance(max_norm, (int, float)) else None}
             message = CLIPPED_SCALED_NORM if norm_only else CLIPPED_SCALED
-            rec._misuse("clip_grad_norm_ before scaler.unscale_(optimizer)", "clip_before_unscale", message, "warning", details)
+            rec._misuse(
+                "clip_grad_norm_ before scaler.unscale_(optimizer)", "clip_before_unscale", message, "warning", details
+            )
             return
 
 
@@ -190,7 +200,12 @@ CLIP_NONFINITE = (
 def clip_raised(rec: Any, error: BaseException) -> None:
     """`clip_grad_norm_` raised `error`: its error_if_nonfinite under an enabled GradScaler (said once per run, on `rec`)."""
     scaler = rec._scaler
-    if scaler is not None and scaler._enabled and "cannot be clipped" in str(error) and "clip_nonfinite" not in rec._said:
+    if (
+        scaler is not None
+        and scaler._enabled
+        and "cannot be clipped" in str(error)
+        and "clip_nonfinite" not in rec._said
+    ):
         rec._said.add("clip_nonfinite")
         rec._misuse("clip_grad_norm_(error_if_nonfinite=True) raised", "clip_nonfinite", CLIP_NONFINITE, "critical",
                     {"error": str(error)})  # fmt: skip
@@ -219,7 +234,9 @@ def forward_config_problem(module: Any, scaler: Any) -> Problem | None:
 
     device = next((p.device.type for p in module.parameters()), "cpu")
     scaler_on = scaler is not None and scaler.is_enabled()
-    on = {d for d in ("cuda", "cpu", "xpu", "mps") if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d)}
+    on = {
+        d for d in ("cuda", "cpu", "xpu", "mps") if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d)
+    }
     if scaler_on and device in on and torch.get_autocast_dtype(device) == torch.bfloat16:
         return ("GradScaler is enabled with bf16 autocast: bf16 has fp32's range and needs no loss scaling; the "
                 "scaler only adds work and skips. Build it with enabled=False under bf16 (as nanoGPT does).",
@@ -238,7 +255,11 @@ def _accelerate_fp16_on_cpu(optimizer: Any) -> bool:
     """An Accelerate optimizer whose Accelerator was asked for fp16 on the CPU (it then silently trains in fp32)."""
     state = getattr(optimizer, "accelerator_state", None)
     device = getattr(state, "device", None)
-    return getattr(state, "mixed_precision", None) == "fp16" and getattr(device, "type", None) == "cpu" and getattr(optimizer, "scaler", 0) is None
+    return (
+        getattr(state, "mixed_precision", None) == "fp16"
+        and getattr(device, "type", None) == "cpu"
+        and getattr(optimizer, "scaler", 0) is None
+    )
 
 
 def _replaced(params: list[Any], model: Any, others: Any = ()) -> int:

@@ -21,7 +21,10 @@ INPUT = "(input batch)"
 COMPILED = "(compiled model)"  # the output of torch.compile's wrapper (see `compiled_wrapper`)
 ARM_STEPS = 20  # iterations the origin probe stays armed after a non-finite event (at first: see `OriginProbe.arm`)
 MAX_ARM_STEPS = 320
-QUIET_STEPS, MAX_QUIET_STEPS = 200, 3200  # after an origin is named again, steps whose events arm no probe (see Diagnosis)
+QUIET_STEPS, MAX_QUIET_STEPS = (
+    200,
+    3200,
+)  # after an origin is named again, steps whose events arm no probe (see Diagnosis)
 MAX_FLAGS = 10_000  # forwards without an optimizer step (evaluation) must not grow the lists forever
 
 
@@ -184,7 +187,9 @@ class Diagnosis:
                 log.error("ampwatch: %s", event["message"])
         return events
 
-    def origin(self, step: int, arming: int, forward: list[tuple[str, float]], backward: list[tuple[str, float]]) -> list[Event]:
+    def origin(
+        self, step: int, arming: int, forward: list[tuple[str, float]], backward: list[tuple[str, float]]
+    ) -> list[Event]:
         """An event naming the first module whose output, else output gradient, went non-finite."""
         if arming in self._found:
             return []

@@ -102,10 +102,14 @@ class Outbox:
                     self._pop()
                     continue
             reply = self._transport.send("POST", self._run_path + "/batches", body)
-            if reply.status == 404 and not registered_now:  # the server does not know the run (a new database): register again
+            if (
+                reply.status == 404 and not registered_now
+            ):  # the server does not know the run (a new database): register again
                 self._registered = False
                 continue
-            if not reply.ok and (reply.retryable or reply.status == 404):  # (404 just after registering: not this server's API)
+            if not reply.ok and (
+                reply.retryable or reply.status == 404
+            ):  # (404 just after registering: not this server's API)
                 self._backoff(reply)
                 return False
             rejected = not reply.ok  # (sending it again cannot help: counted, and a spooled one is kept as .bad)

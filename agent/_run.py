@@ -24,15 +24,15 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from ampwatch._origin import Diagnosis
 from ampwatch._guard import guarded, warn_once
+from ampwatch._origin import Diagnosis
 from ampwatch._settings import AgentSettings
 from ampwatch._steps import MAX_NAME
 from ampwatch._watch import Recorder
 from ampwatch._worker import EVENT, STATUS, VALUES, Worker
 
 log = logging.getLogger("ampwatch")
-_UNFINISHED: "set[Run]" = set()  # (held here: a run the script no longer refers to is still finished at exit)
+_UNFINISHED: set[Run] = set()  # (held here: a run the script no longer refers to is still finished at exit)
 _LAUNCHES = itertools.count()  # init() calls of a distributed process: a sweep's runs get ids of their own
 # A forked child (os.fork, a multiprocessing worker) that exits normally runs the inherited atexit hook:
 # the runs it inherited are its parent's, which trains on, so the child must not finish them.
@@ -87,10 +87,12 @@ class Run:
         return f"<ampwatch.Run {self.project}/{self.name} id={self.id}>"
 
     # -- public API -----------------------------------------------------------------------
-    def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> "Run":
+    def watch(self, model: Any = None, optimizer: Any = None, scaler: Any = None) -> Run:
         """Record loss, scale, skipped steps and gradient norms from now on, with no other code."""
         if self._finished:
-            warn_once("watch-finished", "ampwatch: watch() after finish() is ignored: start a new run with ampwatch.init()")
+            warn_once(
+                "watch-finished", "ampwatch: watch() after finish() is ignored: start a new run with ampwatch.init()"
+            )
         elif self._worker is not None:  # a disabled run does not even hook: it costs nothing
             guarded(self._recorder.watch, *guarded(_watchable, model, optimizer, scaler) or (None, None, None))
         return self
@@ -109,7 +111,7 @@ class Run:
         if isinstance(url, str) and url.startswith(("http://", "https://")) and url.endswith("/runs/" + self.id):
             self.url = url
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         return self
 
     def __exit__(
@@ -131,7 +133,11 @@ class Run:
             warn_once("log-finished", "ampwatch: log() after finish() is ignored: start a new run with ampwatch.init()")
             return
         if not isinstance(metrics, dict):
-            warn_once("log-metrics", "ampwatch: log() takes a dict of names to values, got %s; ignored", type(metrics).__name__)
+            warn_once(
+                "log-metrics",
+                "ampwatch: log() takes a dict of names to values, got %s; ignored",
+                type(metrics).__name__,
+            )
             return
         if step is not None and not isinstance(step, numbers.Integral):
             warn_once("log-step-type", "ampwatch: log()'s step must be an integer, got %r; ignored", step)
@@ -144,7 +150,12 @@ class Run:
         floats: list[float] = []
         for name, value in metrics.items():
             if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or "\x00" in name:
-                warn_once("log-name", "ampwatch: metric names must be strings of 1-%d characters without NUL, got %r", MAX_NAME, name)
+                warn_once(
+                    "log-name",
+                    "ampwatch: metric names must be strings of 1-%d characters without NUL, got %r",
+                    MAX_NAME,
+                    name,
+                )
             elif isinstance(value, (int, float)):
                 names.append(name)
                 floats.append(float(value))
@@ -153,7 +164,9 @@ class Run:
                 # changes in place, and a GPU tensor may be a CUDA graph's static output that the next replay
                 # overwrites, so those are copied (asynchronously on a GPU); a CPU forward's results are not (but views
                 # are: `p[0]` of a parameter the optimizer updates in place has a grad_fn too).
-                fresh = getattr(value, "grad_fn", None) is not None and value.device.type == "cpu" and value._base is None
+                fresh = (
+                    getattr(value, "grad_fn", None) is not None and value.device.type == "cpu" and value._base is None
+                )
                 value = value.detach() if fresh else value.detach().clone()
                 self._record((VALUES, step, (name,), value))
                 self._recorder.user_logged(step, (name,))
@@ -191,7 +204,13 @@ def _watchable(model: Any, optimizer: Any, scaler: Any) -> tuple[Any, Any, Any]:
     for value, (name, kind, needs) in zip((model, optimizer, scaler), kinds):
         items = value if name == "optimizer" and isinstance(value, (list, tuple)) else [value]
         if value is not None and not all(all(hasattr(item, need) for need in needs) for item in items):
-            warn_once(f"watch-{name}", "ampwatch: watch(%s=...) takes %s, got %s; not watched", name, kind, type(value).__name__)
+            warn_once(
+                f"watch-{name}",
+                "ampwatch: watch(%s=...) takes %s, got %s; not watched",
+                name,
+                kind,
+                type(value).__name__,
+            )
             value = None
         kept.append(value)
     return kept[0], kept[1], kept[2]
@@ -280,7 +299,9 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         return
     if _sigterm["pid"] == os.getpid():  # not in a forked child: its copies of the runs are not its own
         for run in list(_UNFINISHED):
-            guarded(run._finish, "crashed", Terminated(f"the process received SIGTERM (signal {signum}) and was terminated"))
+            guarded(
+                run._finish, "crashed", Terminated(f"the process received SIGTERM (signal {signum}) and was terminated")
+            )
     # Die as the process would have without ampwatch: the default action, by the same signal.
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
@@ -378,4 +399,7 @@ def _jsonable(value: Any) -> Any:
 
 def _numpy_scalar(value: Any) -> bool:
     """A NumPy bool, integer or float of no dimensions (`np.bool_` and 0-d arrays are not `numbers.Real`)."""
-    return getattr(getattr(value, "dtype", None), "kind", None) in ("b", "i", "u", "f") and getattr(value, "shape", None) == ()
+    return (
+        getattr(getattr(value, "dtype", None), "kind", None) in ("b", "i", "u", "f")
+        and getattr(value, "shape", None) == ()
+    )

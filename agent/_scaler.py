@@ -21,7 +21,8 @@ import copyreg
 import functools
 import sys
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ampwatch import _misuse
 from ampwatch._guard import guarded, report
@@ -252,7 +253,9 @@ def _changes_gradients(original: Any) -> Any:
         try:
             return original(parameters, *args, **kwargs)
         finally:
-            for recorder in _before:  # the gradients' version after the clip: a later one means a backward added to them
+            for (
+                recorder
+            ) in _before:  # the gradients' version after the clip: a later one means a backward added to them
                 mark = recorder._grad_mark
                 grad = mark[0]() if mark is not None else None
                 if grad is not None:
@@ -280,7 +283,9 @@ def norm_before_clip(recorder: Any, parameters: Any) -> None:
     grad = next((g for group in first.param_groups for p in group["params"] if (g := p.grad) is not None), None)
     if id(first) in recorder._normed:
         mark = recorder._grad_mark
-        if mark is None or grad is None or mark[0]() is grad and mark[1] == grad._version:  # a clip of the same gradients
+        if (
+            mark is None or grad is None or mark[0]() is grad and mark[1] == grad._version
+        ):  # a clip of the same gradients
             return
         # New gradients since its norm was taken (the loop dropped that iteration without a step, a guard that skips
         # non-finite updates), or a backward added to them (a clip on every accumulated micro-batch): the norm again.
@@ -295,7 +300,9 @@ def norm_before_clip(recorder: Any, parameters: Any) -> None:
 def grads_dropped(optimizers: list[Any]) -> bool:
     """No watched optimizer holds a gradient: since the last `scale()`, the loop set them to None without a step (it
     dropped that iteration), so the loss held from it is not this iteration's."""
-    return bool(optimizers) and all(p.grad is None for o in optimizers for group in o.param_groups for p in group["params"])
+    return bool(optimizers) and all(
+        p.grad is None for o in optimizers for group in o.param_groups for p in group["params"]
+    )
 
 
 def float32_norms(torch: Any) -> Callable[[list[Any]], Any]:

@@ -28,7 +28,7 @@ class AgentSettings:
     param_check_interval: int = 50
 
     @classmethod
-    def resolve(cls, *, project: str | None, url: str | None, token: str | None) -> "AgentSettings":
+    def resolve(cls, *, project: str | None, url: str | None, token: str | None) -> AgentSettings:
         """Merge explicit arguments with the environment; an unknown mode is an error."""
         env = os.environ
         mode = env.get("AMPWATCH_MODE", "online").strip().lower() or "online"
@@ -39,7 +39,9 @@ class AgentSettings:
             token=token or env.get("AMPWATCH_TOKEN") or None,
             project=project or env.get("AMPWATCH_PROJECT") or "default",
             mode=mode,
-            flush_interval_s=max(0.01, float(env.get("AMPWATCH_FLUSH_INTERVAL_S", cls.flush_interval_s))),  # (0: a busy sender)
+            flush_interval_s=max(
+                0.01, float(env.get("AMPWATCH_FLUSH_INTERVAL_S", cls.flush_interval_s))
+            ),  # (0: a busy sender)
             finish_timeout_s=min(max(0.0, float(env.get("AMPWATCH_FINISH_TIMEOUT_S", cls.finish_timeout_s))), 86400.0),
             spool_max_bytes=int(env.get("AMPWATCH_SPOOL_MAX_BYTES", cls.spool_max_bytes)),
             max_pending_records=max(1, int(env.get("AMPWATCH_MAX_PENDING_RECORDS", cls.max_pending_records))),

@@ -44,7 +44,7 @@ class Spool:
         self._bytes = sum(p.stat().st_size for p in folder.glob("*.json")) if folder.is_dir() else 0
 
     @classmethod
-    def create(cls, root: Path, run_id: str, rank: int, run: dict[str, Any], max_bytes: int) -> "Spool | None":
+    def create(cls, root: Path, run_id: str, rank: int, run: dict[str, Any], max_bytes: int) -> Spool | None:
         """A new spool folder holding the run's registration; None when the disk refuses."""
         spool = cls(root / f"{run_id}.{rank}", max_bytes)
         try:

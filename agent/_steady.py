@@ -18,10 +18,11 @@ one function per hook, and the Recorder's attributes in slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from numbers import Real
 from operator import is_
 from time import monotonic
-from typing import Any, Callable
+from typing import Any
 
 from ampwatch import _misuse, _scaler
 from ampwatch._guard import guarded, report
@@ -30,7 +31,9 @@ from ampwatch._steps import ANCHOR_EVERY
 from ampwatch._worker import FAST_RECORDS, ORIGIN, PLAIN, RAN, STEP
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
-WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
+WAKE_EVERY_S = (
+    0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
+)
 BLIND = ("The NaN-origin probe, armed after a non-finite value, saw no forward pass of the watched model in a whole step: "
          "its hooks did not run, so it cannot say where NaN/Inf come from. Most likely the model was compiled after "
          "watch() (torch.compile(model): the compiled graph does not run hooks added to the modules inside it later): "
@@ -108,7 +111,9 @@ class Steady:
                 probe.blind_said = True  # type: ignore[union-attr]
                 self._config(BLIND, {"probe": "no forward seen", "armed_step": step})
             probe.steps_left -= 1  # type: ignore[union-attr]
-            if probe.steps_left <= 0:  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
+            if (
+                probe.steps_left <= 0
+            ):  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
                 probe.disarm()  # type: ignore[union-attr]
                 # A request pending after a hit: from the same episode (the range below misses it if the user numbers steps).
                 self.arm_request = self.arm_request and self.origin_found != self._arming
@@ -198,7 +203,11 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
     tensor, leave, diagnose = rec._tensor, rec._leave_steady, _scaler.diagnose_error
     first = rec._optimizers[0] if rec._optimizers else None
     groups, group_count, clipped_params = rec._clip_groups, rec._clip_seen[2], rec._clip_params
-    count, first_param, last_param = len(clipped_params), clipped_params[0], clipped_params[-1]  # (a list: see _enter_steady)
+    count, first_param, last_param = (
+        len(clipped_params),
+        clipped_params[0],
+        clipped_params[-1],
+    )  # (a list: see _enter_steady)
 
     def scale(outputs: Any) -> Any:
         if rec._loss is None and outputs.__class__ is tensor and (outputs.ndim == 0 or outputs.numel() == 1):
@@ -209,7 +218,9 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
         return scaler.scale(outputs)
 
     def unscale_(optimizer: Any) -> None:
-        if optimizer is not steady or optimizer.param_groups is not groups or len(groups) != group_count:  # (see _clip_still_covers)
+        if (
+            optimizer is not steady or optimizer.param_groups is not groups or len(groups) != group_count
+        ):  # (see _clip_still_covers)
             leave()
             return scaler.unscale_(optimizer)
         try:
@@ -239,7 +250,12 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
 
     def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # The stage before step() is UNSCALED (this step's unscale_ came through here), as the full step left it.
-        if optimizer is not steady or rec._unscaled is not optimizer or rec._deferred is not None or not rec._scale_calls:
+        if (
+            optimizer is not steady
+            or rec._unscaled is not optimizer
+            or rec._deferred is not None
+            or not rec._scale_calls
+        ):
             leave()
             return scaler.step(optimizer, *args, **kwargs)
         rec._unscaled = None
@@ -263,7 +279,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
             if ran is not True:
                 count = 0
                 for state in scaler._per_optimizer_states.values():
-                    for found in state["found_inf_per_device"].values():
+                    for found in state["found_inf_per_device"].values():  # noqa: B007 (the last one is kept)
                         count += 1
             # (a step whose norm or step() did not come, as when a loop unscales, then drops the step: the full path)
             if (count == 1 and new_scale is None and not rec.arm_request and scaler._scale is not None
@@ -272,7 +288,14 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
                 # that left the steady path).
                 at = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
-                entry = (RAN if found is None else PLAIN, at, rec._loss, found, rec._norm, lr if lr.__class__ is float else _real(lr))
+                entry = (
+                    RAN if found is None else PLAIN,
+                    at,
+                    rec._loss,
+                    found,
+                    rec._norm,
+                    lr if lr.__class__ is float else _real(lr),
+                )
                 append = rec._append
                 if append is not None and at & (FAST_RECORDS - 1):
                     append(entry)
@@ -311,7 +334,9 @@ def _ran_hook(rec: Any) -> Callable[..., None]:
     def ran(optimizer: Any, args: Any, kwargs: Any) -> None:
         if rec._ran is False:  # (only inside a scaler's step(): the flag is None before the iteration's first)
             rec._ran = True
-        elif rec._ran is None and rec._scale_calls and "direct_step" not in rec._said:  # (outside: see stepped_directly)
+        elif (
+            rec._ran is None and rec._scale_calls and "direct_step" not in rec._said
+        ):  # (outside: see stepped_directly)
             guarded(_misuse.stepped_directly, rec, optimizer)
 
     return ran

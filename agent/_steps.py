@@ -19,7 +19,9 @@ import struct
 from typing import Any
 
 MAX_NAME = 200  # the server's limit on project, run and series names
-ANCHOR_EVERY = 200  # a multiple of the default layer and parameter intervals (50): anchors come on steps that do more anyway
+ANCHOR_EVERY = (
+    200  # a multiple of the default layer and parameter intervals (50): anchors come on steps that do more anyway
+)
 Groups = list[tuple[list[Any], bool, "tuple[str, ...] | str | None"]]  # (per-parameter norms, of scaled grads, modules)
 CLIP_TOTAL = "(clip total)"  # a group's modules: its one norm is the step's total (see Recorder.on_clipped)
 Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values)
@@ -97,12 +99,16 @@ class StepDecoder:
         """Append the standard series of consecutive step records to `points`, from their tensors' host values
         (from `host[at]` on); return where the next record's values start. Column by column: this runs on
         the sender thread for every step, holding the GIL the training thread wants."""
-        loss, scale, skipped, grad_norm, lr_series = (_series(points, n) for n in ("loss", "scale", "skipped", "grad_norm", "lr"))
+        loss, scale, skipped, grad_norm, lr_series = (
+            _series(points, n) for n in ("loss", "scale", "skipped", "grad_norm", "lr")
+        )
         for _, step, losses, found, norm, total, anchor, rule, lr, params in records:
             if losses is not None:
                 n = len(losses) if losses.__class__ is list else 1
                 loss[0].append(step)
-                loss[1].append(float(host[at]) if n == 1 else float(sum(host[at : at + n])))  # not fsum: inf + -inf is NaN
+                loss[1].append(
+                    float(host[at]) if n == 1 else float(sum(host[at : at + n]))
+                )  # not fsum: inf + -inf is NaN
                 at += n
             skip = False
             if found is not None:
@@ -195,7 +201,9 @@ def _series(points: Points, name: str) -> tuple[list[int], list[float]]:
     return series
 
 
-def _norms(groups: Groups, host: list[Any], at: int, scale: float | None, total_wanted: bool, step: int, points: Points) -> None:
+def _norms(
+    groups: Groups, host: list[Any], at: int, scale: float | None, total_wanted: bool, step: int, points: Points
+) -> None:
     """Total unscaled gradient norm, and per-module norms where the record asked for them."""
     total = 0.0
     layers: dict[str, float] = {}

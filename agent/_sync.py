@@ -39,13 +39,17 @@ def sync(root: Path, url: str | None, token: str | None) -> int:
         live = spool.live()  # (asked before the upload: a run that ends meanwhile may have written more)
         if not _drain(outbox):
             failed += 1
-            print(f"{label}: {total - len(outbox)} of {total} uploaded; {target} did not take the rest", file=sys.stderr)
+            print(
+                f"{label}: {total - len(outbox)} of {total} uploaded; {target} did not take the rest", file=sys.stderr
+            )
         elif outbox.refused:  # refused for good (a body limit, say): kept as .bad files for a person to look at
             failed += 1
             print(f"{label}: {total - outbox.dropped} of {total} uploaded; {target} refused {outbox.refused} (see the error "
                   f"above), kept in {folder} as .bad files", file=sys.stderr)  # fmt: skip
         elif live:
-            print(f"{label}: {total} batch(es) uploaded to {target}; a running process still writes there: sync it again later")
+            print(
+                f"{label}: {total} batch(es) uploaded to {target}; a running process still writes there: sync it again later"
+            )
         else:
             spool.discard()
             print(f"{label}: {total} batch(es) uploaded to {target}")

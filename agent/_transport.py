@@ -66,7 +66,9 @@ class Transport:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._connect: Any = None  # a connection factory; None: through urllib (a proxy applies, or a bad URL)
-        self._opener = urllib.request.build_opener()  # (urlopen's is built once per process: it may predate a proxy setting)
+        self._opener = (
+            urllib.request.build_opener()
+        )  # (urlopen's is built once per process: it may predate a proxy setting)
         try:
             parts = urllib.parse.urlsplit(url)
         except ValueError:  # urllib says so at each attempt, as for any unreachable server
@@ -111,7 +113,9 @@ class Transport:
             with self._opener.open(request, timeout=self._timeout_s) as reply:
                 return Response(reply.status, reply.read().decode(errors="replace"))
         except urllib.error.HTTPError as error:
-            return Response(error.code, error.read().decode(errors="replace"), _retry_after(error.headers.get("Retry-After")))
+            return Response(
+                error.code, error.read().decode(errors="replace"), _retry_after(error.headers.get("Retry-After"))
+            )
         except (OSError, ValueError) as error:  # refused, reset, timed out, bad URL
             return Response(0, str(error))
 

@@ -13,7 +13,9 @@ Event = dict[str, Any]
 class Trends:
     """Part of `ampwatch._diagnose.Analyzer`: its attributes are the Analyzer's."""
 
-    def _spike(self: Any, step: int, name: str, value: float, median: RollingMedian, factor: float, out: list[Event]) -> None:
+    def _spike(
+        self: Any, step: int, name: str, value: float, median: RollingMedian, factor: float, out: list[Event]
+    ) -> None:
         spiking = name == "grad_norm" and self._grad_spiking or name == "loss" and self._loss_spiking
         if len(median) >= self.t.warmup:
             # `factor` times the usual high end (the 90th percentile), which is the median for a steady series: noisy
@@ -26,9 +28,13 @@ class Trends:
             # over when the value is back below half `factor` at the usual end.)
             mid, spread = median.value(), median.spread()
             above = (value - mid) / spread if spread > 0 else 0.0
-            usual = median.quantile(0.9) if name == "loss" and mid > 0 else mid  # (what a run of high values is high above)
+            usual = (
+                median.quantile(0.9) if name == "loss" and mid > 0 else mid
+            )  # (what a run of high values is high above)
             high = self._high[name] = self._high[name] + 1 if mid > 0 and value >= factor * usual else 0
-            level = above / 2 if mid <= 0 else value / mid if high >= self.t.spike_steps else value / median.quantile(0.9)
+            level = (
+                above / 2 if mid <= 0 else value / mid if high >= self.t.spike_steps else value / median.quantile(0.9)
+            )
             tail = median.quantile(0.99) / mid if name == "loss" and mid > 0 and high < self.t.spike_steps else 1.0
             if level >= factor * tail and not spiking:
                 kind = "grad_spike" if name == "grad_norm" else "loss_spike"
@@ -40,7 +46,11 @@ class Trends:
                     hint += (" The loop clips (clip_grad_norm_), so this update was cut down to its max_norm; if it comes back, "
                              "lower the learning rate or look at the batches it comes on." if self.clipping else
                              " Clip gradients or lower the learning rate.")  # fmt: skip
-                how = f"{value / mid:.0f}× its median" if mid > 0 else f"{above:.0f} interquartile ranges above its median"
+                how = (
+                    f"{value / mid:.0f}× its median"
+                    if mid > 0
+                    else f"{above:.0f} interquartile ranges above its median"
+                )
                 run = f", {high} steps in a row at {factor:g}× or more" if high >= self.t.spike_steps else ""
                 out.append(self.event(step, kind, "warning",
                     f"{what} {value:.4g} at step {step} is {how} over the last {len(median)} steps ({mid:.4g}){run}.{hint}",

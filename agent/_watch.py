@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ampwatch import _scaler
 from ampwatch._guard import Hook, guarded, warn_once
@@ -44,7 +45,9 @@ class Recorder(Steady):
         "_armed_until", "_skip_seen", "_grad_mark",
     )  # fmt: skip
 
-    def __init__(self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50) -> None:
+    def __init__(
+        self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50
+    ) -> None:
         self._record = record  # may return the buffer's append, for the next step records (see Worker.record)
         self._append: Callable[[tuple], None] | None = None
         self._free_read: Callable[[], None] | None = None  # frees the records the sender read (see Worker.free_read)
@@ -59,7 +62,9 @@ class Recorder(Steady):
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
-        self._full_hooks: Any = None  # and the scaler's wrappers they replaced, and the lean ones (see ampwatch._steady)
+        self._full_hooks: Any = (
+            None  # and the scaler's wrappers they replaced, and the lean ones (see ampwatch._steady)
+        )
         self._ran: bool | None = None  # on a lean step: whether its optimizer step ran (None: not known)
         self._skip_seen = False  # on a full step: the step of one of several optimizers did not run
         self._ran_on: set[Any] = set()  # the optimizers the post-step hook that tells so is registered on (once each)
@@ -75,7 +80,9 @@ class Recorder(Steady):
         self._user_names: set[str] = set()
         self._norm_logged_at = (-3, -3)  # the last two steps the user logged `grad_norm` at
         self._clip_trusted = False  # the last clip_grad_norm_ covered the optimizer's parameters: reuse its norm
-        self._clip_seen: tuple[Any, ...] = ()  # what that verdict was reached for: parameter ids, norm type, group count
+        self._clip_seen: tuple[
+            Any, ...
+        ] = ()  # what that verdict was reached for: parameter ids, norm type, group count
         self._clip_groups: Any = None  # and the optimizer's parameter-group list
         self._clip_params: Any = None  # and the parameters themselves (the steady path compares identities)
         self._unscaled: Any = None  # the optimizer between its unscale_ and step
@@ -122,7 +129,9 @@ class Recorder(Steady):
         import torch
 
         self._tensor, self._foreach_norm, self._torch = torch.Tensor, _scaler.float32_norms(torch), torch
-        wrapped = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
+        wrapped = (
+            list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
+        )
         optimizers = [_unwrap(o) for o in wrapped]
         self._optimizers = optimizers or self._optimizers  # (a later watch of only a model or a scaler keeps them)
         if model is not None:
@@ -137,7 +146,9 @@ class Recorder(Steady):
             # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's) has it on
             # only once that forward runs, after the model's own pre-hooks. Parameters that train: a frozen backbone may
             # only ever run under no_grad.
-            first = next((m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))), model)
+            first = next(
+                (m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))), model
+            )
             if self._probe.hookable:
                 self._first_forward_hook = first.register_forward_pre_hook(Hook(self._first_forward))
             else:
@@ -157,7 +168,9 @@ class Recorder(Steady):
             self._step_hooks = (first.register_step_pre_hook(self._before_optimizer_step),
                                 first.register_step_post_hook(self._after_optimizer_step))  # fmt: skip
         if self._step_hooks or self._scaler is not None and self._scaler.is_enabled():
-            _scaler.listen_to_clipping(self, before=bool(self._step_hooks))  # (no enabled scaler: the norm before a clip)
+            _scaler.listen_to_clipping(
+                self, before=bool(self._step_hooks)
+            )  # (no enabled scaler: the norm before a clip)
         for listened in self._optimizers if self._scaler is not None and self._scaler.is_enabled() else ():
             self._listen_ran(listened)  # (whether its step ran tells a skipped step without a host read)
         for problem in watch_config_problems(wrapped, scaler):
@@ -234,21 +247,32 @@ class Recorder(Steady):
                 norm = self._torch.linalg.vector_norm
                 norms = [norm(g.coalesce().values() if g.is_sparse else g) for g in grads]
             self._add_norms((norms, scale is not None, modules))
-            if modules is not None and scale is None and grads[0].__class__ is not self._tensor and hasattr(grads[0], "placements"):
-                self._deferred = optimizer  # FSDP2's sharded gradients: these norms are this rank's shard's; a clip's is whole
+            if (
+                modules is not None
+                and scale is None
+                and grads[0].__class__ is not self._tensor
+                and hasattr(grads[0], "placements")
+            ):
+                self._deferred = (
+                    optimizer  # FSDP2's sharded gradients: these norms are this rank's shard's; a clip's is whole
+                )
 
     def on_clipped(self, parameters: Any, args: tuple, kwargs: dict[str, Any], total: Any) -> None:
         """`clip_grad_norm_` returned `total`: after this run's `unscale_` and over its optimizer's parameters,
         that is the step's gradient norm (and the next steps' norm is left to it too)."""
         optimizer = self._unscaled
-        if optimizer is None:  # not between this run's unscale_ and step (before unscale_, after scale(): see clipped_scaled)
+        if (
+            optimizer is None
+        ):  # not between this run's unscale_ and step (before unscale_, after scale(): see clipped_scaled)
             if self._scale_calls and "clip_before_unscale" not in self._said:
                 guarded(clipped_scaled, self, parameters, args, kwargs)
             return
         ids = (id(parameters),) if isinstance(parameters, self._tensor) else tuple(map(id, parameters))
         groups = optimizer.param_groups
         seen = (ids, args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0), len(groups))
-        if groups is not self._clip_groups or seen != self._clip_seen:  # (each step clips the same parameters: decide once)
+        if (
+            groups is not self._clip_groups or seen != self._clip_seen
+        ):  # (each step clips the same parameters: decide once)
             own = self._param_ids(optimizer)
             # The same parameters (ids are distinct, so equal counts and inclusion mean the same set), 2-norm.
             self._clip_trusted = seen[1] == 2.0 and len(ids) == len(own) and all(map(own.__contains__, ids))
@@ -258,7 +282,9 @@ class Recorder(Steady):
                 self._deferred = None
                 if self._norm is None:
                     self._norm = total
-                elif self._norm.__class__ is list and total.__class__ is not self._tensor:  # (a DTensor: see on_unscaled)
+                elif (
+                    self._norm.__class__ is list and total.__class__ is not self._tensor
+                ):  # (a DTensor: see on_unscaled)
                     self._norm.append(([total], False, CLIP_TOTAL))
                 else:
                     self._add_norms(([total], False, None))
@@ -269,7 +295,8 @@ class Recorder(Steady):
         """Whether a clip over `ids` covered every gradient of `optimizer` (its other parameters have none): its norm is the step's."""
         clipped = set(ids)
         return clipped <= self._param_ids(optimizer) and all(
-            p.grad is None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped)
+            p.grad is None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped
+        )
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
         """Remember the stage for diagnosis; fused optimizers unscale in their kernel: norm of grads / scale."""
@@ -280,7 +307,9 @@ class Recorder(Steady):
         state = states.get(id(optimizer)) if states else None
         self._stage_before = state["stage"] if state else None
         self._last_optimizer = optimizer
-        self._skip_seen = self._skip_seen or self._ran is False  # (an earlier optimizer's step of this iteration did not run)
+        self._skip_seen = (
+            self._skip_seen or self._ran is False
+        )  # (an earlier optimizer's step of this iteration did not run)
         self._ran = False if optimizer in self._ran_on else None  # (True once its post-step hook fires)
         if not scaler._enabled:
             return

@@ -16,7 +16,8 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ampwatch._guard import report, warn_once
 from ampwatch._host import to_host
@@ -42,7 +43,7 @@ DROPPED = "dropped_records"  # series: how many records and batches this rank dr
 Flags = list[tuple[str, float]]  # (module, 1.0 if its output or output gradient was non-finite), in call order
 
 
-_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Worker] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -80,7 +81,9 @@ class Worker:
         self.diagnosis: Diagnoser | None = None
         self.dropped = 0
         self._wake = threading.Event()
-        self._absorbing = threading.Lock()  # records become batches under it (the sender's work; close()'s after a timeout)
+        self._absorbing = (
+            threading.Lock()
+        )  # records become batches under it (the sender's work; close()'s after a timeout)
         self._read_by: float | None = None  # while close() batches records: when reading them must have ended
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -172,14 +175,18 @@ class Worker:
                 self._absorb(entries)
             except Exception as error:
                 self.dropped += len(entries)
-                log.warning("ampwatch: %d record(s) could not be read at finish (%s): lost (counted)", len(entries), error)
+                log.warning(
+                    "ampwatch: %d record(s) could not be read at finish (%s): lost (counted)", len(entries), error
+                )
             finally:
                 self._read_by = None
                 self._absorbing.release()
         self.free_read()  # (the sender is done, or waits on the server: it frees what it reads later itself)
         self.outbox.close()
         if not delivered:
-            self.outbox.dropped += self.outbox.spill()  # to disk; what the spool cannot take is lost with the process: counted
+            self.outbox.dropped += (
+                self.outbox.spill()
+            )  # to disk; what the spool cannot take is lost with the process: counted
         if self.dropped or self.outbox.dropped:
             log.warning("ampwatch: this run dropped %d record(s) (buffer full, or unreadable) and %d batch(es) (no room on disk "
                         "or in memory, or rejected); the `%s` series counts them", self.dropped, self.outbox.dropped, DROPPED)  # fmt: skip
@@ -255,7 +262,9 @@ class Worker:
     def _seal(self, entries: list[tuple]) -> None:
         if not entries:
             return
-        parts: list[Any] = []  # in order: runs of step records of one kind (lists, decoded column by column), other records
+        parts: list[
+            Any
+        ] = []  # in order: runs of step records of one kind (lists, decoded column by column), other records
         for kind, group in itertools.groupby(entries, _KIND):
             if kind in _STEPS:
                 run = list(group)
@@ -379,7 +388,7 @@ class Worker:
     def _release_waiters(self) -> None:
         first = self.outbox.first_seq if self._online else None
         pending = first if first is not None else self._seq + 1
-        for seq, done in [w for w in self._waiters if w[0] < pending]:
+        for _, done in [w for w in self._waiters if w[0] < pending]:
             done.set()
         self._waiters = [w for w in self._waiters if w[0] >= pending]
 

@@ -62,10 +62,15 @@ class AmpwatchCallback(Callback):
         """After Lightning's strategy has set up its processes (and their process group)."""
         if self.run is None:
             self.run = init_run(**self._init)
-        elif (self.run.world_size, self.run.rank) != (trainer.world_size, trainer.global_rank) and self.run._worker is not None:
+        elif (self.run.world_size, self.run.rank) != (
+            trainer.world_size,
+            trainer.global_rank,
+        ) and self.run._worker is not None:
             message = SPLIT.format(world=trainer.world_size)
             log.warning("ampwatch: %s", message)
-            guarded(self.run._recorder._config, message, {"check": "run_before_ddp", "global_rank": trainer.global_rank})
+            guarded(
+                self.run._recorder._config, message, {"check": "run_before_ddp", "global_rank": trainer.global_rank}
+            )
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Optimizers and the precision plugin exist from here on (not yet in `setup`)."""
@@ -79,7 +84,9 @@ class AmpwatchCallback(Callback):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """After the closure's backward, before Lightning clips: the gradient norm as the model made it."""
         recorder = self.run._recorder  # (with a scaler the norm is taken at unscale_, or in a fused step)
-        if self._feed and recorder._optimizers and _unwrap(optimizer) is recorder._optimizers[0]:  # (steps are its steps)
+        if (
+            self._feed and recorder._optimizers and _unwrap(optimizer) is recorder._optimizers[0]
+        ):  # (steps are its steps)
             guarded(recorder.on_unscaled, recorder._optimizers[0])
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
@@ -87,7 +94,9 @@ class AmpwatchCallback(Callback):
             self.run.finish()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.finish and self.run is not None:  # crashed, with the traceback (Ctrl-C too), as in `with ampwatch.init()`
+        if (
+            self.finish and self.run is not None
+        ):  # crashed, with the traceback (Ctrl-C too), as in `with ampwatch.init()`
             self.run.__exit__(type(exception), exception, exception.__traceback__)
 
     def _watch(self, trainer: Any, pl_module: Any) -> None:

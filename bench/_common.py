@@ -13,8 +13,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 DEFAULT_PG_ADMIN_URL = os.environ.get("AMPWATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -75,7 +75,9 @@ def scratch_database(backend: str, pg_admin_url: str = DEFAULT_PG_ADMIN_URL) -> 
 class Server:
     """`ampwatch server` in a subprocess on a loopback port; always stopped by `stop()`."""
 
-    def __init__(self, db_url: str, log_path: Path, port: int | None = None, cpus: set[int] | None = None, nice: int = 0) -> None:
+    def __init__(
+        self, db_url: str, log_path: Path, port: int | None = None, cpus: set[int] | None = None, nice: int = 0
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -127,7 +129,7 @@ class Server:
                 self.process.wait(5)
         self._log.close()
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc: object) -> None:

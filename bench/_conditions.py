@@ -7,9 +7,11 @@ import importlib.util
 import os
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from _step import ORIGINAL_CLIP_GRAD_NORM, Trainer, Variant
+
 
 # -- conditions -----------------------------------------------------------------------------
 class Condition:
@@ -35,17 +37,22 @@ class Ampwatch(Condition):
     training run lasts: each block ends with a flush, so the block's background CPU includes delivering its
     steps. What a run costs once (init and watch, finish) is timed apart: it is not a per-step cost."""
 
-    def __init__(self, name: str, server_url: str, log_loss: bool = False, disabled: bool = False, own_norm: bool = False) -> None:
+    def __init__(
+        self, name: str, server_url: str, log_loss: bool = False, disabled: bool = False, own_norm: bool = False
+    ) -> None:
         self.name, self.server_url, self.log_loss, self.disabled = name, server_url, log_loss, disabled
-        self.own_norm = own_norm  # the loop calls a clip_grad_norm_ imported before watch(): the agent takes its own norm
+        self.own_norm = (
+            own_norm  # the loop calls a clip_grad_norm_ imported before watch(): the agent takes its own norm
+        )
         self.run: Any = None
         self.scaler: Any = None
         self.run_ids: list[str] = []
         self.setup_s = self.finish_s = float("nan")
 
     def start(self, trainer: Trainer) -> Variant:
-        import ampwatch
         import torch
+
+        import ampwatch
 
         if self.run is None:
             started = time.perf_counter()
@@ -163,7 +170,11 @@ def make_conditions(names: list[str], server_url: str, tmp: str) -> tuple[list[C
                 continue
             try:
                 with new_threads() as started:
-                    condition = TensorBoard(os.path.join(tmp, "tb")) if name == "tensorboard" else Wandb(os.path.join(tmp, "wandb"))
+                    condition = (
+                        TensorBoard(os.path.join(tmp, "tb"))
+                        if name == "tensorboard"
+                        else Wandb(os.path.join(tmp, "wandb"))
+                    )
                 condition.threads = frozenset(started)
                 conditions.append(condition)
             except Exception as error:  # a broken optional install is a note, not a failed benchmark

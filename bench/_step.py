@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 AfterStep = Callable[[int, Any, Any, Any, float], None]  # (step, scaler, loss, grad norm, scale before)
 
@@ -73,7 +74,9 @@ def build(hidden: int, batch: int, seed: int = 0) -> Trainer:
         torch.nn.Linear(hidden, 10),
     )  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return Trainer(model, optimizer, torch.amp.GradScaler("cpu"), torch.randn(batch, 64), torch.randint(0, 10, (batch,)))
+    return Trainer(
+        model, optimizer, torch.amp.GradScaler("cpu"), torch.randn(batch, 64), torch.randint(0, 10, (batch,))
+    )
 
 
 def time_steps(trainer: Trainer, variant: Variant, steps: int) -> float:

@@ -72,8 +72,6 @@ HOST_READ_METHODS = frozenset({
 })  # fmt: skip
 
 
-
-
 # -- measuring ------------------------------------------------------------------------------
 @dataclass
 class Result:
@@ -89,7 +87,9 @@ class Result:
     by_name: dict[str, int] = field(default_factory=dict)
 
 
-def paired_block(trainer: Trainer, condition: Condition, pairs: int, warm: int, rng: random.Random, result: Result) -> None:
+def paired_block(
+    trainer: Trainer, condition: Condition, pairs: int, warm: int, rng: random.Random, result: Result
+) -> None:
     """Alternate `none` and `condition` step by step; record each pair's difference."""
     clock = time.perf_counter
     variant = condition.start(trainer)
@@ -236,7 +236,9 @@ def print_tables(results: dict[str, Result], base_step_s: float, count_steps: in
     base = results["none"]
     for name, r in results.items():
         names = ", ".join(f"{k} {v / count_steps:g}" for k, v in sorted(r.by_name.items())) or "-"
-        print(f"{name:<13} {r.reads:>12.2f} {r.reads - base.reads:>+6.2f} {r.dense:>19.2f} {r.dense - base.dense:>+6.2f}  {names}")
+        print(
+            f"{name:<13} {r.reads:>12.2f} {r.reads - base.reads:>+6.2f} {r.dense:>19.2f} {r.dense - base.dense:>+6.2f}  {names}"
+        )
     return summaries
 
 
@@ -260,7 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conditions", default="none,ampwatch,ampwatch-own-norm,ampwatch+log,ampwatch-off,tensorboard,wandb",
                         help="comma-separated (default: all; missing packages are skipped with a note)")  # fmt: skip
-    parser.add_argument("--target-ms", type=float, default=1.0, help="calibrate the MLP width to this step time (default 1.0)")
+    parser.add_argument(
+        "--target-ms", type=float, default=1.0, help="calibrate the MLP width to this step time (default 1.0)"
+    )
     parser.add_argument("--hidden", type=int, help="MLP width; skips calibration")
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the other core "
@@ -270,11 +274,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=6, help="paired blocks per condition, interleaved (default 6)")
     parser.add_argument("--pairs", type=int, default=400, help="step pairs per paired block (default 400)")
     parser.add_argument("--warm", type=int, default=3, help="untimed steps after starting a condition (default 3)")
-    parser.add_argument("--sustained-rounds", type=int, default=8, help="rounds of whole blocks, 0 to skip (and the background with them) (default 8)")
-    parser.add_argument("--sustained-steps", type=int, default=2000, help="steps per sustained block (default 2000: several flushes)")
-    parser.add_argument("--count-steps", type=int, default=50, help="steps per condition for host-read counting (default 50)")
+    parser.add_argument(
+        "--sustained-rounds",
+        type=int,
+        default=8,
+        help="rounds of whole blocks, 0 to skip (and the background with them) (default 8)",
+    )
+    parser.add_argument(
+        "--sustained-steps", type=int, default=2000, help="steps per sustained block (default 2000: several flushes)"
+    )
+    parser.add_argument(
+        "--count-steps", type=int, default=50, help="steps per condition for host-read counting (default 50)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed for orders (default 0)")
-    parser.add_argument("--profile", metavar="PATH", help="also cProfile the ampwatch condition (`--profile-steps`) into PATH")
+    parser.add_argument(
+        "--profile", metavar="PATH", help="also cProfile the ampwatch condition (`--profile-steps`) into PATH"
+    )
     parser.add_argument("--profile-steps", type=int, default=3000, help="steps to profile (default 3000)")
     parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
     return parser.parse_args(argv)
@@ -328,10 +343,14 @@ def main(argv: list[str] | None = None) -> int:
             # the baseline against itself: what the method reads when nothing differs
             for _ in range(max(1, args.rounds // 2)):
                 paired_block(trainer, conditions[0], args.pairs, args.warm, rng, results["none"])
-            sustained_rounds(trainer, conditions, args.sustained_rounds, args.sustained_steps, args.warm, rng, results, server.pid)
+            sustained_rounds(
+                trainer, conditions, args.sustained_rounds, args.sustained_steps, args.warm, rng, results, server.pid
+            )
             # Every condition counts the same steps from the same state: a step GradScaler skips reads less (AdamW's
             # step counters are not read), and this loop's fp16 gradients overflow now and then.
-            state = copy.deepcopy((trainer.model.state_dict(), trainer.optimizer.state_dict(), trainer.scaler.state_dict()))
+            state = copy.deepcopy(
+                (trainer.model.state_dict(), trainer.optimizer.state_dict(), trainer.scaler.state_dict())
+            )
             for condition in conditions:
                 trainer.model.load_state_dict(state[0])
                 trainer.optimizer.load_state_dict(state[1])
@@ -351,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         if "ampwatch" in summaries:
             s, r, base = summaries["ampwatch"], results["ampwatch"], results["none"]
             added = (r.reads - base.reads) + (r.dense - base.dense)
-            if added == 0 and s.ceiling <= TARGET_OVERHEAD:  # what the agent itself can cost; sustained adds the machine's noise
+            if (
+                added == 0 and s.ceiling <= TARGET_OVERHEAD
+            ):  # what the agent itself can cost; sustained adds the machine's noise
                 verdict = "met" if s.sustained <= TARGET_OVERHEAD else "met by the ceiling, not end to end in this run"
             elif added == 0 and s.sustained <= TARGET_OVERHEAD:
                 verdict = "met end to end in this run, not by the ceiling"

@@ -30,7 +30,9 @@ def _make_runs(url: str, count: int, steps: int, offset: int) -> None:
     for r in range(offset, count):
         run = ampwatch.init("alert-eval", f"run-{r}", url=url)
         for step in range(steps):
-            run.log({"loss": 1.0 / (step + 1), "scale": 65536.0, "skipped": 0.0, "grad_norm": 1.0, "lr": 1e-3}, step=step)
+            run.log(
+                {"loss": 1.0 / (step + 1), "scale": 65536.0, "skipped": 0.0, "grad_norm": 1.0, "lr": 1e-3}, step=step
+            )
         run.finish()
 
 

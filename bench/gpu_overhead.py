@@ -168,10 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--rounds", type=int, default=20, help="shuffled rounds of one block per condition (default 20)")
+    parser.add_argument(
+        "--rounds", type=int, default=20, help="shuffled rounds of one block per condition (default 20)"
+    )
     parser.add_argument("--steps", type=int, default=50, help="steps per block (default 50)")
     parser.add_argument("--pairs", type=int, default=300, help="step pairs per condition, 0 to skip (default 300)")
-    parser.add_argument("--count-steps", type=int, default=50, help="steps per condition for sync counting (default 50)")
+    parser.add_argument(
+        "--count-steps", type=int, default=50, help="steps per condition for sync counting (default 50)"
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script")
     args = parser.parse_args(argv)
     import torch
@@ -195,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             args.width, args.layers = width, layers
             loops = [Loop(n, args, server.url, tmp) for n in names]
             try:
-                syncs = {loop.name: count_syncs(loop, args.count_steps) if args.device == "cuda" else float("nan") for loop in loops}
+                syncs = {
+                    loop.name: count_syncs(loop, args.count_steps) if args.device == "cuda" else float("nan")
+                    for loop in loops
+                }
                 times: dict[str, list[float]] = {loop.name: [] for loop in loops}
                 for loop in loops:
                     loop.block(20)  # warm-up: allocator, kernels' first launch, the sender's connection
@@ -210,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             base = times["none"]
             print(f"\nmodel width {width}, {layers} layers ({sum(p.numel() for p in loops[0].model.parameters()) / 1e6:.1f} M parameters): "
                   f"step {statistics.median(base) * 1e3:.3f} ms without a logger")  # fmt: skip
-            print(f"{'condition':<14}{'step ms':>9}{'overhead':>10}{'IQR over rounds':>20}{'paired':>9}{'syncs/step':>12}")
+            print(
+                f"{'condition':<14}{'step ms':>9}{'overhead':>10}{'IQR over rounds':>20}{'paired':>9}{'syncs/step':>12}"
+            )
             for n in names:
                 ratios = [(t / b - 1) * 100 for t, b in zip(times[n], base)]
                 q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3

@@ -72,7 +72,10 @@ def main() -> None:
     torch.set_num_threads(1)
     hidden = args.hidden or calibrate(1e-3, 64)[0]
     pin = len(os.sched_getaffinity(0)) > 1
-    with tempfile.TemporaryDirectory() as tmp, Server(f"sqlite:///{tmp}/db.sqlite", Path(tmp) / "server.log", cpus={1} if pin else None) as server:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Server(f"sqlite:///{tmp}/db.sqlite", Path(tmp) / "server.log", cpus={1} if pin else None) as server,
+    ):
         server.wait_ready()
         trainer = build(hidden, 64)
         watched = torch.amp.GradScaler("cpu")
@@ -95,7 +98,9 @@ def main() -> None:
         run.finish()
     skip = min(200, args.pairs // 10)  # warm-up
     pairs = list(zip(plain, agent, lean))[skip:]
-    print(f"hidden {hidden}, {len(pairs)} pairs; plain step median {statistics.median(p[5] for p, _, _ in pairs) / 1e3:.1f} us")
+    print(
+        f"hidden {hidden}, {len(pairs)} pairs; plain step median {statistics.median(p[5] for p, _, _ in pairs) / 1e3:.1f} us"
+    )
     print(f"{'phase':9s} {'added (trimmed mean)':>21s} {'median':>8s} {'lean steps':>11s} {'other steps':>12s}")
     for k, name in enumerate(PHASES):
         added = [(a[k] - p[k]) / 1e3 for p, a, _ in pairs]

@@ -35,7 +35,13 @@ from ampwatch._transport import packed as pack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    DEFAULT_PG_ADMIN_URL, Server, cpu_count, percentile, postgres_problem, process_cpu_seconds, scratch_database,
+    DEFAULT_PG_ADMIN_URL,
+    Server,
+    cpu_count,
+    percentile,
+    postgres_problem,
+    process_cpu_seconds,
+    scratch_database,
 )  # fmt: skip
 
 TARGET_SQLITE_POINTS_S = 200_000
@@ -44,12 +50,15 @@ _NONFINITE = ("NaN", "Infinity", "-Infinity")
 
 def series_names(layers: int) -> list[str]:
     """The standard series plus per-layer gradient norms of a `layers`-block transformer."""
-    modules = ["embed"] + [f"blocks.{i}.{m}" for i in range(layers) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+    modules = ["embed"] + [
+        f"blocks.{i}.{m}" for i in range(layers) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+    ]
     return ["loss", "scale", "skipped", "grad_norm"] + [f"grad_norm/{m}" for m in modules + ["lm_head"]]
 
 
-def make_body(seq: int, first_step: int, steps: int, names: list[str], rng: random.Random, nonfinite: float,
-              packed: bool = True) -> bytes:
+def make_body(
+    seq: int, first_step: int, steps: int, names: list[str], rng: random.Random, nonfinite: float, packed: bool = True
+) -> bytes:
     """One batch as the agent sends it: every series has `steps` consecutive steps, packed as base64 of
     int64/float64 (or, `packed=False`, as JSON lists with non-finite values spelled out, as other clients may)."""
     step_list = list(range(first_step, first_step + steps))
@@ -94,7 +103,10 @@ def client_main(job: ClientJob, ready: Any, go: Any, results: Any) -> None:
     steps_per_batch = max(1, job.batch_points // len(names))
     n_batches = max(1, math.ceil(job.total_points / (steps_per_batch * len(names))))
     rng = random.Random(job.seed)
-    bodies = [make_body(k + 1, k * steps_per_batch, steps_per_batch, names, rng, job.nonfinite, job.packed) for k in range(n_batches)]
+    bodies = [
+        make_body(k + 1, k * steps_per_batch, steps_per_batch, names, rng, job.nonfinite, job.packed)
+        for k in range(n_batches)
+    ]
     points_per_batch = steps_per_batch * len(names)
     conn = http.client.HTTPConnection("127.0.0.1", job.port, timeout=120)
     headers = {"Content-Type": "application/json", "User-Agent": "ampwatch-bench"}
@@ -220,7 +232,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        check = "ok" if r["verified"] and not r["errors"] else f"{len(r['errors'])} errors" if r["errors"] else "MISMATCH"
+        check = (
+            "ok" if r["verified"] and not r["errors"] else f"{len(r['errors'])} errors" if r["errors"] else "MISMATCH"
+        )
         print(f"{r['backend']:<9} {r['batch_points']:>9,} {r['body_kib']:>8.0f} {r['clients']:>7} {r['requests']:>8} "
               f"{r['points']:>9,} {r['points_s']:>10,.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
               f"{r['server_cpu']:>9.0%} {r['points_per_cpu_s']:>16,.0f}  {check}")  # fmt: skip
@@ -228,18 +242,49 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default="sqlite,postgres", help="comma-separated: sqlite, postgres (default both)")
-    parser.add_argument("--batch-sizes", default="5000,20000,50000", help="points per batch, comma-separated (default 5000,20000,50000)")
+    parser.add_argument(
+        "--backends", default="sqlite,postgres", help="comma-separated: sqlite, postgres (default both)"
+    )
+    parser.add_argument(
+        "--batch-sizes", default="5000,20000,50000", help="points per batch, comma-separated (default 5000,20000,50000)"
+    )
     parser.add_argument("--clients", type=int, default=2, help="concurrent client processes, one run each (default 2)")
-    parser.add_argument("--points", type=int, default=2_000_000, help="points to send per configuration, all clients together (default 2000000)")
-    parser.add_argument("--max-seconds", type=float, default=8.0, help="stop a configuration after this long (default 8)")
-    parser.add_argument("--layers", type=int, default=12, help="transformer blocks: 4 per-layer grad-norm series each (default 12 -> 54 series)")
-    parser.add_argument("--nonfinite", type=float, default=0.002, help="fraction of values sent as NaN/Infinity/-Infinity (default 0.002)")
-    parser.add_argument("--json-lists", action="store_true", help="send steps and values as JSON lists (non-finite values "
-                        "spelled out) instead of packed as the agent sends them")
-    parser.add_argument("--pg-url", default=DEFAULT_PG_ADMIN_URL, help="Postgres admin URL; a scratch database is created there and dropped")
+    parser.add_argument(
+        "--points",
+        type=int,
+        default=2_000_000,
+        help="points to send per configuration, all clients together (default 2000000)",
+    )
+    parser.add_argument(
+        "--max-seconds", type=float, default=8.0, help="stop a configuration after this long (default 8)"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=12,
+        help="transformer blocks: 4 per-layer grad-norm series each (default 12 -> 54 series)",
+    )
+    parser.add_argument(
+        "--nonfinite",
+        type=float,
+        default=0.002,
+        help="fraction of values sent as NaN/Infinity/-Infinity (default 0.002)",
+    )
+    parser.add_argument(
+        "--json-lists",
+        action="store_true",
+        help="send steps and values as JSON lists (non-finite values "
+        "spelled out) instead of packed as the agent sends them",
+    )
+    parser.add_argument(
+        "--pg-url",
+        default=DEFAULT_PG_ADMIN_URL,
+        help="Postgres admin URL; a scratch database is created there and dropped",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--profile", metavar="DIR", help="attach py-spy to the server during each row; collapsed stacks go to DIR")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="attach py-spy to the server during each row; collapsed stacks go to DIR"
+    )
     parser.add_argument("--keep-logs", action="store_true", help="print where the server logs are and keep them")
     return parser.parse_args(argv)
 
@@ -279,9 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     if sqlite_best is not None:
         verdict = "met" if sqlite_best >= TARGET_SQLITE_POINTS_S else "MISSED"
         print(f"\ntarget >= {TARGET_SQLITE_POINTS_S:,} points/s on SQLite: best {sqlite_best:,.0f} -> {verdict}")
-    print("server CPU = CPU time of the server process / wall time (100% = one core). pts/server CPU-s = points per\n"
-          "CPU-second of the server process: its capacity per core, little affected by other load on the machine\n"
-          "(the database's own processes are not in it: for Postgres they run beside it).")
+    print(
+        "server CPU = CPU time of the server process / wall time (100% = one core). pts/server CPU-s = points per\n"
+        "CPU-second of the server process: its capacity per core, little affected by other load on the machine\n"
+        "(the database's own processes are not in it: for Postgres they run beside it)."
+    )
     print(f"load average at the end: {os.getloadavg()[0]:.2f} on {cpu_count()} CPUs")
     for note in notes:
         print("note:", note)

@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_PG_ADMIN_URL, Server, cpu_count, percentile, postgres_problem, process_cpu_seconds, scratch_database  # noqa: E402
+from _common import (
+    DEFAULT_PG_ADMIN_URL,
+    Server,
+    cpu_count,
+    percentile,
+    postgres_problem,
+    process_cpu_seconds,
+    scratch_database,
+)  # noqa: E402
 
 NAMES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "aux_loss", "z_loss", "acc")
 
@@ -110,7 +118,11 @@ def run_backend(backend: str, args: argparse.Namespace, logs: Path) -> dict[str,
         start, results = ctx.Barrier(args.agents + 1), ctx.Queue()
         shares = [list(range(p, args.agents, args.procs)) for p in range(args.procs)]
         knobs = {"steps": args.steps, "step_ms": args.step_ms, "scalars": args.scalars}
-        procs = [ctx.Process(target=client_main, args=(server.url, share, knobs, start, results)) for share in shares if share]
+        procs = [
+            ctx.Process(target=client_main, args=(server.url, share, knobs, start, results))
+            for share in shares
+            if share
+        ]
         for proc in procs:
             proc.start()
         start.wait(timeout=args.timeout_s)
@@ -121,7 +133,11 @@ def run_backend(backend: str, args: argparse.Namespace, logs: Path) -> dict[str,
             proc.join(30)
         spans = {i: span for out in outs for i, span in out["spans"].items()}
         timings = [t for out in outs for t in out["timings"]]
-        problems = verify(server.url, db_url, spans, args) if len(spans) == args.agents else [f"only {len(spans)} agents finished"]
+        problems = (
+            verify(server.url, db_url, spans, args)
+            if len(spans) == args.agents
+            else [f"only {len(spans)} agents finished"]
+        )
     wall = max(end for _, end, _ in spans.values()) - min(start for start, _, _ in spans.values())
     latencies = [seconds for seconds, _, _ in timings]
     failed = [status for _, status, _ in timings if status != 200]
@@ -137,14 +153,29 @@ def run_backend(backend: str, args: argparse.Namespace, logs: Path) -> dict[str,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default="sqlite,postgres", help="comma-separated: sqlite, postgres (default both)")
+    parser.add_argument(
+        "--backends", default="sqlite,postgres", help="comma-separated: sqlite, postgres (default both)"
+    )
     parser.add_argument("--agents", type=int, default=50, help="concurrent agents, one run each (default 50)")
     parser.add_argument("--steps", type=int, default=2000, help="steps per agent (default 2000)")
-    parser.add_argument("--scalars", type=int, default=4, choices=range(1, len(NAMES) + 1), help="values logged per step (default 4)")
-    parser.add_argument("--step-ms", type=float, default=5.0, help="training step time each agent sleeps (default 5; 0: as fast as it can)")
+    parser.add_argument(
+        "--scalars", type=int, default=4, choices=range(1, len(NAMES) + 1), help="values logged per step (default 4)"
+    )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=5.0,
+        help="training step time each agent sleeps (default 5; 0: as fast as it can)",
+    )
     parser.add_argument("--procs", type=int, default=5, help="client processes the agents are spread over (default 5)")
-    parser.add_argument("--timeout-s", type=float, default=900.0, help="give up on a backend after this long (default 900)")
-    parser.add_argument("--pg-url", default=DEFAULT_PG_ADMIN_URL, help="Postgres admin URL; a scratch database is created there and dropped")
+    parser.add_argument(
+        "--timeout-s", type=float, default=900.0, help="give up on a backend after this long (default 900)"
+    )
+    parser.add_argument(
+        "--pg-url",
+        default=DEFAULT_PG_ADMIN_URL,
+        help="Postgres admin URL; a scratch database is created there and dropped",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return parser.parse_args(argv)
 
@@ -171,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['requests']:,} requests ({r['points_per_request']:.0f} points each), latency p50 {r['p50_ms']:.1f} ms "
               f"p99 {r['p99_ms']:.1f} ms max {r['max_ms']:.0f} ms, {r['failed_requests']} failed {r['statuses']}, "
               f"server CPU {r['server_cpu']:.0%}: {check}", flush=True)  # fmt: skip
-    print("sustained = all points / (first agent's first step .. last agent's finish() returning, i.e. all acknowledged);\n"
-          "latency = one batch request as the agent's transport sees it; server CPU 100% = one core.")
+    print(
+        "sustained = all points / (first agent's first step .. last agent's finish() returning, i.e. all acknowledged);\n"
+        "latency = one batch request as the agent's transport sees it; server CPU 100% = one core."
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 1 if any(r["problems"] or r["failed_requests"] for r in rows) else 0

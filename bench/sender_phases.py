@@ -27,8 +27,9 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from _common import Server
 from _conditions import Ampwatch
@@ -72,7 +73,9 @@ def main() -> None:
                                 (_steps.StepDecoder, "decode", "decode"), (_origin.Diagnosis, "observe_columns", "diagnose"),
                                 (_outbox.Outbox, "deliver", "deliver (HTTP)")):  # fmt: skip
         setattr(module, name, _timed(totals, label, getattr(module, name)))
-    bursts: list[tuple[float, float, float, float]] = []  # (start, delivery start, end, CPU) of each pass of the sender's loop
+    bursts: list[
+        tuple[float, float, float, float]
+    ] = []  # (start, delivery start, end, CPU) of each pass of the sender's loop
 
     def loop(self: Any) -> None:  # Worker._loop, with its phases timed
         while True:
@@ -144,11 +147,15 @@ def main() -> None:
     for name, seconds in measured.items():
         print(f"  {name:19s} {seconds / n * 1e6:6.2f} us")
     print(f"stall per step        {sum(stall) / n * 1e6:6.2f} us (training thread, during the bursts)")
-    print(f"  during the passes   {stall[0] / n * 1e6:6.2f} us (sender CPU for them "
-          f"{(sum(b[3] for b in measured_bursts) - measured.get('deliver (HTTP)', 0.0)) / n * 1e6:.2f} us)")
+    print(
+        f"  during the passes   {stall[0] / n * 1e6:6.2f} us (sender CPU for them "
+        f"{(sum(b[3] for b in measured_bursts) - measured.get('deliver (HTTP)', 0.0)) / n * 1e6:.2f} us)"
+    )
     print(f"  awaiting the server {stall[1] / n * 1e6:6.2f} us")
     if wakeups is not None and woken is not None:
-        print(f"wake-ups per step     {(woken - wakeups) / n:6.3f}    (training thread; {(woken - wakeups) / max(1, len(measured_bursts)):.1f} per burst)")
+        print(
+            f"wake-ups per step     {(woken - wakeups) / n:6.3f}    (training thread; {(woken - wakeups) / max(1, len(measured_bursts)):.1f} per burst)"
+        )
 
 
 if __name__ == "__main__":

@@ -113,7 +113,10 @@ def series_table(backend: str, pg_admin: str, repeat: int) -> list[dict[str, Any
             for n in SIZES:
                 for label, query in cases:
                     query = query or {"max_points": 2000, "start": n // 2, "end": n // 2 + n // 10}
-                    params = {"max_points": query["max_points"], **({"start_step": query["start"], "end_step": query["end"]} if "start" in query else {})}
+                    params = {
+                        "max_points": query["max_points"],
+                        **({"start_step": query["start"], "end_step": query["end"]} if "start" in query else {}),
+                    }
                     inside = in_process_ms(engine, f"s{n}", repeat + 1, **query)[1:]  # the first warms the caches
                     wire = http_ms(server.url, f"s{n}", repeat + 1, params)[1:]
                     rows.append({"backend": backend, "points": n, "query": label, "server_ms": statistics.median(inside),
@@ -125,7 +128,10 @@ def series_table(backend: str, pg_admin: str, repeat: int) -> list[dict[str, Any
 def sse_latency(backend: str, pg_admin: str, sends: int) -> list[float]:
     """Seconds from the start of each POST to the parsed SSE update carrying its step."""
     with scratch_database(backend, pg_admin) as db_url, tempfile.TemporaryDirectory() as tmp:
-        with Server(db_url, Path(tmp) / "server.log") as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        with (
+            Server(db_url, Path(tmp) / "server.log") as server,
+            httpx.Client(base_url=server.url, timeout=30) as client,
+        ):
             server.wait_ready()
             client.put("/api/v1/runs/live", json={"project": "bench", "name": "sse"}).raise_for_status()
             received: dict[int, float] = {}
@@ -145,8 +151,10 @@ def sse_latency(backend: str, pg_admin: str, sends: int) -> list[float]:
 
 
 def _read_stream(url: str, received: dict[int, float], ready: threading.Event, sends: int) -> None:
-    with httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=30)) as client, \
-            client.stream("GET", "/api/v1/runs/live/stream", params={"after_step": -1}) as response:
+    with (
+        httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=30)) as client,
+        client.stream("GET", "/api/v1/runs/live/stream", params={"after_step": -1}) as response,
+    ):
         ready.set()
         for line in response.iter_lines():
             if line.startswith("data:"):
@@ -170,14 +178,20 @@ def main() -> int:
     met = True
     for backend in backends:
         for row in series_table(backend, args.pg_admin_url, args.repeat):
-            print(f"{row['backend']:<9} {row['points']:>9,}  {row['query']:<27} {row['server_ms']:>9.1f} {row['server_p90_ms']:>7.1f} {row['http_ms']:>8.1f}")
+            print(
+                f"{row['backend']:<9} {row['points']:>9,}  {row['query']:<27} {row['server_ms']:>9.1f} {row['server_p90_ms']:>7.1f} {row['http_ms']:>8.1f}"
+            )
             if backend == "sqlite" and row["points"] == 1_000_000 and row["query"].startswith("full"):
                 met = row["server_ms"] < TARGET_MS
     print(f"\nSSE end-to-end (POST start -> update parsed by an SSE client), {args.sends} sends:")
     for backend in backends:
         lat = sorted(x * 1000 for x in sse_latency(backend, args.pg_admin_url, args.sends))
-        print(f"  {backend:<9} received {len(lat)}/{args.sends}  p50 {percentile(lat, 50):6.1f} ms  p95 {percentile(lat, 95):6.1f} ms  max {max(lat or [float('nan')]):6.1f} ms")
-    print(f"\n1M-point SQLite series in {'<' if met else '>='} {TARGET_MS:.0f} ms server time: {'met' if met else 'NOT met'}")
+        print(
+            f"  {backend:<9} received {len(lat)}/{args.sends}  p50 {percentile(lat, 50):6.1f} ms  p95 {percentile(lat, 95):6.1f} ms  max {max(lat or [float('nan')]):6.1f} ms"
+        )
+    print(
+        f"\n1M-point SQLite series in {'<' if met else '>='} {TARGET_MS:.0f} ms server time: {'met' if met else 'NOT met'}"
+    )
     return 0 if met else 1
 
 

@@ -42,7 +42,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await anyio.to_thread.run_sync(service.stop)
 
-    app = FastAPI(title="ampwatch", version=__version__, description="Mixed-precision training telemetry.", lifespan=lifespan)
+    app = FastAPI(
+        title="ampwatch", version=__version__, description="Mixed-precision training telemetry.", lifespan=lifespan
+    )
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions
@@ -56,9 +58,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(alerts_pages.router)  # before web.router: its /static/{name} would shadow /static/alerts.js
     app.include_router(web.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(auth.Guard, tokens=app.state.tokens, settings=settings)  # outermost: refuse before reading bodies
+    app.add_middleware(
+        auth.Guard, tokens=app.state.tokens, settings=settings
+    )  # outermost: refuse before reading bodies
     app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(OperationalError, database_unavailable)  # a lost connection or held lock: 503, agents retry
+    app.add_exception_handler(
+        OperationalError, database_unavailable
+    )  # a lost connection or held lock: 503, agents retry
     auth.document(app)
 
     @app.get("/healthz", tags=["health"])

@@ -98,7 +98,9 @@ def list_tokens(session: Session) -> list[models.ApiToken]:
 def revoke_token(session: Session, token_id: int) -> bool:
     """Revoke a token; False when there is no such active token."""
     result = session.execute(
-        update(models.ApiToken).where(models.ApiToken.id == token_id, models.ApiToken.revoked_at.is_(None)).values(revoked_at=now())
+        update(models.ApiToken)
+        .where(models.ApiToken.id == token_id, models.ApiToken.revoked_at.is_(None))
+        .values(revoked_at=now())
     )
     session.commit()
     return bool(result.rowcount)  # type: ignore[attr-defined]
@@ -126,7 +128,9 @@ class Tokens:
             try:
                 with self._sessions() as session:
                     table = models.ApiToken
-                    rows = session.execute(select(table.id, table.role, table.project, table.secret_sha256, table.revoked_at))
+                    rows = session.execute(
+                        select(table.id, table.role, table.project, table.secret_sha256, table.revoked_at)
+                    )
                     self._rows = {row.id: row for row in rows}
             except Exception as error:  # the database is away: keep the last list, retry after REFRESH_S
                 log.warning("could not read the token list (%s); using the last one read", error)
@@ -216,7 +220,8 @@ class Guard:
             if is_loopback(host) or host in self._names:  # --insecure lifts the refusal to start, never this
                 return OPEN
             return _refuse(
-                403, f"host {host!r} is not allowed: a server without tokens answers only on loopback names and the "
+                403,
+                f"host {host!r} is not allowed: a server without tokens answers only on loopback names and the "
                 "host of AMPWATCH_PUBLIC_URL (a web page could reach it through DNS rebinding otherwise)",
             )
         if need is None:
@@ -230,7 +235,9 @@ class Guard:
             reason = "the token is not valid (or was revoked)" if presented else "this server needs a token"
             return _refuse(401, f"{reason}: send `Authorization: Bearer <token>`", {"www-authenticate": "Bearer"})
         if principal.role not in _GRANTS[need]:
-            return _refuse(403, f"a {principal.role} token cannot do this; it needs a {' or '.join(_GRANTS[need])} token")
+            return _refuse(
+                403, f"a {principal.role} token cannot do this; it needs a {' or '.join(_GRANTS[need])} token"
+            )
         return principal
 
     def _secured(self, send: Send, path: str) -> Send:
@@ -305,7 +312,9 @@ def login_page(request: Request, next: str = "/", error: str | None = None) -> A
     """The sign-in form: paste a read or admin token."""
     from ampwatch.web.pages import templates
 
-    return templates.TemplateResponse(request, "login.html", {"next": _local(next), "error": error}, status_code=401 if error else 200)
+    return templates.TemplateResponse(
+        request, "login.html", {"next": _local(next), "error": error}, status_code=401 if error else 200
+    )
 
 
 @router.post("/login")
@@ -316,7 +325,11 @@ async def login(request: Request) -> Response:
     tokens: Tokens = request.app.state.tokens
     principal = tokens.verify(token)
     if principal is None or principal.role == "ingest":
-        error = "That token is not valid." if principal is None else "An ingest token can only send data; sign in with a read or admin token."
+        error = (
+            "That token is not valid."
+            if principal is None
+            else "An ingest token can only send data; sign in with a read or admin token."
+        )
         return login_page(request, target, error)
     reply = RedirectResponse(target, status_code=303)
     secure = request.url.scheme == "https" or (request.app.state.settings.public_url or "").startswith("https:")
@@ -330,4 +343,3 @@ def logout() -> Response:
     reply = RedirectResponse("/login", status_code=303)
     reply.delete_cookie(COOKIE, httponly=True, samesite="strict")
     return reply
-

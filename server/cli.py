@@ -32,7 +32,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"ampwatch {args.command}: AMPWATCH_ALERT_RULES_FILE: {error}", file=sys.stderr)
     except exc.OperationalError as error:  # (the driver's reason is its first line; the rest is SQL and a link)
         reason = str(error.orig or error).strip().splitlines()[0]
-        print(f"ampwatch {args.command}: cannot use the database {_safe_url(settings_from(args).database_url)}: {reason}", file=sys.stderr)
+        print(
+            f"ampwatch {args.command}: cannot use the database {_safe_url(settings_from(args).database_url)}: {reason}",
+            file=sys.stderr,
+        )
     return 2
 
 
@@ -54,7 +57,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ampwatch server: {problem}", file=sys.stderr)
         return 2
     print(f"ampwatch server on {settings.base_url} (database {_safe_url(settings.database_url)})", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=3)  # open live streams must not hold up Ctrl-C
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=3
+    )  # open live streams must not hold up Ctrl-C
     return 0
 
 

@@ -27,19 +27,26 @@ def run_demo(settings: Settings, *, steps: int, step_delay_s: float, serve_after
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("ampwatch demo trains a small model with PyTorch, which is not installed: pip install torch", file=sys.stderr)
+        print(
+            "ampwatch demo trains a small model with PyTorch, which is not installed: pip install torch",
+            file=sys.stderr,
+        )
         return 2
     app = create_app(settings)
     problem = auth.exposure_problem(settings, app.state.tokens)
     if problem:
         print(f"ampwatch demo: {problem}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=3))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=3)
+    )
     thread = threading.Thread(target=server.run, name="ampwatch-demo-server", daemon=True)
     thread.start()
     while not server.started:
         if not thread.is_alive():
-            print(f"could not start the server on {settings.host}:{settings.port} (in use? try --port)", file=sys.stderr)
+            print(
+                f"could not start the server on {settings.host}:{settings.port} (in use? try --port)", file=sys.stderr
+            )
             return 1
         time.sleep(0.05)
     print(f"ampwatch dashboard: {settings.base_url}/", flush=True)
@@ -66,7 +73,6 @@ def _print_diagnoses(run_url: str | None) -> None:
     print(f"What ampwatch diagnosed ({len(events)} events):")
     for event in events:
         print(f"  step {event['step']:>4}  {event['severity']:<8} {event['type']:<15} {event['message'][:110]}")
-
 
 
 def _model() -> Any:
@@ -108,9 +114,18 @@ def train(url: str, *, steps: int, step_delay_s: float = 0.0, seed: int = 0) -> 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=25)
     target = torch.randn(32, 1)
-    turns = {name: int(steps * f) for name, f in [("nan", NAN_STEP_FRACTION), ("spike", SPIKE_FRACTION), ("overflow", OVERFLOW_FRACTION)]}
+    turns = {
+        name: int(steps * f)
+        for name, f in [("nan", NAN_STEP_FRACTION), ("spike", SPIKE_FRACTION), ("overflow", OVERFLOW_FRACTION)]
+    }
     turns["nan_again"] = turns["nan"] + NAN_AGAIN_AFTER
-    config = {"lr": 3e-3, "dtype": "float16", "growth_interval": 25, "steps": steps, **{f"{k}_at": v for k, v in turns.items()}}
+    config = {
+        "lr": 3e-3,
+        "dtype": "float16",
+        "growth_interval": 25,
+        "steps": steps,
+        **{f"{k}_at": v for k, v in turns.items()},
+    }
     with ampwatch.init(project="demo", name=f"unstable-{time.strftime('%H%M%S')}", url=url, config=config) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(steps):

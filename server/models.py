@@ -9,7 +9,19 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Double, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import DateTime
 
@@ -56,7 +68,14 @@ NONFINITE_POINT = text("value IS NULL OR value > 1e308 OR value < -1e308")
 class Point(Base):
     __tablename__ = "points"
     __table_args__ = (
-        Index("ix_points_nonfinite", "series_id", "rank", "step", sqlite_where=NONFINITE_POINT, postgresql_where=NONFINITE_POINT),
+        Index(
+            "ix_points_nonfinite",
+            "series_id",
+            "rank",
+            "step",
+            sqlite_where=NONFINITE_POINT,
+            postgresql_where=NONFINITE_POINT,
+        ),
         {"sqlite_with_rowid": False},
     )
     series_id: Mapped[int] = mapped_column(ForeignKey("series.id", ondelete="CASCADE"), primary_key=True)
@@ -129,7 +148,15 @@ class Alert(Base):
     __table_args__ = (
         Index("ix_alerts_run_state", "run_id", "state"),
         # At most one active alert per (rule, run, rank), whichever process tries to open it.
-        Index("ux_alerts_active", "rule", "run_id", "rank", unique=True, sqlite_where=ACTIVE_ALERT, postgresql_where=ACTIVE_ALERT),
+        Index(
+            "ux_alerts_active",
+            "rule",
+            "run_id",
+            "rank",
+            unique=True,
+            sqlite_where=ACTIVE_ALERT,
+            postgresql_where=ACTIVE_ALERT,
+        ),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
@@ -261,7 +288,9 @@ class PointBlock(Base):
     min_value: Mapped[float] = mapped_column(Double)
     max_step: Mapped[int] = mapped_column(BigInteger)
     max_value: Mapped[float] = mapped_column(Double)
-    last_step: Mapped[int] = mapped_column(BigInteger)  # the block's last finite point: a write at or before it may replace one
+    last_step: Mapped[int] = mapped_column(
+        BigInteger
+    )  # the block's last finite point: a write at or before it may replace one
 
 
 class PointFeed(Base):

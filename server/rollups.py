@@ -64,17 +64,30 @@ def update_blocks(session: Session, *, rank: int, written: dict[int, tuple[list[
             merged.append((sid, rank, block, *(_fold(old, extremes) if old is not None else extremes)))
     if merged:
         connection = session.connection()
-        connection.exec_driver_sql(_UPSERT_BLOCK.format("%s" if connection.dialect.name == "postgresql" else "?"), merged)
+        connection.exec_driver_sql(
+            _UPSERT_BLOCK.format("%s" if connection.dialect.name == "postgresql" else "?"), merged
+        )
     if stale:
         session.execute(_DROP_BLOCK, stale)
-        params = [{"sid": b["sid"], "rank": rank, "first": b["block"] * BLOCK_STEPS, "last": b["block"] * BLOCK_STEPS + BLOCK_STEPS - 1, **_INF} for b in stale]
+        params = [
+            {
+                "sid": b["sid"],
+                "rank": rank,
+                "first": b["block"] * BLOCK_STEPS,
+                "last": b["block"] * BLOCK_STEPS + BLOCK_STEPS - 1,
+                **_INF,
+            }
+            for b in stale
+        ]
         session.execute(REBUILD_BLOCKS, params)
 
 
 Extremes = tuple[int, float, int, float, int]  # min step, min value, max step, max value, last finite step
 
 
-def _batch_blocks(sid: int, steps: list[int], values: list[float | None]) -> dict[tuple[int, int], tuple[int, Extremes | None]]:
+def _batch_blocks(
+    sid: int, steps: list[int], values: list[float | None]
+) -> dict[tuple[int, int], tuple[int, Extremes | None]]:
     """Per block the batch touches: its first step there, and the extremes of its finite values there."""
     if len(set(steps)) < len(steps) or steps != sorted(steps):
         last = dict(zip(steps, values))  # a step given twice keeps its last value, as the upsert does

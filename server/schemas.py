@@ -103,7 +103,7 @@ class SeriesIn(BaseModel):
     values: Annotated[list[float], _unpacked("d"), Field(description="Values, " + PACKED.format("float64"))]
 
     @model_validator(mode="after")
-    def _same_length(self) -> "SeriesIn":
+    def _same_length(self) -> SeriesIn:
         if len(self.steps) != len(self.values):
             raise ValueError(f"steps has {len(self.steps)} items but values has {len(self.values)}")
         return self

@@ -65,7 +65,9 @@ def bounds(session: Session, *, series_id: int, rank: int) -> tuple[int, int] | 
 def read_range(session: Session, *, series_id: int, rank: int, lo: int, hi: int) -> Points:
     """Every point with lo <= step <= hi, in step order."""
     rows = session.execute(
-        text("SELECT step, value FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi ORDER BY step"),
+        text(
+            "SELECT step, value FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi ORDER BY step"
+        ),
         {"sid": series_id, "rank": rank, "lo": lo, "hi": hi},
     ).all()
     return [r[0] for r in rows], [r[1] for r in rows]
@@ -84,7 +86,11 @@ def read_series(
     lo, hi = max(span[0], start if start is not None else span[0]), min(span[1], end if end is not None else span[1])
     if lo > hi:
         return [], []
-    if max_points is None or hi - lo + 1 <= max_points or _count(session, series_id, rank, lo, hi, max_points + 1) <= max_points:
+    if (
+        max_points is None
+        or hi - lo + 1 <= max_points
+        or _count(session, series_id, rank, lo, hi, max_points + 1) <= max_points
+    ):
         return read_range(session, series_id=series_id, rank=rank, lo=lo, hi=hi)
     return _downsample(session, series_id, rank, lo, hi, max_points)
 
@@ -133,7 +139,9 @@ def block_buckets(lo: int, hi: int, buckets: int) -> list[tuple[int, int]]:
     return [(max(lo, a * BLOCK_STEPS), min(hi, b * BLOCK_STEPS - 1)) for a, b in zip(starts, starts[1:])]
 
 
-def _from_blocks(session: Session, series_id: int, rank: int, lo: int, hi: int, buckets: int) -> dict[int, float | None]:
+def _from_blocks(
+    session: Session, series_id: int, rank: int, lo: int, hi: int, buckets: int
+) -> dict[int, float | None]:
     """Each bucket's finite extremes from `point_blocks`; the blocks the range cuts are read from the points."""
     first, count = lo // BLOCK_STEPS, hi // BLOCK_STEPS - lo // BLOCK_STEPS + 1
     k = min(buckets, count)
@@ -231,7 +239,9 @@ def nonfinite(
     return out
 
 
-def points_between(session: Session, *, run_id: str, rank: int, lo: int, hi: int, limit: int) -> list[tuple[str, int, float | None]]:
+def points_between(
+    session: Session, *, run_id: str, rank: int, lo: int, hi: int, limit: int
+) -> list[tuple[str, int, float | None]]:
     """(series name, step, value) of every point of the run with lo <= step <= hi, in step order, at most
     `limit`: one primary-key range per series, so a live stream pays for what is new only."""
     rows = session.execute(text(
@@ -245,7 +255,9 @@ def bucket_max(
     session: Session, *, series_ids: list[int], rank: int, lo: int, hi: int, width: int
 ) -> dict[int, list[float | None]]:
     """Per series, the largest value of each bucket of `width` steps from `lo` (None where a bucket is empty)."""
-    query = text(f"{_BUCKETS[_dialect(session)]} SELECT b.lo, (SELECT max(value) FROM points WHERE {_RANGE}) FROM b ORDER BY b.lo")
+    query = text(
+        f"{_BUCKETS[_dialect(session)]} SELECT b.lo, (SELECT max(value) FROM points WHERE {_RANGE}) FROM b ORDER BY b.lo"
+    )
     out: dict[int, list[float | None]] = {}
     for sid in series_ids:
         rows = session.execute(query, {"sid": sid, "rank": rank, "lo": lo, "hi": hi, "w": width})
@@ -286,7 +298,9 @@ def grid(
             "values": [to_json_cells(cells[i]) for i in ids]}  # fmt: skip
 
 
-def _block_max(session: Session, ids: list[int], rank: int, lo: int, hi: int, width: int) -> dict[int, list[float | None]]:
+def _block_max(
+    session: Session, ids: list[int], rank: int, lo: int, hi: int, width: int
+) -> dict[int, list[float | None]]:
     """Per series, the largest finite value of each cell of `width` steps (whole blocks) from `lo`."""
     query = text(
         "SELECT series_id, block, max_value FROM point_blocks WHERE series_id IN :ids AND rank = :rank"
@@ -308,4 +322,3 @@ def _worse(cell: float | None, value: float | None) -> float:
 
 def _badness(value: float) -> int:
     return 3 if math.isnan(value) else 2 if value == math.inf else 1 if value == -math.inf else 0
-

@@ -9,9 +9,8 @@ from sqlalchemy import case, func, select, text
 from sqlalchemy.orm import Session
 
 from ampwatch.server import alerts, models, rollups, series
-from ampwatch.server.db import IDS_PER_QUERY
+from ampwatch.server.db import IDS_PER_QUERY, now
 from ampwatch.server.db import insert as _insert
-from ampwatch.server.db import now
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
 from ampwatch.server.values import to_db, to_json
 
@@ -29,13 +28,17 @@ def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
     run = session.get(models.Run, run_id)
     if run is None:
         project_table = models.Project.__table__
-        session.execute(_insert(session, project_table).values(name=body.project, created_at=now()).on_conflict_do_nothing())
+        session.execute(
+            _insert(session, project_table).values(name=body.project, created_at=now()).on_conflict_do_nothing()
+        )
         project_id = session.scalar(select(models.Project.id).where(models.Project.name == body.project))
         stamp = now()
         row = dict(id=run_id, project_id=project_id, status="running", health="ok", created_at=stamp, last_seen_at=stamp,
                    name=body.name, config=body.config, environment=body.environment)  # fmt: skip
         # (another rank's insert may be under way: this one then waits for it and leaves its row alone)
-        created = session.execute(_insert(session, models.Run.__table__).values(**row).on_conflict_do_nothing().returning(models.Run.id))
+        created = session.execute(
+            _insert(session, models.Run.__table__).values(**row).on_conflict_do_nothing().returning(models.Run.id)
+        )
         if created.first() is not None:
             run = session.get(models.Run, run_id)
             alerts.on_batch(session, run=run, events=[], new_step=None, status=None, stamp=stamp)  # its liveness row
@@ -53,7 +56,9 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     if run is None:
         raise UnknownRun(run_id)
     stamp = now()
-    claim = _insert(session, models.Batch.__table__).values(run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=stamp)
+    claim = _insert(session, models.Batch.__table__).values(
+        run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=stamp
+    )
     if session.execute(claim.on_conflict_do_nothing().returning(models.Batch.seq)).first() is None:
         session.rollback()
         return BatchOut(stored=False, points=0)
@@ -81,7 +86,9 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
         alerts.compare_ranks(session, run=run, rank=batch.rank, world=world, skipped=(skipped.steps, skipped.values),
                              series_id=series_ids["skipped"], stamp=stamp)  # fmt: skip
     # Event rules fire in this transaction: the alert and its queued notifications commit with the batch.
-    alerts.on_batch(session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp)
+    alerts.on_batch(
+        session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp
+    )
     session.commit()
     return BatchOut(stored=True, points=count)
 
@@ -108,7 +115,9 @@ def _store_points(session: Session, run_id: str, batch: BatchIn) -> tuple[int, d
         count = len(columns[0])
     else:
         rank = batch.rank
-        rows = [(sid, rank, step, value) for sid, (steps, values) in written.items() for step, value in zip(steps, values)]
+        rows = [
+            (sid, rank, step, value) for sid, (steps, values) in written.items() for step, value in zip(steps, values)
+        ]
         if rows:  # (sqlite3 runs an executemany of no rows once, without parameters)
             connection.exec_driver_sql(_SQLITE_UPSERT, rows)
         count = len(rows)
@@ -157,7 +166,10 @@ def _series_ids(session: Session, run_id: str, names: list[str]) -> dict[str, in
     ids = _known_series(session, run_id, names)
     missing = [n for n in names if n not in ids]
     if missing:
-        session.execute(_insert(session, models.Series.__table__).on_conflict_do_nothing(), [{"run_id": run_id, "name": n} for n in missing])
+        session.execute(
+            _insert(session, models.Series.__table__).on_conflict_do_nothing(),
+            [{"run_id": run_id, "name": n} for n in missing],
+        )
         ids.update(_known_series(session, run_id, missing))
     return ids
 
@@ -167,9 +179,12 @@ def _known_series(session: Session, run_id: str, names: list[str]) -> dict[str, 
     ids: dict[str, int] = {}
     for i in range(0, len(names), IDS_PER_QUERY):
         chunk = models.Series.name.in_(names[i : i + IDS_PER_QUERY])
-        ids.update(session.execute(select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, chunk)).all())
+        ids.update(
+            session.execute(
+                select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, chunk)
+            ).all()
+        )
     return ids
-
 
 
 def _store_events(session: Session, run_id: str, batch: BatchIn, stamp: datetime) -> list[models.Event]:
@@ -257,7 +272,9 @@ def get_run(session: Session, *, run_id: str) -> tuple[models.Run, str] | None:
 
 def series_names(session: Session, *, run_id: str) -> list[str]:
     """Names of every series the run has, sorted."""
-    return list(session.scalars(select(models.Series.name).where(models.Series.run_id == run_id).order_by(models.Series.name)))
+    return list(
+        session.scalars(select(models.Series.name).where(models.Series.run_id == run_id).order_by(models.Series.name))
+    )
 
 
 def read_series(
@@ -275,7 +292,9 @@ def read_series(
 
 
 def _series_ids_of(session: Session, run_id: str, names: list[str]) -> dict[str, int]:
-    query = select(models.Series.name, models.Series.id).where(models.Series.run_id == run_id, models.Series.name.in_(names))
+    query = select(models.Series.name, models.Series.id).where(
+        models.Series.run_id == run_id, models.Series.name.in_(names)
+    )
     return dict(session.execute(query).all())  # type: ignore[arg-type]
 
 
@@ -287,17 +306,29 @@ def layer_heatmap(
     query = select(models.Series.name, models.Series.id).where(
         models.Series.run_id == run_id, models.Series.name.startswith(prefix, autoescape=True)
     )
-    found = sorted(((n[len(prefix):], i) for n, i in session.execute(query)), key=lambda row: series.natural_key(row[0]))
+    found = sorted(
+        ((n[len(prefix) :], i) for n, i in session.execute(query)), key=lambda row: series.natural_key(row[0])
+    )
     return series.grid(session, layers=found, rank=rank, columns=columns, start=start, end=end)
 
 
 def list_events(session: Session, *, run_id: str, limit: int = 1000, after_id: int | None = None) -> list[models.Event]:
     """The run's newest `limit` events in step order; with `after_id`, the first `limit` stored after that
     event, in id order."""
-    if after_id is not None:  # walk the primary key from `after_id` (run_id || '' keeps the planner off the run's index)
-        query = select(models.Event).where((models.Event.run_id + "") == run_id, models.Event.id > after_id).order_by(models.Event.id)
+    if (
+        after_id is not None
+    ):  # walk the primary key from `after_id` (run_id || '' keeps the planner off the run's index)
+        query = (
+            select(models.Event)
+            .where((models.Event.run_id + "") == run_id, models.Event.id > after_id)
+            .order_by(models.Event.id)
+        )
         return list(session.scalars(query.limit(limit)))
-    newest = select(models.Event).where(models.Event.run_id == run_id).order_by(models.Event.step.desc(), models.Event.id.desc())
+    newest = (
+        select(models.Event)
+        .where(models.Event.run_id == run_id)
+        .order_by(models.Event.step.desc(), models.Event.id.desc())
+    )
     return list(reversed(session.scalars(newest.limit(limit)).all()))
 
 
@@ -318,5 +349,7 @@ def list_alerts(session: Session, *, run_id: str | None = None, state: str | Non
     if run_id is not None:
         query = query.where(models.Alert.run_id == run_id)
     # PRODUCT.md's alerts are firing or resolved; pending ones (waiting out a rule's `for`) only when asked for.
-    query = query.where(models.Alert.state == state) if state is not None else query.where(models.Alert.state != "pending")
+    query = (
+        query.where(models.Alert.state == state) if state is not None else query.where(models.Alert.state != "pending")
+    )
     return list(session.scalars(query))

@@ -88,8 +88,14 @@ def register(url: str, run_id: str, project: str, name: str) -> None:
     assert reply.status_code == 200, reply.text
 
 
-def post(url: str, run_id: str, seq: int, points: dict[str, Any], events: list[dict[str, Any]] | None = None,
-         status: str | None = None) -> None:
+def post(
+    url: str,
+    run_id: str,
+    seq: int,
+    points: dict[str, Any],
+    events: list[dict[str, Any]] | None = None,
+    status: str | None = None,
+) -> None:
     body = {"seq": seq, "points": points, "events": events or [], "status": status}
     reply = httpx.post(f"{url}/api/v1/runs/{run_id}/batches", json=body, timeout=10)
     assert reply.status_code == 200 and reply.json()["stored"], reply.text

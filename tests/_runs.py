@@ -32,8 +32,12 @@ def train(run: ampwatch.Run, steps: Iterable[int], on_step: Callable[[int], None
         run.log({"step_seen": float(step)}, step=step)
 
 
-def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                 x: torch.Tensor | None = None) -> torch.Tensor:
+def clipped_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One fp16 step that unscales and clips, the pattern the agent's steady path takes (on `x`, else a random batch);
     its loss."""
     with torch.autocast("cpu", dtype=torch.float16):

@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -113,7 +113,9 @@ def start_server(settings: Settings, port: int | None = None) -> LiveServer:
     port = port or free_port()
     settings = settings.model_copy(update={"host": "127.0.0.1", "port": port})
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=3))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=3)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -185,10 +187,17 @@ def _no_internal_agent_errors(request: pytest.FixtureRequest) -> Iterator[None]:
 def _agent_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Agent settings from the developer's shell must not leak into tests."""
     for name in list(os.environ):
-        if name.startswith("AMPWATCH_") and name not in ("AMPWATCH_TEST_PG_URL", "AMPWATCH_REQUIRE_POSTGRES", "AMPWATCH_REQUIRE_BROWSER", "AMPWATCH_REQUIRE_INTEGRATIONS"):
+        if name.startswith("AMPWATCH_") and name not in (
+            "AMPWATCH_TEST_PG_URL",
+            "AMPWATCH_REQUIRE_POSTGRES",
+            "AMPWATCH_REQUIRE_BROWSER",
+            "AMPWATCH_REQUIRE_INTEGRATIONS",
+        ):
             monkeypatch.delenv(name)
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0.05")
-    monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "5")  # (time to deliver on a loaded 2-core machine; tests of the timeout set theirs)
+    monkeypatch.setenv(
+        "AMPWATCH_FINISH_TIMEOUT_S", "5"
+    )  # (time to deliver on a loaded 2-core machine; tests of the timeout set theirs)
     monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path_factory.mktemp("spool")))
 
 
@@ -217,7 +226,9 @@ class ServerProcess:
         self.log = log
         command = [sys.executable, "-m", "ampwatch._cli", "server", "--port", str(self.port), "--db", db_url]
         with open(log, "ab") as out:
-            self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                command, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT
+            )
 
     def wait_ready(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -271,7 +282,9 @@ def browser() -> Iterator[Any]:
     except ImportError:
         sync_playwright = None
     if sync_playwright is None or not os.path.exists(CHROMIUM):
-        message = f"needs Python Playwright and Chromium at {CHROMIUM} (pip install playwright; apt-get install -y chromium)"
+        message = (
+            f"needs Python Playwright and Chromium at {CHROMIUM} (pip install playwright; apt-get install -y chromium)"
+        )
         pytest.fail(f"{message} (AMPWATCH_REQUIRE_BROWSER is set)") if REQUIRE_BROWSER else pytest.skip(message)
     with sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)

@@ -14,7 +14,9 @@ def _steps(client: httpx.Client, run_id: str, name: str) -> list[int]:
 
 
 def _senders() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "ampwatch-sender"]  # the agent's; the server here runs in-process
+    return [
+        t for t in threading.enumerate() if t.name == "ampwatch-sender"
+    ]  # the agent's; the server here runs in-process
 
 
 def test_a_sweep_of_runs_in_one_process_finishes_each_and_leaves_no_threads(sqlite_server, wait_for) -> None:  # type: ignore[no-untyped-def]
@@ -27,7 +29,9 @@ def test_a_sweep_of_runs_in_one_process_finishes_each_and_leaves_no_threads(sqli
         assert len(_senders()) == len(before) + 1
         run.finish()
         ids.append(run.id)
-        wait_for(lambda: _senders() == before, timeout_s=5, what="the finished run's sender thread to end")  # not one per run
+        wait_for(
+            lambda: _senders() == before, timeout_s=5, what="the finished run's sender thread to end"
+        )  # not one per run
     assert len(set(ids)) == 12
     with sqlite_server.client() as client:
         runs = {r["id"]: r for r in client.get("/api/v1/runs", params={"project": "sweep"}).json()}
@@ -66,7 +70,9 @@ def test_concurrent_runs_and_threads_sharing_one_run_lose_and_duplicate_nothing(
     shared.finish()
     with sqlite_server.client() as client:
         for worker in (1, 2, 3):
-            series = client.get(f"/api/v1/runs/{shared.id}/series", params={"name": f"worker{worker}"}).json()[f"worker{worker}"]
+            series = client.get(f"/api/v1/runs/{shared.id}/series", params={"name": f"worker{worker}"}).json()[
+                f"worker{worker}"
+            ]
             assert series["steps"] == list(range(400))
             assert series["values"] == [float(step * worker) for step in range(400)]
         assert len(own_runs) == 3

@@ -156,7 +156,9 @@ def test_a_torchscript_model_is_watched_without_module_hooks(sqlite_server, capl
     assert "TorchScript model takes no hooks" in caplog.text
     with sqlite_server.client() as http:
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "scale", "grad_norm"]}).json()
-    assert {name: series["steps"] for name, series in data.items()} == dict.fromkeys(("loss", "scale", "grad_norm"), list(range(12)))
+    assert {name: series["steps"] for name, series in data.items()} == dict.fromkeys(
+        ("loss", "scale", "grad_norm"), list(range(12))
+    )
 
 
 def _compiled_step_params(watched: bool) -> list[torch.Tensor]:
@@ -190,7 +192,10 @@ def test_sparse_embedding_gradients_count_in_the_norm(sqlite_server, two_optimiz
     embedding, head = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 1)
     model = torch.nn.Sequential(embedding, head)
     if two_optimizers:
-        optimizers = [torch.optim.SparseAdam(list(embedding.parameters()), lr=1e-2), torch.optim.SGD(head.parameters(), lr=1e-2)]
+        optimizers = [
+            torch.optim.SparseAdam(list(embedding.parameters()), lr=1e-2),
+            torch.optim.SGD(head.parameters(), lr=1e-2),
+        ]
     else:
         optimizers = [torch.optim.SGD(model.parameters(), lr=1e-2)]
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
@@ -242,7 +247,9 @@ def test_a_clip_over_the_parameters_that_have_gradients_is_the_norm_of_every_ste
                 loss = model(torch.randn(4, 8), step).float().pow(2).mean()
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
-            clipped.append(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e3).item())
+            clipped.append(
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e3).item()
+            )
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()

@@ -14,8 +14,12 @@ import torch
 import ampwatch
 
 
-@pytest.mark.parametrize(("ending", "status"), [("pass", "finished"), ("raise RuntimeError('late failure')", "crashed")])
-def test_a_script_that_never_calls_finish_is_closed_truthfully_at_exit(sqlite_server, tmp_path, ending: str, status: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("ending", "status"), [("pass", "finished"), ("raise RuntimeError('late failure')", "crashed")]
+)
+def test_a_script_that_never_calls_finish_is_closed_truthfully_at_exit(
+    sqlite_server, tmp_path, ending: str, status: str
+) -> None:  # type: ignore[no-untyped-def]
     script = tmp_path / "train.py"
     script.write_text(
         "import ampwatch\n"
@@ -78,7 +82,9 @@ print(status, run.id)
 
 
 def test_a_forked_child_that_exits_normally_does_not_finish_its_parents_run(sqlite_server) -> None:  # type: ignore[no-untyped-def]
-    done = subprocess.run([sys.executable, "-c", _FORKING_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKING_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     status_after_child_exit, run_id = done.stdout.split()
     assert status_after_child_exit == "running"
@@ -139,13 +145,19 @@ print(run.id)
 """
 
 
-def test_a_real_process_with_forked_dataloader_workers_exits_without_hanging_and_its_run_is_finished(sqlite_server) -> None:  # type: ignore[no-untyped-def]
-    done = subprocess.run([sys.executable, "-c", _DATALOADER_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=60)
+def test_a_real_process_with_forked_dataloader_workers_exits_without_hanging_and_its_run_is_finished(
+    sqlite_server,
+) -> None:  # type: ignore[no-untyped-def]
+    done = subprocess.run(
+        [sys.executable, "-c", _DATALOADER_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     run_id = done.stdout.split()[-1]
     with sqlite_server.client() as http:
         assert http.get(f"/api/v1/runs/{run_id}").json()["status"] == "finished"
-        assert http.get(f"/api/v1/runs/{run_id}/series", params={"name": "loss"}).json()["loss"]["steps"] == list(range(8))
+        assert http.get(f"/api/v1/runs/{run_id}/series", params={"name": "loss"}).json()["loss"]["steps"] == list(
+            range(8)
+        )
 
 
 _BUFFERED_EXIT_SCRIPT = """
@@ -168,11 +180,20 @@ if sys.argv[1] == "finish":
 
 
 @pytest.mark.parametrize("ending", ["finish", "exit"])
-def test_a_process_ending_with_thousands_of_steps_still_buffered_exits_cleanly_and_keeps_them(sqlite_server, tmp_path, ending: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_process_ending_with_thousands_of_steps_still_buffered_exits_cleanly_and_keeps_them(
+    sqlite_server, tmp_path, ending: str
+) -> None:  # type: ignore[no-untyped-def]
     # Regression: the sender freed the last records' tensors after finish() had returned; a tensor's release lets
     # go of the GIL, and taking it back during interpreter shutdown aborted the process ("terminate called...").
-    env = {**os.environ, "AMPWATCH_MODE": "offline", "AMPWATCH_SPOOL_DIR": str(tmp_path), "AMPWATCH_FLUSH_INTERVAL_S": "1000"}
-    done = subprocess.run([sys.executable, "-c", _BUFFERED_EXIT_SCRIPT, ending], env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "AMPWATCH_MODE": "offline",
+        "AMPWATCH_SPOOL_DIR": str(tmp_path),
+        "AMPWATCH_FLUSH_INTERVAL_S": "1000",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _BUFFERED_EXIT_SCRIPT, ending], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     synced = subprocess.run([sys.executable, "-m", "ampwatch._cli", "sync", str(tmp_path), "--url", sqlite_server.url],
                             capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -16,12 +16,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import _runs
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import _runs
 import ampwatch
 from ampwatch import _watch
 from ampwatch._worker import KEEP_READ, RAN
@@ -101,7 +101,9 @@ def test_a_server_that_never_answers_does_not_hold_up_the_loop(monkeypatch) -> N
         # and what the sender, waiting on the server, had not taken in yet waits on disk: every step, and the run's end
         docs = [json.loads(f.read_text()) for f in Path(os.environ["AMPWATCH_SPOOL_DIR"]).rglob("[0-9]*.json")]
         assert "finished" in [d["status"] for d in docs]
-        assert sum(len(base64.b64decode(d["points"]["loss"]["steps"])) // 8 for d in docs if "loss" in d["points"]) == 60  # (int64s)
+        assert (
+            sum(len(base64.b64decode(d["points"]["loss"]["steps"])) // 8 for d in docs if "loss" in d["points"]) == 60
+        )  # (int64s)
     finally:
         stop.set()
         listener.close()
@@ -169,8 +171,12 @@ def test_an_internal_agent_error_never_reaches_the_training_loop(sqlite_server, 
 
 
 @pytest.mark.internal_errors
-def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_ends(sqlite_server, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "60")  # one pass at finish(): the bad record shares its chunk with the end
+def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_ends(
+    sqlite_server, monkeypatch, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(
+        "AMPWATCH_FLUSH_INTERVAL_S", "60"
+    )  # one pass at finish(): the bad record shares its chunk with the end
     with ampwatch.init("guest", "bad-record", url=sqlite_server.url) as run:
         for step in range(20):
             run.log({"x": float(step)}, step=step)
@@ -243,11 +249,20 @@ def test_a_watched_scaler_still_pickles_deep_copies_and_saves_state() -> None:
         assert clone.state_dict() == scaler.state_dict()
     assert scaler.state_dict()["scale"] == 256.0
     run.finish()
-    assert not set(vars(scaler)) & {"_ampwatch_recorder", "scale", "unscale_", "step", "update", "__reduce_ex__"}  # unhooked
+    assert not set(vars(scaler)) & {
+        "_ampwatch_recorder",
+        "scale",
+        "unscale_",
+        "step",
+        "update",
+        "__reduce_ex__",
+    }  # unhooked
     assert scaler.scale.__func__ is torch.amp.GradScaler.scale
 
 
-def test_records_dropped_past_the_buffer_cap_are_counted_reported_and_the_run_still_ends(sqlite_server, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_records_dropped_past_the_buffer_cap_are_counted_reported_and_the_run_still_ends(
+    sqlite_server, monkeypatch, caplog
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_MAX_PENDING_RECORDS", "10")
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "60")  # the sender sleeps through the loop: the buffer fills
     caplog.set_level("WARNING", logger="ampwatch")
@@ -304,7 +319,10 @@ def test_the_sender_reads_the_step_tensors_and_the_training_thread_frees_them(sq
     assert during > 100 and len(freed_on) == 200  # (freed as the loop went, not only at its end)
     assert set(freed_on) == {threading.current_thread().name}
     with sqlite_server.client() as http:
-        assert len(http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]["steps"]) == 200
+        assert (
+            len(http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]["steps"])
+            == 200
+        )
 
     only_logs = ampwatch.init("guest", "logs only", url=sqlite_server.url)
     for step in range(40):

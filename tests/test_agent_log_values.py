@@ -7,10 +7,10 @@ import fractions
 import warnings
 from typing import Any
 
+import _runs
 import numpy as np
 import torch
 
-import _runs
 import ampwatch
 
 

@@ -14,7 +14,9 @@ import ampwatch
 BAD = (4, 12)  # steps whose batch holds a value fp16 cannot: the first layer's output overflows, the batch is finite
 
 
-def _train(server: Any, *, watch: str | None, steps: int = 20, ddp: bool = False) -> tuple[list[torch.Tensor], str | None]:
+def _train(
+    server: Any, *, watch: str | None, steps: int = 20, ddp: bool = False
+) -> tuple[list[torch.Tensor], str | None]:
     """A standard fp16 loop over a compiled model; `watch`: "compiled" (watch the compiled model), "model" (watch the
     model, then compile it) or None (no agent); `ddp`: the compiled model in DistributedDataParallel, as nanoGPT has it.
     Returns the parameters after the loop, and the run's id."""
@@ -60,7 +62,11 @@ def test_a_compiled_model_is_named_as_the_origin_and_its_layers_as_the_model_s(s
     events = _events(sqlite_server, run_id)
     assert [e["step"] for e in events if e["type"] == "nonfinite_loss" and "origin" not in e["details"]][:1] == [BAD[0]]
     [origin] = [e for e in events if "origin" in e["details"]]
-    assert (origin["step"], origin["details"]["origin"], origin["details"]["phase"]) == (BAD[1], "(compiled model)", "forward")
+    assert (origin["step"], origin["details"]["origin"], origin["details"]["phase"]) == (
+        BAD[1],
+        "(compiled model)",
+        "forward",
+    )
     assert "the input batch was finite and the output of the compiled model was not" in origin["message"]
     assert "without torch.compile" in origin["message"]
     with sqlite_server.client() as http:

@@ -44,7 +44,9 @@ def test_a_fused_amp_loop_with_the_agent_never_synchronizes(sqlite_server, monke
     with sqlite_server.client() as http:
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "scale", "loss_tensor"]}).json()
     assert data["loss"]["steps"] == data["scale"]["steps"] == list(range(31))
-    assert data["loss"]["values"] == pytest.approx(data["loss_tensor"]["values"][: len(data["loss"]["values"])], rel=1e-6)
+    assert data["loss"]["values"] == pytest.approx(
+        data["loss_tensor"]["values"][: len(data["loss"]["values"])], rel=1e-6
+    )
 
 
 def test_autocast_on_cuda_around_a_model_left_on_the_cpu_is_an_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]

@@ -22,7 +22,9 @@ def _free_port() -> int:
 def test_demo_trains_an_unstable_run_and_prints_the_dashboard(tmp_path: Path) -> None:
     url, port, steps = f"sqlite:///{tmp_path / 'demo.db'}", _free_port(), 150
     command = [shutil.which("ampwatch") or "ampwatch", "demo", "--port", str(port), "--db", url]
-    done = subprocess.run(command + ["--steps", str(steps), "--step-delay", "0", "--exit"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        command + ["--steps", str(steps), "--step-delay", "0", "--exit"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert f"ampwatch dashboard: http://127.0.0.1:{port}/" in done.stdout
     engine = db.make_engine(url)

@@ -130,7 +130,10 @@ def test_a_bad_batch_is_a_nonfinite_loss_and_its_next_occurrence_names_the_input
     events = _loop(sqlite_server, 25, batch=corrupt, pause_after={5})
     losses = [e for e in events if e["type"] == "nonfinite_loss"]
     assert (losses[0]["severity"], losses[0]["step"]) == ("critical", 5)
-    assert "GradScaler skipped the step" in losses[0]["message"] and "did not change the parameters" in losses[0]["message"]
+    assert (
+        "GradScaler skipped the step" in losses[0]["message"]
+        and "did not change the parameters" in losses[0]["message"]
+    )
     [origin] = [e for e in losses if "origin" in e["details"]]
     assert (origin["step"], origin["details"]["origin"], origin["details"]["phase"]) == (15, "(input batch)", "forward")
     assert "data problem" in origin["message"]
@@ -185,7 +188,9 @@ def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(sqlite_s
     assert all(isinstance(v, float) for s, v in zip(before["steps"], before["values"]) if s in armed)
 
 
-def test_nan_gradients_that_stop_at_a_lower_scale_are_called_fp16_overflow_once_the_steps_come_back(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_nan_gradients_that_stop_at_a_lower_scale_are_called_fp16_overflow_once_the_steps_come_back(
+    sqlite_server,
+) -> None:  # type: ignore[no-untyped-def]
     # After calibration the scale is set to 2^24: the fp16 backward overflows, and in the last layer's weight
     # gradient inf - inf is NaN. Real arithmetic, no NaN put in: it lasts until GradScaler has halved the scale
     # enough. While it lasts the agent cannot tell it from an operation that makes NaN; once steps come back it can.
@@ -194,7 +199,9 @@ def test_nan_gradients_that_stop_at_a_lower_scale_are_called_fp16_overflow_once_
     assert [(e["severity"], e["step"]) for e in grads[:2]] == [("warning", 61), ("critical", 62)]
     assert "overflows fp16" in grads[1]["message"] and "sqrt" in grads[1]["message"]
     [back] = [e for e in events if e["details"].get("overflow")]
-    assert back["type"] == "skipped_step" and back["severity"] == "info" and back["details"]["nonfinite_grad_step"] == 61
+    assert (
+        back["type"] == "skipped_step" and back["severity"] == "info" and back["details"]["nonfinite_grad_step"] == 61
+    )
     assert 64 <= back["step"] <= 75 and "fp16 overflow" in back["message"]
     assert not [e for e in events if e["type"] == "nonfinite_loss"]
 
@@ -202,7 +209,9 @@ def test_nan_gradients_that_stop_at_a_lower_scale_are_called_fp16_overflow_once_
 def test_parameters_gone_nonfinite_without_a_scaler_are_reported(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "1")
     disabled = torch.amp.GradScaler("cpu", enabled=False)  # bf16: nothing skips a bad step
-    events = _loop(sqlite_server, 12, dtype=torch.bfloat16, scaler=disabled, batch=lambda s, x: x * (float("inf") if s == 6 else 1))
+    events = _loop(
+        sqlite_server, 12, dtype=torch.bfloat16, scaler=disabled, batch=lambda s, x: x * (float("inf") if s == 6 else 1)
+    )
     params = _of(events, "nonfinite_param")
     assert params == [("nonfinite_param", "critical", 6)]
     assert "cannot recover" in next(e for e in events if e["type"] == "nonfinite_param")["message"]
@@ -247,7 +256,10 @@ def test_a_healthy_run_has_per_layer_gradient_norms_grouped_by_module(sqlite_ser
                 loss = model(torch.randn(4, 8)).float().pow(2).mean()
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
-            expected[step] = {m: torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model[int(m)].parameters()])).item() for m in ("0", "4")}
+            expected[step] = {
+                m: torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model[int(m)].parameters()])).item()
+                for m in ("0", "4")
+            }
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
@@ -257,11 +269,15 @@ def test_a_healthy_run_has_per_layer_gradient_norms_grouped_by_module(sqlite_ser
     assert sorted(n for n in names if n.startswith("grad_norm/")) == ["grad_norm/0", "grad_norm/4"]  # one per module
     for module in ("0", "4"):
         assert data[f"grad_norm/{module}"]["steps"] == [0, 5, 10]
-        assert data[f"grad_norm/{module}"]["values"] == pytest.approx([expected[s][module] for s in (0, 5, 10)], rel=1e-5)
+        assert data[f"grad_norm/{module}"]["values"] == pytest.approx(
+            [expected[s][module] for s in (0, 5, 10)], rel=1e-5
+        )
     assert _events(sqlite_server, run.id) == []  # healthy: nothing to say
 
 
-def test_steps_between_the_due_ones_skip_no_per_layer_check_logged_value_or_scale_change(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_steps_between_the_due_ones_skip_no_per_layer_check_logged_value_or_scale_change(
+    sqlite_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     # Most steps take the agent's short path; each step something is due on must still take the full one:
     # per-layer norms, parameter checks, a standard name the user logs, a scale or growth rule changed by hand
     # (at steps 12, 22 and 31 here, which are none of the others: multiples of 5 or 7 or one before a 5).
@@ -286,7 +302,9 @@ def test_steps_between_the_due_ones_skip_no_per_layer_check_logged_value_or_scal
                 scaler.set_growth_factor(4.0)
             optimizer.zero_grad()
     with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm/0", "param_norm", "grad_norm", "scale"]}).json()
+        data = http.get(
+            f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm/0", "param_norm", "grad_norm", "scale"]}
+        ).json()
     assert data["grad_norm/0"]["steps"] == list(range(0, 40, 5))
     assert data["param_norm"]["steps"] == list(range(0, 40, 7))
     assert data["grad_norm"]["steps"] == list(range(40))
@@ -295,7 +313,9 @@ def test_steps_between_the_due_ones_skip_no_per_layer_check_logged_value_or_scal
     assert scales[23] == 64.0 and any(b == 4 * a for a, b in zip(scales[32:], scales[33:]))
 
 
-def test_without_a_scaler_the_due_steps_still_take_per_layer_norms_and_parameter_checks(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_without_a_scaler_the_due_steps_still_take_per_layer_norms_and_parameter_checks(
+    sqlite_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     # (bf16: steps are counted through the optimizer, and the steps between the due ones take the short path too)
     monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "5")
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "7")
@@ -310,7 +330,9 @@ def test_without_a_scaler_the_due_steps_still_take_per_layer_norms_and_parameter
             optimizer.step()
             optimizer.zero_grad()
     with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm/0", "param_norm", "grad_norm"]}).json()
+        data = http.get(
+            f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm/0", "param_norm", "grad_norm"]}
+        ).json()
     assert data["grad_norm/0"]["steps"] == list(range(0, 30, 5))
     assert data["param_norm"]["steps"] == list(range(0, 30, 7))
     assert data["grad_norm"]["steps"] == list(range(30))

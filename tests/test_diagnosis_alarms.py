@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from test_diagnosis import _events, _loop, _of
 
 import ampwatch
-from test_diagnosis import _events, _loop, _of
 
 
 def test_a_long_startup_calibration_from_a_very_high_scale_is_no_scale_collapse(sqlite_server) -> None:  # type: ignore[no-untyped-def]
@@ -24,7 +24,9 @@ def test_a_long_startup_calibration_from_a_very_high_scale_is_no_scale_collapse(
     assert {e["severity"] for e in events} == {"info"}, [e["message"] for e in events if e["severity"] != "info"]
 
 
-def test_nan_gradients_that_keep_coming_back_on_single_steps_are_reported_and_the_scale_below_1_is_a_collapse(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_nan_gradients_that_keep_coming_back_on_single_steps_are_reported_and_the_scale_below_1_is_a_collapse(
+    sqlite_server,
+) -> None:  # type: ignore[no-untyped-def]
     # A sqrt at 0 on some batches: each makes one NaN skip, the steps between are fine, and each skip halves the scale.
     def sometimes(step: int, model: torch.nn.Sequential) -> None:
         model[3].on = step in (60, 70, 80, 90)
@@ -60,7 +62,9 @@ def test_an_evaluation_pass_without_autocast_before_training_is_no_amp_config_wa
                 model(torch.randn(4, 8))  # a baseline validation, in fp32
 
     assert not _of(_loop(sqlite_server, 3, before=evaluate_first), "amp_config")
-    assert _of(_loop(sqlite_server, 3, before=evaluate_first, autocast=False), "amp_config")  # training without it still is
+    assert _of(
+        _loop(sqlite_server, 3, before=evaluate_first, autocast=False), "amp_config"
+    )  # training without it still is
 
 
 def _small_fp16_trainer() -> tuple[torch.nn.Sequential, torch.optim.SGD, torch.amp.GradScaler]:
@@ -142,7 +146,9 @@ def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(sql
 
 
 @pytest.mark.parametrize("clip", [True, False], ids=["steady path", "full path"])
-def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_next_bad_batch(sqlite_server, monkeypatch, clip) -> None:  # type: ignore[no-untyped-def]
+def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_next_bad_batch(
+    sqlite_server, monkeypatch, clip
+) -> None:  # type: ignore[no-untyped-def]
     # Sub-millisecond steps and a 5 s flush interval: the whole loop ends long before the sender's next timed read. A
     # skipped step wakes it (the optimizer's post-step hook says the step did not run: no host read), so the diagnosis
     # sees the first bad batch at once, arms the probe, and the probe names the input batch as the origin of a later one.
@@ -172,7 +178,12 @@ def test_a_bad_batch_that_comes_back_less_often_than_the_probe_stays_armed_is_st
         return x
 
     events = _loop(sqlite_server, 220, batch=corrupt, pause_after={20, 80, 140})
-    assert [e["step"] for e in events if e["type"] == "nonfinite_loss" and "origin" not in e["details"]] == [20, 80, 140, 200]
+    assert [e["step"] for e in events if e["type"] == "nonfinite_loss" and "origin" not in e["details"]] == [
+        20,
+        80,
+        140,
+        200,
+    ]
     [origin] = [e for e in events if "origin" in e["details"]]
     assert (origin["step"], origin["details"]["origin"]) == (200, "(input batch)")
 
@@ -189,7 +200,11 @@ def test_the_probe_window_doubles_after_a_miss_up_to_its_cap_and_resets_after_a_
         assert probe.armed and model[0]._forward_hooks
         probe.disarm()
         assert not probe.armed and not model[0]._forward_hooks
-    assert windows == [ARM_STEPS * 2**k for k in range(5)] + [MAX_ARM_STEPS] * 2 + [ARM_STEPS] == [20, 40, 80, 160, 320, 320, 320, 20]
+    assert (
+        windows
+        == [ARM_STEPS * 2**k for k in range(5)] + [MAX_ARM_STEPS] * 2 + [ARM_STEPS]
+        == [20, 40, 80, 160, 320, 320, 320, 20]
+    )
 
 
 def _by_hand(server: Any, steps: int, each: Callable[[int, Any, bool], None]) -> None:
@@ -223,7 +238,9 @@ def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_
 
 
 @pytest.mark.parametrize("order", ["skipped first", "skipped second"])
-def test_a_skip_of_one_of_two_optimizers_wakes_the_sender_whichever_steps_first(sqlite_server, monkeypatch, order) -> None:  # type: ignore[no-untyped-def]
+def test_a_skip_of_one_of_two_optimizers_wakes_the_sender_whichever_steps_first(
+    sqlite_server, monkeypatch, order
+) -> None:  # type: ignore[no-untyped-def]
     # One scaler, two models and optimizers (the AMP docs' loop): NaN in model 0's batch only, so its step is skipped
     # and the other's runs. The skip must wake the sender (5 s flush interval: the loop is over long before) also when
     # the skipped optimizer steps first and the other's post-step hook fires after it.

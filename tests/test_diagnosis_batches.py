@@ -72,7 +72,9 @@ def _state(analyzer: Analyzer) -> dict[str, Any]:
         median = state.pop(name)
         state[name] = (list(median._order), median._sorted)
     state["_norm_history"] = list(state["_norm_history"])
-    state["_skipped_at"] = {k: v for k, v in state["_skipped_at"].items() if k >= max(state["_skipped_at"], default=0) - 1}
+    state["_skipped_at"] = {
+        k: v for k, v in state["_skipped_at"].items() if k >= max(state["_skipped_at"], default=0) - 1
+    }
     return state
 
 
@@ -93,10 +95,15 @@ def test_batches_reach_the_same_events_and_state_as_step_by_step(seed: int) -> N
 
 def test_a_calm_batch_is_absorbed_in_bulk() -> None:
     analyzer = Analyzer()
-    rows = [(s, {"loss": 1.0 + 0.001 * s, "grad_norm": 0.5, "scale": 65536.0, "skipped": 0.0, "lr": 1e-3}) for s in range(60)]
+    rows = [
+        (s, {"loss": 1.0 + 0.001 * s, "grad_norm": 0.5, "scale": 65536.0, "skipped": 0.0, "lr": 1e-3})
+        for s in range(60)
+    ]
     analyzer.observe_columns(_columns(rows))  # through start-up calibration, one by one
     assert not analyzer.calibrating
-    calm = _columns([(s, {"loss": 1.1, "grad_norm": 0.6, "scale": 65536.0, "skipped": 0.0, "lr": 1e-3}) for s in range(60, 260)])
+    calm = _columns(
+        [(s, {"loss": 1.1, "grad_norm": 0.6, "scale": 65536.0, "skipped": 0.0, "lr": 1e-3}) for s in range(60, 260)]
+    )
     assert analyzer._absorb_calm(calm)
     spiky = _columns([(260, {"loss": 1.1, "grad_norm": 60.0, "scale": 65536.0, "skipped": 0.0})])
     assert not analyzer._absorb_calm(spiky)
@@ -113,7 +120,11 @@ def test_state_stays_small_when_steps_are_not_contiguous() -> None:
 def test_noisy_losses_are_no_spikes_and_a_jump_from_a_negative_loss_is() -> None:
     rng = random.Random(0)
     noisy = Analyzer()  # batch size 1: squared errors (median ~0.45, 14x it now and then), norms as noisy
-    events = [e for step in range(2000) for e in noisy.observe(step, {"loss": rng.gauss(0, 1) ** 2, "grad_norm": rng.expovariate(1)})]
+    events = [
+        e
+        for step in range(2000)
+        for e in noisy.observe(step, {"loss": rng.gauss(0, 1) ** 2, "grad_norm": rng.expovariate(1)})
+    ]
     assert not events, [e["message"] for e in events]
     steady = Analyzer()  # ... while a steady loss still spikes at 5x its median
     events = [e for step in range(100) for e in steady.observe(step, {"loss": 2.0 + rng.gauss(0, 0.01)})]
@@ -133,7 +144,11 @@ def test_a_loss_logged_before_its_optimizer_step_arrives_a_batch_early_and_still
     assert analyzer.observe_columns({"grad_norm": ([7], [math.nan]), "lr": ([7], [1e-3])}) == []
     unknown = Analyzer()  # a NaN norm where no loss was recorded at all does not claim the loss was finite
     [grad] = unknown.observe_columns({"grad_norm": ([3], [math.nan])})
-    assert grad["type"] == "nonfinite_grad" and "(no loss recorded)" in grad["message"] and "finite loss" not in grad["message"]
+    assert (
+        grad["type"] == "nonfinite_grad"
+        and "(no loss recorded)" in grad["message"]
+        and "finite loss" not in grad["message"]
+    )
 
 
 def test_nan_skips_each_right_after_the_scale_grew_are_overflow_not_a_recurring_nan() -> None:
@@ -146,7 +161,9 @@ def test_nan_skips_each_right_after_the_scale_grew_are_overflow_not_a_recurring_
         values = {"loss": 1.0, "grad_norm": math.nan if overflow else 0.5, "scale": scale, "skipped": float(overflow)}
         events += analyzer.observe(step, values)
         scale, good = (scale / 2, 0) if overflow else (scale * 2, 0) if good == 9 else (scale, good + 1)
-    assert sum(e["details"].get("streak") == 1 and e["type"] == "nonfinite_grad" for e in events) == 0, [e["message"] for e in events]
+    assert sum(e["details"].get("streak") == 1 and e["type"] == "nonfinite_grad" for e in events) == 0, [
+        e["message"] for e in events
+    ]
     assert {e["severity"] for e in events} <= {"info"}
 
 
@@ -156,7 +173,15 @@ def test_isolated_overflows_that_take_the_scale_below_1_are_no_collapse() -> Non
     def run(skips: set[int]) -> list[str]:
         analyzer, scale, events = Analyzer(), 1.0, []
         for step in range(600):
-            events += analyzer.observe(step, {"loss": 1e7, "grad_norm": math.inf if step in skips else 1e4, "scale": scale, "skipped": float(step in skips)})
+            events += analyzer.observe(
+                step,
+                {
+                    "loss": 1e7,
+                    "grad_norm": math.inf if step in skips else 1e4,
+                    "scale": scale,
+                    "skipped": float(step in skips),
+                },
+            )
             scale = scale / 2 if step in skips else scale
         return [e["type"] for e in events if e["severity"] != "info"]
 

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-
-import ampwatch
 from test_diagnosis import _events, _loop, _model, _of
 
+import ampwatch
 
-def _plain(server: Any, steps: int, *, sqrt_at: int = -1, nan_batch_at: int = -1, log_loss: bool = True,
-           pause_after: int = -1) -> list[dict[str, Any]]:
+
+def _plain(
+    server: Any, steps: int, *, sqrt_at: int = -1, nan_batch_at: int = -1, log_loss: bool = True, pause_after: int = -1
+) -> list[dict[str, Any]]:
     """A bf16 loop with no scaler: backward, optimizer step; the loss logged before the step (or not at all)."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-
-import ampwatch
 from test_diagnosis import _events, _loop, _model
 
+import ampwatch
 
-def _regression(server: Any, steps: int, log: Any, bad: int, delay_after: int = -1, overflow: bool = False) -> list[dict[str, Any]]:
+
+def _regression(
+    server: Any, steps: int, log: Any, bad: int, delay_after: int = -1, overflow: bool = False
+) -> list[dict[str, Any]]:
     """An fp16 loop that clips and learns y = x @ W (the loss falls ~20x); `log(run, step, loss, norm)` after update();
     at step `bad` a NaN input, or with `overflow` one 1000 times too large (a finite loss, gradients that overflow fp16);
     a pause after step `delay_after` (the skip woke the sender: it reads that step alone)."""
@@ -60,7 +62,12 @@ def test_a_resumed_run_logging_its_global_step_is_judged_as_a_run_with_a_scaler(
     # The loop logs its loss at 10000 + step, steps the agent never records: they were taken for a run without a
     # scaler ("There is no GradScaler to skip the step"), and fed to the rolling median after the agent's later, lower
     # losses of the same batch (false loss spikes).
-    events = _regression(sqlite_server, 400, lambda run, step, loss, norm: run.log({"loss": loss, "grad_norm": norm}, step=10000 + step), bad=150)
+    events = _regression(
+        sqlite_server,
+        400,
+        lambda run, step, loss, norm: run.log({"loss": loss, "grad_norm": norm}, step=10000 + step),
+        bad=150,
+    )
     assert not [e for e in events if "no GradScaler" in e["message"]], [e["message"] for e in events]
     assert not [e for e in events if e["type"] == "loss_spike"], [e["message"] for e in events]
     assert 150 in [e["step"] for e in events if e["type"] == "nonfinite_loss"]
@@ -70,7 +77,9 @@ def test_a_converged_small_batch_classifier_has_no_loss_spikes(sqlite_server) ->
     # Cross-entropy, 16 examples a batch, converging to ~1e-4: a single hard example makes a batch's loss hundreds of
     # times its median and several times its 90th percentile, again and again (23 loss_spike warnings before).
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = torch.amp.GradScaler("cpu")
     x = torch.randn(2048, 16)
@@ -90,16 +99,22 @@ def test_a_converged_small_batch_classifier_has_no_loss_spikes(sqlite_server) ->
             optimizer.zero_grad()
     assert loss.item() < 0.01  # (converged)
     events = _events(sqlite_server, run.id)
-    assert not [e for e in events if e["type"] == "loss_spike"], [e["message"] for e in events if e["type"] == "loss_spike"]
+    assert not [e for e in events if e["type"] == "loss_spike"], [
+        e["message"] for e in events if e["type"] == "loss_spike"
+    ]
 
 
-def test_after_a_collapse_from_a_named_backward_nan_skips_are_not_normal_and_bf16_is_not_the_advice(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_after_a_collapse_from_a_named_backward_nan_skips_are_not_normal_and_bf16_is_not_the_advice(
+    sqlite_server,
+) -> None:  # type: ignore[no-untyped-def]
     # A sqrt at 0 every 10 steps from 60: the probe names its backward at 90, the scale falls below 1 at 120. The
     # collapse advised "use bf16" (which does not fix sqrt(0)), and each later skip was "Occasional skips are normal".
     def sometimes(step: int, model: torch.nn.Sequential) -> None:
         model[3].on = step >= 60 and step % 10 == 0
 
-    events = _loop(sqlite_server, 150, scaler=torch.amp.GradScaler("cpu", init_scale=64.0), before=sometimes, pause_after={80, 90})
+    events = _loop(
+        sqlite_server, 150, scaler=torch.amp.GradScaler("cpu", init_scale=64.0), before=sometimes, pause_after={80, 90}
+    )
     origin = next(e for e in events if "origin" in e["details"])
     assert (origin["step"], origin["details"]["phase"]) == (90, "backward")
     [collapse] = [e for e in events if e["type"] == "scale_collapse"]
@@ -108,7 +123,9 @@ def test_after_a_collapse_from_a_named_backward_nan_skips_are_not_normal_and_bf1
     assert not [e for e in events if e["step"] > 120 and "normal" in e["message"]], [e["message"] for e in events]
 
 
-def test_nan_from_an_operation_on_two_steps_at_the_scale_steps_were_applied_at_is_not_called_overflow(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_nan_from_an_operation_on_two_steps_at_the_scale_steps_were_applied_at_is_not_called_overflow(
+    sqlite_server,
+) -> None:  # type: ignore[no-untyped-def]
     def twice(step: int, model: torch.nn.Sequential) -> None:
         model[3].on = step in (60, 61)
 
@@ -128,7 +145,9 @@ def test_nan_skips_between_applied_steps_in_the_first_50_steps_are_not_start_up_
     assert [(e["severity"], e["step"]) for e in grads][:1] == [("warning", 25)]
 
 
-def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_parameters(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_parameters(
+    sqlite_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     # The parameters are checked after the optimizer step, which wrote the bad batch's NaN into them: the loss event
     # said "(the parameters are non-finite)" of the loss that made them so.
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "5")
@@ -141,9 +160,13 @@ def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_
 
     events = _loop(sqlite_server, 20, dtype=torch.bfloat16, scaler=disabled, batch=corrupt)
     [loss] = [e for e in events if e["type"] == "nonfinite_loss" and "origin" not in e["details"]]
-    assert loss["step"] == 10 and "a bad batch" in loss["message"] and "parameters are non-finite" not in loss["message"]
+    assert (
+        loss["step"] == 10 and "a bad batch" in loss["message"] and "parameters are non-finite" not in loss["message"]
+    )
     [param] = [e for e in events if e["type"] == "nonfinite_param"]
-    assert param["step"] == 10 and "Step 10's non-finite loss (the forward pass made it: a bad batch" in param["message"]
+    assert (
+        param["step"] == 10 and "Step 10's non-finite loss (the forward pass made it: a bad batch" in param["message"]
+    )
 
 
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
@@ -251,7 +274,9 @@ class _Checkpointed(torch.nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_modules_recomputed_by_activation_checkpointing_count_once_in_the_origin(sqlite_server, reentrant: bool) -> None:  # type: ignore[no-untyped-def]
+def test_modules_recomputed_by_activation_checkpointing_count_once_in_the_origin(
+    sqlite_server, reentrant: bool
+) -> None:  # type: ignore[no-untyped-def]
     """The recomputation in the backward runs the forward hooks again: its outputs are not a second pass (they were
     counted: "module 3 of 7")."""
     torch.manual_seed(0)

@@ -110,7 +110,9 @@ def test_fsdp2_shards_report_the_global_grad_norm_and_their_shards_layer_norms(s
     shards = [series[rank]["grad_norm/0"]["values"][0] for rank in (0, 1)]
     assert 0 < shards[0] != shards[1] > 0
     assert math.isclose(math.hypot(*shards), seen[0]["layer0"], rel_tol=1e-5)
-    assert series[0]["skipped"]["values"] == series[1]["skipped"]["values"]  # found_inf all-reduced by ShardedGradScaler
+    assert (
+        series[0]["skipped"]["values"] == series[1]["skipped"]["values"]
+    )  # found_inf all-reduced by ShardedGradScaler
     assert _disagreements(sqlite_server, run_id) == []
 
 
@@ -147,7 +149,9 @@ def test_the_nan_origin_probe_issues_no_collective_on_a_tensor_parallel_model(tm
     script = tmp_path / "tp.py"
     script.write_text(TENSOR_PARALLEL)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
     assert len(lines) == 2, done.stdout
@@ -173,7 +177,9 @@ def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp
         names = http.get(f"/api/v1/runs/{run['id']}").json()["series"]
         assert (run["status"], run["environment"]["world_size"], run["last_step"]) == ("finished", 2, steps - 1)
         by_rank = {
-            rank: http.get(f"/api/v1/runs/{run['id']}/series", params={"name": ["loss", "scale", "skipped"], "rank": rank}).json()
+            rank: http.get(
+                f"/api/v1/runs/{run['id']}/series", params={"name": ["loss", "scale", "skipped"], "rank": rank}
+            ).json()
             for rank in (0, 1)
         }
     assert {"grad_norm/0", "grad_norm/2"} <= set(names), names  # per-layer series named as without DDP (no `module.`)
@@ -230,7 +236,9 @@ trainer.fit(Module())
 
 
 @pytest.mark.parametrize("form", ["in-callback", "early"])
-def test_lightning_ddp_ranks_report_into_one_run_when_the_callback_starts_it(sqlite_server, tmp_path: Path, form: str) -> None:  # type: ignore[no-untyped-def]
+def test_lightning_ddp_ranks_report_into_one_run_when_the_callback_starts_it(
+    sqlite_server, tmp_path: Path, form: str
+) -> None:  # type: ignore[no-untyped-def]
     """Lightning's DDP launcher starts the other ranks itself, after the script's first lines ran: a run started there
     knows no ranks yet (each process reported as rank 0 into a run of its own); one the callback starts at setup does."""
     from test_integrations import _series, _stack
@@ -239,11 +247,15 @@ def test_lightning_ddp_ranks_report_into_one_run_when_the_callback_starts_it(sql
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_DDP)
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "SERVER": sqlite_server.url}
-    done = subprocess.run([sys.executable, str(script), form], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    done = subprocess.run(
+        [sys.executable, str(script), form], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     with sqlite_server.client() as http:
         runs = http.get("/api/v1/runs", params={"project": "lightning-ddp"}).json()
-        events = [e for r in runs for e in http.get(f"/api/v1/runs/{r['id']}/events").json() if e["type"] == "amp_config"]
+        events = [
+            e for r in runs for e in http.get(f"/api/v1/runs/{r['id']}/events").json() if e["type"] == "amp_config"
+        ]
     if form == "in-callback":
         [run] = runs
         assert (run["status"], run["environment"]["world_size"], run["last_step"]) == ("finished", 2, 11)

@@ -47,7 +47,9 @@ def test_amp_training_reads_back_every_step_with_nan_as_string(live_server) -> N
 
     with live_server.client() as http:
         runs = http.get("/api/v1/runs", params={"project": "e2e"}).json()
-    assert [(r["id"], r["name"], r["status"], r["last_step"]) for r in runs] == [(run.id, "amp-loop", "finished", steps - 1)]
+    assert [(r["id"], r["name"], r["status"], r["last_step"]) for r in runs] == [
+        (run.id, "amp-loop", "finished", steps - 1)
+    ]
     assert runs[0]["health"] in ("ok", "warning", "critical") and runs[0]["created_at"]
     data = _series(live_server, run.id, "loss", "scale", "skipped", "grad_norm")
     for name in ("loss", "scale", "skipped", "grad_norm"):
@@ -61,7 +63,9 @@ def test_amp_training_reads_back_every_step_with_nan_as_string(live_server) -> N
     assert [data["grad_norm"]["values"][i] for i in finite] == pytest.approx([norms[i] for i in finite], rel=1e-5)
     assert data["scale"]["values"] == scales
     skipped = [i for i, v in enumerate(data["skipped"]["values"]) if v == 1]
-    assert skipped == [i for i in range(steps - 1) if scales[i + 1] < scales[i]] + ([steps - 1] if scaler.get_scale() < scales[-1] else [])
+    assert skipped == [i for i in range(steps - 1) if scales[i + 1] < scales[i]] + (
+        [steps - 1] if scaler.get_scale() < scales[-1] else []
+    )
 
 
 def test_accumulated_micro_batches_add_up_and_fused_adamw_norm_is_unscaled(sqlite_server) -> None:  # type: ignore[no-untyped-def]
@@ -186,7 +190,9 @@ def test_nonfinite_and_exact_floats_round_trip_through_the_database(live_server)
     values = [0.1 + 0.2, "NaN", "Infinity", "-Infinity", -2.5e-310, 5e-324, 1.7976931348623157e308]
     with live_server.client() as http:
         assert http.put("/api/v1/runs/exact1", json={"project": "p", "name": "n"}).status_code == 200
-        reply = http.post("/api/v1/runs/exact1/batches", json={"seq": 1, "points": {"v": {"steps": list(range(7)), "values": values}}})
+        reply = http.post(
+            "/api/v1/runs/exact1/batches", json={"seq": 1, "points": {"v": {"steps": list(range(7)), "values": values}}}
+        )
         assert reply.status_code == 200, reply.text
         data = http.get("/api/v1/runs/exact1/series", params={"name": "v"}).json()
     assert data["v"]["steps"] == list(range(7))

@@ -82,8 +82,12 @@ def test_generated_requests_never_get_a_server_error(sqlite_url, live_server_fac
     server = live_server_factory(settings.model_copy(update={"alert_url_scope": "loopback"}))
     with server.client() as http:  # a run and a channel to aim at, so id-scoped operations get past their 404
         http.put("/api/v1/runs/r1", json={"project": "p", "name": "n"}).raise_for_status()
-        http.post("/api/v1/alert-channels", json={"name": "c", "kind": "webhook", "url": f"{server.url}/nowhere"}).raise_for_status()
-        refused = http.post("/api/v1/alert-channels", json={"name": "x", "kind": "webhook", "url": "https://example.com/x"})
+        http.post(
+            "/api/v1/alert-channels", json={"name": "c", "kind": "webhook", "url": f"{server.url}/nowhere"}
+        ).raise_for_status()
+        refused = http.post(
+            "/api/v1/alert-channels", json={"name": "x", "kind": "webhook", "url": "https://example.com/x"}
+        )
         assert refused.status_code == 422  # the scope holds before fuzzing starts
     done = subprocess.run(
         [command, "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "10",

@@ -18,7 +18,10 @@ GOOD = {"seq": 1, "points": {"loss": {"steps": [0, 1, 2], "values": [1.0, "NaN",
 @pytest.fixture
 def http(live_server):  # type: ignore[no-untyped-def]
     with live_server.client() as client:
-        assert client.put("/api/v1/runs/r1", json={"project": "p", "name": "run one", "config": {"lr": 0.1}}).status_code == 200
+        assert (
+            client.put("/api/v1/runs/r1", json={"project": "p", "name": "run one", "config": {"lr": 0.1}}).status_code
+            == 200
+        )
         yield client
 
 
@@ -37,10 +40,22 @@ def _stored(http) -> tuple[dict, list]:  # type: ignore[no-untyped-def]
         ({"seq": 0}, 422, "seq"),
         ({"seq": 1, "surprise": True}, 422, "surprise"),
         ({"seq": 1, "status": "exploded"}, 422, "status"),
-        ({"seq": 1, "points": {"loss": {"steps": "not base64!", "values": [1.0]}}}, 422, "a packed series must be base64"),
+        (
+            {"seq": 1, "points": {"loss": {"steps": "not base64!", "values": [1.0]}}},
+            422,
+            "a packed series must be base64",
+        ),
         ({"seq": 1, "points": {"loss": {"steps": [0], "values": "AAAA"}}}, 422, "8-byte numbers"),
-        ({"seq": 1, "points": {"loss": {"steps": packed([-1], "q"), "values": [1.0]}}}, 422, "greater than or equal to 0"),
-        ({"seq": 1, "points": {"loss": {"steps": packed([0, 1], "q"), "values": packed([1.0], "d")}}}, 422, "steps has 2 items"),
+        (
+            {"seq": 1, "points": {"loss": {"steps": packed([-1], "q"), "values": [1.0]}}},
+            422,
+            "greater than or equal to 0",
+        ),
+        (
+            {"seq": 1, "points": {"loss": {"steps": packed([0, 1], "q"), "values": packed([1.0], "d")}}},
+            422,
+            "steps has 2 items",
+        ),
     ],
 )
 def test_bad_batches_get_a_clear_422_and_store_nothing(http, body, status: int, says: str) -> None:  # type: ignore[no-untyped-def]
@@ -73,7 +88,16 @@ def test_packed_series_are_stored_exactly_beside_json_lists(http) -> None:  # ty
     assert http.post("/api/v1/runs/r1/batches", json=body).json() == {"stored": True, "points": 9}
     series = _stored(http)[0]
     assert series["loss"]["steps"] == steps
-    assert series["loss"]["values"] == [0.1, "NaN", "Infinity", "-Infinity", -0.0, 5e-324, 1.7976931348623157e308, 2**-24]
+    assert series["loss"]["values"] == [
+        0.1,
+        "NaN",
+        "Infinity",
+        "-Infinity",
+        -0.0,
+        5e-324,
+        1.7976931348623157e308,
+        2**-24,
+    ]
     assert series["lr"] == {"steps": [0], "values": [0.5]}
 
 
@@ -85,7 +109,7 @@ def test_a_batch_for_an_unknown_run_gets_404_saying_how_to_register(http) -> Non
 
 
 def test_an_oversized_body_gets_413_before_parsing(live_server) -> None:  # type: ignore[no-untyped-def]
-    live_server.app.state.settings.max_body_bytes  # the limit is wired from settings
+    assert live_server.app.state.settings.max_body_bytes  # the limit is wired from settings
     big = {"seq": 1, "points": {"x": {"steps": list(range(3_000_000)), "values": [0.5] * 3_000_000}}}
     with live_server.client() as http:
         http.put("/api/v1/runs/r1", json={"project": "p", "name": "n"})
@@ -132,7 +156,9 @@ def test_max_points_keeps_a_lone_nan_and_a_lone_spike(http) -> None:  # type: ig
     n = 10_000
     values: list = [1.0 + (i % 7) * 1e-3 for i in range(n)]
     values[3_333], values[7_777], values[9_001] = "NaN", 1e6, "-Infinity"
-    http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": {"loss": {"steps": list(range(n)), "values": values}}})
+    http.post(
+        "/api/v1/runs/r1/batches", json={"seq": 1, "points": {"loss": {"steps": list(range(n)), "values": values}}}
+    )
     for max_points in (4, 50, 1000):
         got = http.get("/api/v1/runs/r1/series", params={"name": "loss", "max_points": max_points}).json()["loss"]
         kept = dict(zip(got["steps"], got["values"]))
@@ -162,7 +188,14 @@ def test_a_step_repeated_within_a_batch_keeps_its_last_value(http) -> None:  # t
         ("post", "/api/v1/runs/r1/batches", {"seq": 1, "points": {"x": {"steps": [2**63], "values": [1.0]}}}),
         ("post", "/api/v1/runs/r1/batches", {"seq": 2**63}),
         ("post", "/api/v1/runs/r1/batches", {"seq": 1, "rank": 2**31}),
-        ("post", "/api/v1/runs/r1/batches", {"seq": 1, "events": [{"step": 0, "type": "nonfinite_loss", "severity": "critical", "message": "m", "time": 1e20}]}),
+        (
+            "post",
+            "/api/v1/runs/r1/batches",
+            {
+                "seq": 1,
+                "events": [{"step": 0, "type": "nonfinite_loss", "severity": "critical", "message": "m", "time": 1e20}],
+            },
+        ),
         ("get", "/api/v1/runs/r1/series?rank=100000000000000000000", None),
         ("get", "/api/v1/alerts/100000000000000000000", None),
         ("get", "/api/v1/alert-rules/99999999999", None),
@@ -201,7 +234,13 @@ def test_a_run_lists_the_ranks_that_sent_batches(http) -> None:  # type: ignore[
 
 def test_a_batch_over_the_point_limit_gets_413_and_stores_nothing(live_server_factory, sqlite_url) -> None:  # type: ignore[no-untyped-def]
     server = live_server_factory(Settings(database_url=sqlite_url, max_batch_points=100))
-    batch = {"seq": 1, "points": {"a": {"steps": list(range(60)), "values": [1.0] * 60}, "b": {"steps": list(range(60)), "values": [2.0] * 60}}}
+    batch = {
+        "seq": 1,
+        "points": {
+            "a": {"steps": list(range(60)), "values": [1.0] * 60},
+            "b": {"steps": list(range(60)), "values": [2.0] * 60},
+        },
+    }
     with server.client() as http:
         http.put("/api/v1/runs/r1", json={"project": "p", "name": "n"}).raise_for_status()
         reply = http.post("/api/v1/runs/r1/batches", json=batch)
@@ -215,9 +254,18 @@ def test_nul_characters_never_hold_up_a_run(http) -> None:  # type: ignore[no-un
     reply = http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": {"a\x00b": {"steps": [0], "values": [1.0]}}})
     assert reply.status_code == 422 and "names cannot contain NUL characters" in reply.text
     assert http.put("/api/v1/runs/r2", json={"project": "p", "name": "n\x00"}).status_code == 422
-    event = {"step": 3, "type": "run_crashed", "severity": "critical", "message": "bad\x00byte", "details": {"k\x00": ["v\x00"]}}
+    event = {
+        "step": 3,
+        "type": "run_crashed",
+        "severity": "critical",
+        "message": "bad\x00byte",
+        "details": {"k\x00": ["v\x00"]},
+    }
     assert http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [event]}).status_code == 200
-    assert http.put("/api/v1/runs/r1", json={"project": "p", "name": "run one", "config": {"path": "a\x00b"}}).status_code == 200
+    assert (
+        http.put("/api/v1/runs/r1", json={"project": "p", "name": "run one", "config": {"path": "a\x00b"}}).status_code
+        == 200
+    )
     (stored,) = http.get("/api/v1/runs/r1/events").json()
     assert (stored["message"], stored["details"]) == ("bad\ufffdbyte", {"k\ufffd": ["v\ufffd"]})
     assert http.get("/api/v1/runs/r1").json()["config"] == {"path": "a\ufffdb"}
@@ -226,7 +274,9 @@ def test_nul_characters_never_hold_up_a_run(http) -> None:  # type: ignore[no-un
 
 def test_a_batch_of_empty_series_stores_nothing_and_is_acknowledged(http) -> None:  # type: ignore[no-untyped-def]
     for seq, empty in enumerate(([], ""), start=1):  # (a list, and packed: SQLite answered 500 to both)
-        reply = http.post("/api/v1/runs/r1/batches", json={"seq": seq, "points": {"x": {"steps": empty, "values": empty}}})
+        reply = http.post(
+            "/api/v1/runs/r1/batches", json={"seq": seq, "points": {"x": {"steps": empty, "values": empty}}}
+        )
         assert reply.status_code == 200 and reply.json() == {"stored": True, "points": 0}, reply.text
     assert http.get("/api/v1/runs/r1/series").json() == {"x": {"steps": [], "values": []}}
 
@@ -257,7 +307,10 @@ def test_a_run_keeps_its_project_when_registered_again_under_another(http) -> No
 def test_steps_up_to_the_largest_bigint_chart_downsampled(http) -> None:  # type: ignore[no-untyped-def]
     last = 2**63 - 1  # one past it overflowed the bucket bounds on Postgres (a 500)
     steps = list(range(last - 999, last + 1))
-    points = {"loss": {"steps": steps, "values": [float(i % 7) for i in range(1000)]}, "grad_norm/a": {"steps": steps, "values": [1.0] * 1000}}
+    points = {
+        "loss": {"steps": steps, "values": [float(i % 7) for i in range(1000)]},
+        "grad_norm/a": {"steps": steps, "values": [1.0] * 1000},
+    }
     assert http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": points}).status_code == 200
     for max_points in (100, 10):
         reply = http.get("/api/v1/runs/r1/series", params={"name": "loss", "max_points": max_points})
@@ -293,7 +346,9 @@ def test_runs_sort_by_health_by_severity_and_put_runs_without_steps_last_on_ever
     for name, health, step in (("a", "critical", 10), ("b", "ok", 500), ("c", "warning", 7), ("d", "ok", None)):
         http.put(f"/api/v1/runs/s-{name}", json={"project": "sorted", "name": name}).raise_for_status()
         if step is not None:
-            events = [{"step": step, "type": "grad_spike", "severity": health, "message": "m"}] if health != "ok" else []
+            events = (
+                [{"step": step, "type": "grad_spike", "severity": health, "message": "m"}] if health != "ok" else []
+            )
             body = {"seq": 1, "points": {"loss": {"steps": [step], "values": [1.0]}}, "events": events}
             http.post(f"/api/v1/runs/s-{name}/batches", json=body).raise_for_status()
 

@@ -73,7 +73,9 @@ class _Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.c_attn(self.ln_1(x)).split(c, dim=2))
+        q, k, v = (
+            z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.c_attn(self.ln_1(x)).split(c, dim=2)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
         x = x + self.c_proj(y)
         return x + self.mlp(self.ln_2(x))
@@ -182,7 +184,9 @@ def test_accelerate_loop_records_every_optimizer_step_through_the_wrapped_optimi
     hooks the optimizer inside it. On CPU Accelerate builds no GradScaler: bf16 autocasts, fp16 trains in fp32."""
     torch.manual_seed(0)
     steps, accumulation = 6, 2
-    accelerator = accelerate.Accelerator(mixed_precision=mixed_precision, cpu=True, gradient_accumulation_steps=accumulation)
+    accelerator = accelerate.Accelerator(
+        mixed_precision=mixed_precision, cpu=True, gradient_accumulation_steps=accumulation
+    )
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(torch.randn(steps * accumulation * 4, 16), batch_size=4)
@@ -201,7 +205,9 @@ def test_accelerate_loop_records_every_optimizer_step_through_the_wrapped_optimi
                 expected_loss.append(loss.item())
                 expected_norm.append(_total_norm(model.parameters()) / (scale or 1.0))
                 scales.append(scale)
-                accelerator.clip_grad_norm_(model.parameters(), 1e-3)  # the norm before it is recorded, with or without a scaler
+                accelerator.clip_grad_norm_(
+                    model.parameters(), 1e-3
+                )  # the norm before it is recorded, with or without a scaler
             optimizer.step()
             optimizer.zero_grad()
     run.finish()
@@ -217,7 +223,11 @@ def test_accelerate_loop_records_every_optimizer_step_through_the_wrapped_optimi
         assert data["scale"]["values"] == scales
     assert _run_info(sqlite_server, run.id)["status"] == "finished"
     with sqlite_server.client() as http:
-        checks = [e["details"].get("check") for e in http.get(f"/api/v1/runs/{run.id}/events").json() if e["type"] == "amp_config"]
+        checks = [
+            e["details"].get("check")
+            for e in http.get(f"/api/v1/runs/{run.id}/events").json()
+            if e["type"] == "amp_config"
+        ]
     # Accelerate turns fp16 on the CPU into plain fp32 without a word: the agent says it.
     fp32_in_disguise = mixed_precision == "fp16" and accelerator.scaler is None
     assert checks == (["accelerate_fp16_on_cpu"] if fp32_in_disguise else [])
@@ -277,7 +287,9 @@ def _trainer(L: ModuleType, callback: object, steps: int, precision: str, accumu
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_lightning_callback_records_every_optimizer_step_and_finishes_the_run(sqlite_server, lightning: ModuleType, precision: str) -> None:  # type: ignore[no-untyped-def]
+def test_lightning_callback_records_every_optimizer_step_and_finishes_the_run(
+    sqlite_server, lightning: ModuleType, precision: str
+) -> None:  # type: ignore[no-untyped-def]
     """bf16: no scaler; Lightning computes the gradients inside `optimizer.step(closure)`, so the norm is taken
     once the closure's backward ran. fp16: the precision plugin's GradScaler is watched like any other."""
     from ampwatch.lightning import AmpwatchCallback
@@ -288,7 +300,9 @@ def test_lightning_callback_records_every_optimizer_step_and_finishes_the_run(sq
     trainer = _trainer(lightning, AmpwatchCallback(run), steps, precision, accumulation)
     trainer.fit(module)
 
-    data = _series(sqlite_server, run.id, "loss", "grad_norm", "lr", "scale", "skipped", "grad_norm/net.0", "grad_norm/net.2")
+    data = _series(
+        sqlite_server, run.id, "loss", "grad_norm", "lr", "scale", "skipped", "grad_norm/net.0", "grad_norm/net.2"
+    )
     for name in ("loss", "grad_norm", "lr"):
         assert data[name]["steps"] == list(range(steps)), name
     micro = module.backward_losses
@@ -305,7 +319,9 @@ def test_lightning_callback_records_every_optimizer_step_and_finishes_the_run(sq
     assert _run_info(sqlite_server, run.id)["status"] == "finished"  # the callback finished the run
 
 
-def test_lightning_callback_marks_the_run_crashed_and_lets_the_exception_through(sqlite_server, lightning: ModuleType) -> None:  # type: ignore[no-untyped-def]
+def test_lightning_callback_marks_the_run_crashed_and_lets_the_exception_through(
+    sqlite_server, lightning: ModuleType
+) -> None:  # type: ignore[no-untyped-def]
     from ampwatch.lightning import AmpwatchCallback
 
     run = ampwatch.init(project="integrations", name="lightning-crash", url=sqlite_server.url)
@@ -344,7 +360,9 @@ def test_importing_ampwatch_loads_no_integration(tmp_path) -> None:  # type: ign
     assert done.stdout.strip() == "[]", done.stderr
 
 
-def test_lightning_gan_without_a_scaler_records_the_first_optimizers_steps_only(sqlite_server, lightning: ModuleType) -> None:  # type: ignore[no-untyped-def]
+def test_lightning_gan_without_a_scaler_records_the_first_optimizers_steps_only(
+    sqlite_server, lightning: ModuleType
+) -> None:  # type: ignore[no-untyped-def]
     """Manual optimization, a generator's step then a discriminator's, bf16: the steps and norms are the generator's
     (the first optimizer's); the discriminator's norm and loss were added to the next step."""
     from ampwatch.lightning import AmpwatchCallback
@@ -385,5 +403,3 @@ def test_lightning_gan_without_a_scaler_records_the_first_optimizers_steps_only(
     assert data["grad_norm"]["steps"] == list(range(6))
     assert data["grad_norm"]["values"] == pytest.approx(module.g_norms, rel=1e-4)
     assert data["loss"] == {"steps": [], "values": []}  # (whose backward is whose: unknown with two optimizers; log it)
-
-

@@ -12,7 +12,9 @@ import torch
 import ampwatch
 
 
-def _setup(server: Any, fused: bool = False) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+def _setup(
+    server: Any, fused: bool = False
+) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
@@ -110,7 +112,10 @@ def test_unscale_before_backward(sqlite_server, fused: bool) -> None:  # type: i
     scaler.unscale_(optimizer)  # too early: there are no gradients yet
     scaler.scale(loss).backward()
     # (a fused optimizer fails on the 0 GradScaler hands it for the found_inf it never computed)
-    _raises_unchanged(lambda: scaler.step(optimizer), "'int' object has no attribute 'device'" if fused else "No inf checks were recorded")
+    _raises_unchanged(
+        lambda: scaler.step(optimizer),
+        "'int' object has no attribute 'device'" if fused else "No inf checks were recorded",
+    )
     [event] = _misuse_events(sqlite_server, run)
     assert (event["details"]["cause"], event["details"]["stage"]) == ("unscale_before_backward", "UNSCALED")
 
@@ -243,7 +248,9 @@ def test_fp16_parameters_under_a_scaler(sqlite_server, unscale_first: bool) -> N
     run, model, optimizer, scaler = _setup(sqlite_server)
     model.half()  # (the classic: the whole model in fp16 instead of autocast)
     scaler.scale(model(torch.randn(4, 8).half()).float().pow(2).mean()).backward()
-    _raises_unchanged(lambda: scaler.unscale_(optimizer) if unscale_first else scaler.step(optimizer), "unscale FP16 gradients")
+    _raises_unchanged(
+        lambda: scaler.unscale_(optimizer) if unscale_first else scaler.step(optimizer), "unscale FP16 gradients"
+    )
     [event] = _misuse_events(sqlite_server, run)
     assert (event["severity"], event["details"]["cause"]) == ("critical", "fp16_parameters")
     assert "torch.autocast" in event["message"]
@@ -258,7 +265,9 @@ def test_optimizer_step_on_scaled_gradients_is_reported_once_without_raising(sql
         optimizer.zero_grad()
     [event] = _misuse_events(sqlite_server, run)
     assert (event["severity"], event["step"], event["details"]["cause"]) == ("critical", 1, "direct_step")
-    assert "multiplied by the loss scale" in event["message"] and "scaler.step(optimizer) in place of" in event["message"]
+    assert (
+        "multiplied by the loss scale" in event["message"] and "scaler.step(optimizer) in place of" in event["message"]
+    )
 
 
 def test_update_after_an_optimizer_step_outside_the_scaler(sqlite_server) -> None:  # type: ignore[no-untyped-def]

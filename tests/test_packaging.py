@@ -6,8 +6,9 @@ import argparse
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import ampwatch
 from ampwatch import _cli
@@ -30,7 +31,18 @@ def test_no_generic_top_level_module_is_importable(tmp_path: Path) -> None:
 
 
 def test_importing_the_agent_loads_no_server_dependency_and_no_torch(tmp_path: Path) -> None:
-    heavy = ["fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "pydantic", "plotly", "psycopg", "jinja2", "torch"]
+    heavy = [
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "sqlalchemy",
+        "alembic",
+        "pydantic",
+        "plotly",
+        "psycopg",
+        "jinja2",
+        "torch",
+    ]
     done = _python(f"import sys, ampwatch; print([m for m in {heavy!r} if m in sys.modules])", tmp_path)
     assert done.stdout.strip() == "[]", done.stderr
 
@@ -51,7 +63,9 @@ def test_the_agent_distribution_depends_on_nothing_and_the_server_extra_has_the_
 
 
 def test_the_top_level_layout_is_the_documented_one() -> None:
-    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     top = {path.split("/")[0] for path in tracked}
     assert top <= {
         "pyproject.toml", "README.md", "agent", "server", "web", "migrations", "tests", "bench",

@@ -11,14 +11,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import _browser as ui
 import httpx
 import pytest
 import uvicorn
 
 from ampwatch.server import Settings, create_app
 from ampwatch.server.demo import NAN_STEP_FRACTION, train
-
-import _browser as ui
 
 STEPS = 100
 NAN_STEP = int(STEPS * NAN_STEP_FRACTION)
@@ -55,7 +54,12 @@ def test_runs_page_lists_a_run_from_a_real_training_loop(demo: Any, page: Any) -
     page.wait_for_selector("#runs[data-live='open']", timeout=10_000)
     ui.shot(page, "runs.png")
     row = ui.row(page, run["id"])
-    assert (row["project"], row["name"], row["status"], row["health"]) == ("demo", run["name"], "finished", run["health"])
+    assert (row["project"], row["name"], row["status"], row["health"]) == (
+        "demo",
+        run["name"],
+        "finished",
+        run["health"],
+    )
     assert row["last_step"] == str(STEPS - 1)
     assert row["scale"].startswith("2") and row["skip_rate"].endswith("%"), row
     link = page.locator(f"tr[data-run-id='{run['id']}'] a")
@@ -80,14 +84,18 @@ def test_run_page_charts_every_series_and_the_layer_heatmap_from_a_real_training
     layers = [n.removeprefix("grad_norm/") for n in run["series"] if n.startswith("grad_norm/")]
     assert heat["plotly"] and heat["layers"] == len(layers) >= 4 and heat["columns"] >= 4
     assert heat["traces"][0]["type"] == "heatmap" and set(heat["traces"][0]["y"]) == set(layers)
-    assert page.locator("#chart-layers .hm image, #chart-layers .heatmaplayer image").count() >= 1, "the heatmap was painted"
+    assert page.locator("#chart-layers .hm image, #chart-layers .heatmaplayer image").count() >= 1, (
+        "the heatmap was painted"
+    )
     spans = [s for s in ui.chart(page, "chart-loss")["shapes"] if s["fill"] and "201, 42, 42" in s["fill"]]
     assert spans, "skipped steps are shaded"
     facts = dict(zip(page.locator("#runtime dt").all_inner_texts(), page.locator("#runtime dd").all_inner_texts()))
     assert facts["world size"] == "1" and facts["device"] == "CPU" and facts["torch"] != "–"
 
 
-def test_loss_scale_is_charted_on_a_log2_axis_with_power_of_two_ticks_and_grad_norm_on_a_log_axis(demo: Any, page: Any) -> None:
+def test_loss_scale_is_charted_on_a_log2_axis_with_power_of_two_ticks_and_grad_norm_on_a_log_axis(
+    demo: Any, page: Any
+) -> None:
     url, run = demo
     ui.open_run(page, url, run["id"])
     scale = ui.yaxis(page, "chart-scale")
@@ -119,8 +127,11 @@ def test_clicking_an_event_moves_every_chart_to_its_step(demo: Any, page: Any) -
     before = ui.chart(page, "chart-loss")["range"]
     item = page.locator(f"#timeline li.ev[data-step='{NAN_STEP}']").first
     item.locator("button").click()
-    page.wait_for_function("document.getElementById('charts').dataset.view !== undefined && "
-                           "Number(document.getElementById('charts').dataset.view.split(',')[1]) < 90", timeout=10_000)
+    page.wait_for_function(
+        "document.getElementById('charts').dataset.view !== undefined && "
+        "Number(document.getElementById('charts').dataset.view.split(',')[1]) < 90",
+        timeout=10_000,
+    )
     ui.shot(page, "run-event-jump.png")
     ranges = {chart_id: ui.chart(page, chart_id)["range"] for chart_id in (*ui.CHARTS, "chart-layers")}
     loss = ranges["chart-loss"]
@@ -155,5 +166,3 @@ def test_tables_work_with_javascript_off(demo: Any, browser: Any) -> None:
         assert page.locator("#timeline li.ev").count() == len(httpx.get(f"{url}/api/v1/runs/{run['id']}/events").json())
         assert page.locator("table.kv th", has_text="growth_interval").count() == 1
         assert page.locator("#run-alerts tr[data-state=firing]", has_text="nonfinite_loss").count() == 1
-
-

@@ -7,12 +7,13 @@ import time
 from typing import Any
 from urllib.parse import urlencode
 
+import _browser as ui
 import httpx
 
-import _browser as ui
 
-
-def test_grad_spike_events_are_star_markers_on_the_grad_norm_chart_also_when_they_arrive_live(sqlite_server: Any, page: Any) -> None:
+def test_grad_spike_events_are_star_markers_on_the_grad_norm_chart_also_when_they_arrive_live(
+    sqlite_server: Any, page: Any
+) -> None:
     url = sqlite_server.url
     ui.register(url, "spiky-1", "spikes", "grad spikes")
     norms = [1.0] * 20
@@ -23,10 +24,15 @@ def test_grad_spike_events_are_star_markers_on_the_grad_norm_chart_also_when_the
     page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
     stars = [t for t in ui.chart(page, "chart-grad_norm")["traces"] if t["name"] == "spike"]
     assert [(t["x"], t["y"]) for t in stars] == [([12], [40.0])], stars
-    assert page.evaluate("document.getElementById('chart-grad_norm').data.find((t) => t.name === 'spike').marker.symbol") == "star"
+    assert (
+        page.evaluate("document.getElementById('chart-grad_norm').data.find((t) => t.name === 'spike').marker.symbol")
+        == "star"
+    )
     late = {"step": 25, "type": "grad_spike", "severity": "warning", "message": "grad norm 30x its median"}
     more = list(range(20, 30))
-    ui.post(url, "spiky-1", 2, {"grad_norm": {"steps": more, "values": [30.0 if s == 25 else 1.0 for s in more]}}, [late])
+    ui.post(
+        url, "spiky-1", 2, {"grad_norm": {"steps": more, "values": [30.0 if s == 25 else 1.0 for s in more]}}, [late]
+    )
     page.wait_for_function("document.getElementById('chart-grad_norm').data.some((t) => t.name === 'spike' && t.x.length === 2)",
                            timeout=10_000)  # fmt: skip
     ui.shot(page, "run-grad-spikes.png", "#chart-grad_norm")
@@ -44,15 +50,23 @@ def test_zooming_one_chart_zooms_all_and_reads_the_range_at_full_resolution(sqli
     ui.open_run(page, url, "long-1")
     assert ui.chart(page, "chart-loss")["points"] <= 2000
     page.evaluate("Plotly.relayout(document.getElementById('chart-loss'), {'xaxis.range': [12000, 12100]})")
-    page.wait_for_function("Number(document.getElementById('chart-lr').dataset.points) > 100 && "
-                           "Number(document.getElementById('chart-lr').dataset.points) < 400", timeout=10_000)
+    page.wait_for_function(
+        "Number(document.getElementById('chart-lr').dataset.points) > 100 && "
+        "Number(document.getElementById('chart-lr').dataset.points) < 400",
+        timeout=10_000,
+    )
     for chart_id in ("chart-loss", "chart-lr"):
         chart = ui.chart(page, chart_id)
         assert chart["range"] == [12000, 12100], chart_id
-        assert set(range(12000, 12101)) <= set(chart["traces"][0]["x"]), f"{chart_id}: the zoomed range at full resolution"
+        assert set(range(12000, 12101)) <= set(chart["traces"][0]["x"]), (
+            f"{chart_id}: the zoomed range at full resolution"
+        )
     page.evaluate("Plotly.relayout(document.getElementById('chart-lr'), {'xaxis.autorange': true})")
-    page.wait_for_function("Number(document.getElementById('chart-loss').dataset.points) > 1000 && "
-                           "Number(document.getElementById('charts').dataset.view.split(',')[1]) > 19000", timeout=10_000)
+    page.wait_for_function(
+        "Number(document.getElementById('chart-loss').dataset.points) > 1000 && "
+        "Number(document.getElementById('charts').dataset.view.split(',')[1]) > 19000",
+        timeout=10_000,
+    )
 
 
 def test_point_sent_after_the_page_opened_arrives_over_sse_without_reload(sqlite_server: Any, page: Any) -> None:
@@ -66,7 +80,13 @@ def test_point_sent_after_the_page_opened_arrives_over_sse_without_reload(sqlite
     reads = len([u for u in page.requests if "/series" in u])
     sent = time.monotonic()
     event = {"step": 3, "type": "loss_spike", "severity": "warning", "message": "loss 5x its median"}
-    ui.post(url, "live-1", 2, {"loss": {"steps": [2, 3], "values": [0.5, "Infinity"]}, "lr": {"steps": [2, 3], "values": [0.1, 0.1]}}, [event])
+    ui.post(
+        url,
+        "live-1",
+        2,
+        {"loss": {"steps": [2, 3], "values": [0.5, "Infinity"]}, "lr": {"steps": [2, 3], "values": [0.1, 0.1]}},
+        [event],
+    )
     page.wait_for_function("document.getElementById('chart-loss').dataset.points === '4'", timeout=10_000)
     latency_s = time.monotonic() - sent
     page.wait_for_selector("#timeline li.ev[data-step='3']", timeout=5_000)
@@ -79,7 +99,9 @@ def test_point_sent_after_the_page_opened_arrives_over_sse_without_reload(sqlite
     assert page.locator("#run-step").inner_text() == "3"
     assert ui.chart(page, "chart-lr")["traces"][0]["x"] == [2, 3]
     page.locator("#timeline li.ev[data-step='3'] button").click()  # a live event moves the charts like any other
-    page.wait_for_function("document.getElementById('chart-loss').layout.shapes.some((s) => s.meta === 'cursor' && s.x0 === 3)")
+    page.wait_for_function(
+        "document.getElementById('chart-loss').layout.shapes.some((s) => s.meta === 'cursor' && s.x0 === 3)"
+    )
     assert latency_s < 2.0, f"{latency_s:.2f} s from the send to the chart"
 
 
@@ -89,12 +111,20 @@ def test_runs_page_updates_rows_and_adds_new_runs_live(sqlite_server: Any, page:
     ui.post(url, "row-1", 1, {"loss": {"steps": [0], "values": [1.0]}})
     page.goto(f"{url}/?project=live")
     page.wait_for_selector("#runs[data-live='open']", timeout=10_000)
-    ui.post(url, "row-1", 2, {"scale": {"steps": [1, 2], "values": [1024.0, 512.0]}, "skipped": {"steps": [1, 2], "values": [0, 1]}})
+    ui.post(
+        url,
+        "row-1",
+        2,
+        {"scale": {"steps": [1, 2], "values": [1024.0, 512.0]}, "skipped": {"steps": [1, 2], "values": [0, 1]}},
+    )
     ui.register(url, "row-2", "live", "second")
     ui.post(url, "row-2", 1, {"loss": {"steps": [7], "values": [1.0]}})
     ui.register(url, "elsewhere", "other", "not in this project")
     ui.post(url, "elsewhere", 1, {"loss": {"steps": [7], "values": [1.0]}})
-    page.wait_for_function("document.querySelector(\"tr[data-run-id='row-1'] td[data-field='last_step']\").innerText === '2'", timeout=10_000)
+    page.wait_for_function(
+        "document.querySelector(\"tr[data-run-id='row-1'] td[data-field='last_step']\").innerText === '2'",
+        timeout=10_000,
+    )
     page.wait_for_selector("tr[data-run-id='row-2']", timeout=10_000)
     ui.shot(page, "runs-live.png")
     live = ui.row(page, "row-1")
@@ -120,14 +150,21 @@ def test_a_run_that_leaves_the_runs_pages_status_filter_leaves_the_page_live(sql
     page.wait_for_selector("tr.none", timeout=10_000)
     live = page.locator("#runs tbody").inner_text()
     page.reload()
-    assert page.locator("#runs tbody").inner_text() == live == "No run matches these filters.", "the page reads as after a reload"
+    assert page.locator("#runs tbody").inner_text() == live == "No run matches these filters.", (
+        "the page reads as after a reload"
+    )
 
 
 def test_compare_overlays_a_series_from_several_runs(sqlite_server: Any, page: Any) -> None:
     url = sqlite_server.url
     for i in range(3):
         ui.register(url, f"cmp-{i}", "cmp", f"seed {i}")
-        ui.post(url, f"cmp-{i}", 1, {"loss": {"steps": [0, 1, 2, 3], "values": [2.0 - i * 0.1, 1.5, "NaN" if i == 1 else 1.0, 0.9]}})
+        ui.post(
+            url,
+            f"cmp-{i}",
+            1,
+            {"loss": {"steps": [0, 1, 2, 3], "values": [2.0 - i * 0.1, 1.5, "NaN" if i == 1 else 1.0, 0.9]}},
+        )
     page.goto(f"{url}/")
     for i in (0, 1):
         page.locator(f"tr[data-run-id='cmp-{i}'] input[type=checkbox]").check()
@@ -140,14 +177,26 @@ def test_compare_overlays_a_series_from_several_runs(sqlite_server: Any, page: A
     assert [t["x"] for t in chart["traces"] if t["meta"] == "nonfinite"] == [[2]]
 
 
-def test_hostile_run_project_series_config_and_event_text_render_inert_on_every_page(sqlite_server: Any, page: Any) -> None:
+def test_hostile_run_project_series_config_and_event_text_render_inert_on_every_page(
+    sqlite_server: Any, page: Any
+) -> None:
     url = sqlite_server.url
     config = {ui.HOSTILE_SERIES: ui.HOSTILE_PROJECT, "note": [ui.HOSTILE_RUN]}
-    reply = httpx.put(f"{url}/api/v1/runs/xss-1", json={"project": ui.HOSTILE_PROJECT, "name": ui.HOSTILE_RUN, "config": config}, timeout=10)
+    reply = httpx.put(
+        f"{url}/api/v1/runs/xss-1",
+        json={"project": ui.HOSTILE_PROJECT, "name": ui.HOSTILE_RUN, "config": config},
+        timeout=10,
+    )
     assert reply.status_code == 200, reply.text
     points = {"loss": {"steps": [0, 1], "values": [1.0, 0.5]}, ui.HOSTILE_SERIES: {"steps": [0, 1], "values": [1.0, 2.0]},
               f"grad_norm/{ui.HOSTILE_SERIES}": {"steps": [0, 1], "values": [1.0, 2.0]}}  # fmt: skip
-    event = {"step": 1, "type": "loss_spike", "severity": "warning", "message": ui.HOSTILE_RUN, "details": {"why": ui.HOSTILE_PROJECT}}
+    event = {
+        "step": 1,
+        "type": "loss_spike",
+        "severity": "warning",
+        "message": ui.HOSTILE_RUN,
+        "details": {"why": ui.HOSTILE_PROJECT},
+    }
     ui.post(url, "xss-1", 1, points, [event])
     page.goto(f"{url}/")
     ui.shot(page, "runs-hostile.png")
@@ -158,10 +207,16 @@ def test_hostile_run_project_series_config_and_event_text_render_inert_on_every_
     assert page.locator("h1").inner_text() == f"{ui.HOSTILE_PROJECT} / {ui.HOSTILE_RUN}"
     assert page.title().startswith(ui.HOSTILE_RUN)
     assert page.evaluate("document.querySelector('#chart-extra .gtitle').textContent") == ui.HOSTILE_SERIES
-    assert ui.HOSTILE_SERIES in page.evaluate("Array.from(document.querySelectorAll('#chart-layers .ytick text')).map((t) => t.textContent)")
+    assert ui.HOSTILE_SERIES in page.evaluate(
+        "Array.from(document.querySelectorAll('#chart-layers .ytick text')).map((t) => t.textContent)"
+    )
     assert ui.HOSTILE_RUN in page.locator("#timeline").inner_text()  # the event message, as text
     config_text = page.locator("table.kv").first.inner_text()
-    assert ui.HOSTILE_SERIES in config_text and ui.HOSTILE_PROJECT in config_text and f'["{ui.HOSTILE_RUN}"]' in config_text
+    assert (
+        ui.HOSTILE_SERIES in config_text
+        and ui.HOSTILE_PROJECT in config_text
+        and f'["{ui.HOSTILE_RUN}"]' in config_text
+    )
     ui.assert_inert(page)
     page.goto(f"{url}/compare?" + urlencode({"run": "xss-1", "series": ui.HOSTILE_SERIES}))
     page.wait_for_selector("#compare-chart[data-traces='1']", timeout=10_000)
@@ -191,7 +246,9 @@ def test_late_points_and_layer_norms_arrive_live_in_place(sqlite_server: Any, pa
     assert loss["traces"][0]["x"] == list(range(20)) and loss["traces"][0]["y"][3:5] == [None, 0.75]
     heat = ui.chart(page, "chart-layers")
     assert heat["traces"][0]["x"][-1] == 19 and any(t["meta"] == "nonfinite" and t["x"] == [15] for t in heat["traces"])
-    assert len([u for u in page.requests if "/series" in u or "/heatmap" in u]) == reads, "all of it came over the stream"
+    assert len([u for u in page.requests if "/series" in u or "/heatmap" in u]) == reads, (
+        "all of it came over the stream"
+    )
 
 
 def test_rank_picker_charts_and_streams_the_chosen_rank(sqlite_server: Any, page: Any) -> None:
@@ -222,7 +279,12 @@ def test_zooming_the_compare_chart_reads_every_run_at_full_resolution(sqlite_ser
     url, n = sqlite_server.url, 20_000
     for i in range(2):
         ui.register(url, f"zoom-{i}", "cmp", f"long {i}")
-        ui.post(url, f"zoom-{i}", 1, {"loss": {"steps": list(range(n)), "values": [1.0 + i + (s % 89) / 89 for s in range(n)]}})
+        ui.post(
+            url,
+            f"zoom-{i}",
+            1,
+            {"loss": {"steps": list(range(n)), "values": [1.0 + i + (s % 89) / 89 for s in range(n)]}},
+        )
     page.goto(f"{url}/compare?" + urlencode([("run", "zoom-0"), ("run", "zoom-1"), ("series", "loss")]))
     page.wait_for_selector("#compare-chart[data-traces='2']", timeout=10_000)
     assert int(page.locator("#compare-chart").get_attribute("data-points") or 0) <= 2 * 2000
@@ -234,7 +296,9 @@ def test_zooming_the_compare_chart_reads_every_run_at_full_resolution(sqlite_ser
     for trace in [t for t in chart["traces"] if t["meta"] is None]:
         assert set(range(12000, 12101)) <= set(trace["x"]), f"{trace['name']}: the zoomed range at full resolution"
     page.evaluate("Plotly.relayout(document.getElementById('compare-chart'), {'xaxis.autorange': true})")
-    page.wait_for_function("Number(document.getElementById('compare-chart').dataset.view.split(',')[1]) > 19000", timeout=10_000)
+    page.wait_for_function(
+        "Number(document.getElementById('compare-chart').dataset.view.split(',')[1]) > 19000", timeout=10_000
+    )
 
 
 def test_runs_page_shows_a_non_finite_scale_live_and_after_reload(sqlite_server: Any, page: Any) -> None:
@@ -249,15 +313,25 @@ def test_runs_page_shows_a_non_finite_scale_live_and_after_reload(sqlite_server:
     ui.post(url, "inf-scale", 2, {"scale": {"steps": [1], "values": ["Infinity"]}})
     ui.post(url, "nan-scale", 2, {"scale": {"steps": [1], "values": ["NaN"]}})
     ui.post(url, "healthy", 2, {"scale": {"steps": [1, 2], "values": [1024.0, 1024.0]}})
-    page.wait_for_function("document.querySelector(\"tr[data-run-id='healthy'] td[data-field='last_step']\").innerText === '2'", timeout=10_000)
-    page.wait_for_function("document.querySelector(\"tr[data-run-id='nan-scale'] td[data-field='scale']\").innerText === 'NaN'", timeout=10_000)
+    page.wait_for_function(
+        "document.querySelector(\"tr[data-run-id='healthy'] td[data-field='last_step']\").innerText === '2'",
+        timeout=10_000,
+    )
+    page.wait_for_function(
+        "document.querySelector(\"tr[data-run-id='nan-scale'] td[data-field='scale']\").innerText === 'NaN'",
+        timeout=10_000,
+    )
     live = {run_id: ui.row(page, run_id)["scale"] for run_id in ("inf-scale", "nan-scale", "healthy")}
     assert live == {"inf-scale": "+Inf", "nan-scale": "NaN", "healthy": "2¹⁰"}
     page.reload()
-    assert {run_id: ui.row(page, run_id)["scale"] for run_id in live} == live, "a live row reads the same as the server's"
+    assert {run_id: ui.row(page, run_id)["scale"] for run_id in live} == live, (
+        "a live row reads the same as the server's"
+    )
 
 
-def test_run_page_goes_live_again_after_an_answer_that_is_not_a_stream(sqlite_server: Any, page: Any, monkeypatch: Any) -> None:
+def test_run_page_goes_live_again_after_an_answer_that_is_not_a_stream(
+    sqlite_server: Any, page: Any, monkeypatch: Any
+) -> None:
     # A browser gives up on an EventSource for good after a 502 (a proxy during a deploy) or the server's 503: the
     # page stayed "reconnecting" until reloaded. And a page opened while the server called the run crashed never
     # went live, though a crashed run comes back when it reports again.
@@ -295,7 +369,13 @@ def test_run_page_shows_a_new_alert_as_its_event_arrives(sqlite_server: Any, pag
     page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
     page.wait_for_timeout(300)  # (the first read of the alerts is done)
     assert page.locator("#run-firing").count() == 0 and page.locator("#run-alerts tbody tr").count() == 0
-    event = {"step": 2, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss at step 2.", "details": {"loss": "NaN"}}
+    event = {
+        "step": 2,
+        "type": "nonfinite_loss",
+        "severity": "critical",
+        "message": "NaN loss at step 2.",
+        "details": {"loss": "NaN"},
+    }
     ui.post(url, "alerted", 2, {"loss": {"steps": [2], "values": ["NaN"]}}, [event])
     page.wait_for_selector("#run-alerts tr[data-state='firing']", timeout=3_000)  # (well before the next 5 s poll)
     assert page.locator("#run-firing").inner_text() == "1 firing alert"

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import _runs
 import pytest
@@ -60,7 +61,9 @@ def test_ranks_of_one_slurm_job_share_a_run_id_and_two_jobs_with_the_same_addres
         env = {"PATH": os.environ["PATH"], "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
                "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0"}  # fmt: skip
         code = "from ampwatch._run import _run_id; print(_run_id('p', 'n', 2))"
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+        ).stdout.strip()
 
     assert derived("1001") == derived("1001") != derived("1002")
 
@@ -109,7 +112,6 @@ def test_a_pickled_watched_scaler_loads_without_ampwatch() -> None:
     run.finish()
     assert b"ampwatch" not in data
     assert pickle.loads(data).state_dict()["scale"] == 128.0
-
 
 
 def test_a_batch_that_read_the_run_before_another_committed_does_not_move_it_back(live_server) -> None:  # type: ignore[no-untyped-def]
@@ -250,7 +252,6 @@ def test_a_deeply_nested_module_gets_a_layer_series_within_the_servers_limit(sql
     assert len(module) > 240 and _series(sqlite_server, run.id, layer)["steps"] == [0, 10, 20]
 
 
-
 @dataclasses.dataclass
 class _Config:
     lr: float = 3e-4
@@ -304,7 +305,9 @@ main()  # the run is no longer referred to once main() returns
 
 
 def test_a_run_the_script_no_longer_refers_to_is_finished_at_exit(sqlite_server) -> None:  # type: ignore[no-untyped-def]
-    done = subprocess.run([sys.executable, "-c", _FORGOTTEN_RUN_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", _FORGOTTEN_RUN_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     run_id = done.stdout.split()[-1]
     with sqlite_server.client() as http:
@@ -383,4 +386,3 @@ def test_an_exception_that_cannot_be_printed_still_ends_the_run_crashed(sqlite_s
             raise Unprintable()
     with sqlite_server.client() as http:
         assert http.get(f"/api/v1/runs/{run.id}").json()["status"] == "crashed"
-

@@ -8,9 +8,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import _runs
 import httpx
 
-import _runs
 import ampwatch
 
 STEPS_PER_BATCH = 40
@@ -27,7 +27,9 @@ def stored_batches(http: httpx.Client, run_id: str) -> list[int]:
     return sorted(int(e["message"].split()[1]) for e in http.get(f"/api/v1/runs/{run_id}/events").json())
 
 
-def test_a_server_sigkilled_mid_ingest_loses_nothing_it_acknowledged_and_stores_every_step_once(db_url, server_processes, monkeypatch, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_server_sigkilled_mid_ingest_loses_nothing_it_acknowledged_and_stores_every_step_once(
+    db_url, server_processes, monkeypatch, wait_for
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "60")  # the agent backs off while the server is gone
     holder = {"server": server_processes(db_url)}
     port = holder["server"].port  # the restart comes back here
@@ -65,7 +67,11 @@ def test_a_server_sigkilled_mid_ingest_loses_nothing_it_acknowledged_and_stores_
         if step == 90:
             go.set()  # the senders start now, so that they are mid-way at the kill
         if step == 100:
-            wait_for(lambda: sum(len(a) for a in acked.values()) >= senders * batches // 4, 60, "a quarter of the batches acknowledged")
+            wait_for(
+                lambda: sum(len(a) for a in acked.values()) >= senders * batches // 4,
+                60,
+                "a quarter of the batches acknowledged",
+            )
             holder["server"].kill()  # mid-ingest: the senders always have a request in flight
             acked_before.update({r: list(a) for r, a in acked.items()})
             restart.start()  # training goes on while the server starts again

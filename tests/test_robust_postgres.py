@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import _runs
 import psycopg
 import pytest
 from fastapi import FastAPI
@@ -14,7 +15,6 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, exc, text
 from sqlalchemy.exc import OperationalError
 
-import _runs
 import ampwatch
 from ampwatch.server import Settings, db
 from ampwatch.server.errors import database_unavailable
@@ -47,7 +47,9 @@ def killer(pg_url: str, pg_admin: str) -> Iterator[BackendKiller]:
     killer.admin.close()
 
 
-def test_an_agent_training_through_killed_postgres_connections_has_every_step_once(pg_url, killer, live_server_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_an_agent_training_through_killed_postgres_connections_has_every_step_once(
+    pg_url, killer, live_server_factory, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "60")
     server = live_server_factory(Settings(database_url=pg_url, alert_eval_interval_s=0.05))
     run = ampwatch.init("robust", "pg-kill", url=server.url)

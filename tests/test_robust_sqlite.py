@@ -18,7 +18,10 @@ def batch(seq: int) -> dict[str, Any]:
     events = [{"step": steps[-1], "type": "nonfinite_loss", "severity": "critical", "message": f"NaN at {steps[-1]}"}]
     return {
         "seq": seq,
-        "points": {"loss": {"steps": steps, "values": [s / 7 for s in steps]}, "scale": {"steps": steps, "values": [1024.0] * len(steps)}},
+        "points": {
+            "loss": {"steps": steps, "values": [s / 7 for s in steps]},
+            "scale": {"steps": steps, "values": [1024.0] * len(steps)},
+        },
         "events": events if seq % 5 == 0 else [],
     }
 
@@ -34,7 +37,6 @@ def assert_stored_once(http: httpx.Client, run_id: str, batches: int) -> None:
     assert sorted(e["step"] for e in events) == [seq * STEPS_PER_BATCH - 1 for seq in range(5, batches + 1, 5)], run_id
 
 
-
 def test_concurrent_clients_of_one_sqlite_server_get_no_5xx_and_each_batch_is_stored_once(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     runs, batches = 8, 20
 
@@ -43,7 +45,11 @@ def test_concurrent_clients_of_one_sqlite_server_get_no_5xx_and_each_batch_is_st
         with sqlite_server.client() as http:
             http.put(f"/api/v1/runs/{run_id}", json={"project": "p", "name": run_id}).raise_for_status()
             # Each batch twice, like an agent whose acknowledgement got lost: the second must change nothing.
-            return [http.post(f"/api/v1/runs/{run_id}/batches", json=batch(seq)).status_code for seq in range(1, batches + 1) for _ in (1, 2)]
+            return [
+                http.post(f"/api/v1/runs/{run_id}/batches", json=batch(seq)).status_code
+                for seq in range(1, batches + 1)
+                for _ in (1, 2)
+            ]
 
     with ThreadPoolExecutor(runs) as pool:
         statuses = [s for result in pool.map(client, range(runs)) for s in result]
@@ -55,7 +61,10 @@ def test_concurrent_clients_of_one_sqlite_server_get_no_5xx_and_each_batch_is_st
 
 def test_two_server_processes_on_one_sqlite_file_store_every_batch_once(sqlite_url, server_processes) -> None:  # type: ignore[no-untyped-def]
     env = {"AMPWATCH_ALERT_EVAL_INTERVAL_S": "0.05"}  # both evaluators write all the time
-    servers = [server_processes(sqlite_url, **env), server_processes(sqlite_url, **env)]  # both migrate the new file at once
+    servers = [
+        server_processes(sqlite_url, **env),
+        server_processes(sqlite_url, **env),
+    ]  # both migrate the new file at once
     for server in servers:
         server.wait_ready()
     runs, batches = 4, 10

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from _runs import clipped_step
 
 import ampwatch
-from _runs import clipped_step
 
 
 def test_two_optimizers_with_one_scaler_record_one_step_per_update(sqlite_server) -> None:  # type: ignore[no-untyped-def]
@@ -85,7 +85,9 @@ def test_state_dict_round_trip_mid_run_keeps_scaling_and_recording(sqlite_server
     assert data["scale"]["values"] == [512.0, 512.0, 512.0, 64.0, 64.0, 64.0]
 
 
-def _scale_loop(run: ampwatch.Run, scaler: torch.amp.GradScaler, steps: int, before: Callable[[int, Any], Any]) -> list[float]:
+def _scale_loop(
+    run: ampwatch.Run, scaler: torch.amp.GradScaler, steps: int, before: Callable[[int, Any], Any]
+) -> list[float]:
     """An fp16 AMP loop on a linear model; `before(step, scaler)` runs first at each step and returns the scaler
     to go on with. Returns the scale each step ran with (read after scale(): the test may sync)."""
     torch.manual_seed(0)
@@ -137,7 +139,9 @@ def test_a_new_scaler_watched_mid_run_is_shadowed_from_its_own_scale(sqlite_serv
     assert data["lr"]["steps"] == list(range(8))  # the optimizer watched first is still watched
 
 
-def _clipping_loop(run: ampwatch.Run, steps: int, clip: Any, params_to_clip: Callable[[torch.nn.Module], Any], amp: str) -> list[float]:
+def _clipping_loop(
+    run: ampwatch.Run, steps: int, clip: Any, params_to_clip: Callable[[torch.nn.Module], Any], amp: str
+) -> list[float]:
     """A loop that clips every step: after unscale_ under fp16; under bf16 with no scaler; in fp32 with a disabled
     scaler it never calls (nothing but the clip says when its gradients are final). Returns the true (pre-clip)
     gradient norm of every step."""
@@ -166,22 +170,34 @@ def _clipping_loop(run: ampwatch.Run, steps: int, clip: Any, params_to_clip: Cal
 
 @pytest.mark.parametrize("amp", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("how", ["module attribute", "imported before watch", "a subset"])
-def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(sqlite_server, monkeypatch, how: str, amp: str) -> None:  # type: ignore[no-untyped-def]
+def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(
+    sqlite_server, monkeypatch, how: str, amp: str
+) -> None:  # type: ignore[no-untyped-def]
     """`torch.nn.utils.clip_grad_norm_(model.parameters())` hands its result to the agent, which then skips its
     own norm; a function imported earlier, or a clip of some parameters only, leaves the agent to compute it:
     after unscale_ with a scaler, just before the clip changes the gradients without one."""
     calls = []
     foreach_norm = torch._foreach_norm
-    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or foreach_norm(*a, **k))  # counts clip's and ours
+    monkeypatch.setattr(
+        torch, "_foreach_norm", lambda *a, **k: calls.append(1) or foreach_norm(*a, **k)
+    )  # counts clip's and ours
     original, inner = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad._clip_grads_with_norm_
-    clip = (lambda params, max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm)) if how != "imported before watch" else original
+    clip = (
+        (lambda params, max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if how != "imported before watch"
+        else original
+    )
     subset = how == "a subset"
     with ampwatch.init("scalers", f"clip-{how}-{amp}", url=sqlite_server.url) as run:
-        expected = _clipping_loop(run, 60, clip, (lambda m: m[2].parameters()) if subset else (lambda m: m.parameters()), amp)
+        expected = _clipping_loop(
+            run, 60, clip, (lambda m: m[2].parameters()) if subset else (lambda m: m.parameters()), amp
+        )
         reused = torch.nn.utils.clip_grad_norm_ is not original
         hooked = torch.nn.utils.clip_grad._clip_grads_with_norm_ is not inner
     assert reused and hooked == (amp != "fp16")  # the wrappers are in place while the run watches...
-    assert torch.nn.utils.clip_grad_norm_ is original and torch.nn.utils.clip_grad._clip_grads_with_norm_ is inner  # ...and gone after
+    assert (
+        torch.nn.utils.clip_grad_norm_ is original and torch.nn.utils.clip_grad._clip_grads_with_norm_ is inner
+    )  # ...and gone after
     with sqlite_server.client() as http:
         data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()
     assert data["grad_norm"]["steps"] == list(range(60))
@@ -327,7 +343,9 @@ def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(sqlite_serv
 
 
 @pytest.mark.parametrize("how", ["value", "norm on every micro-batch"])
-def test_clipping_without_a_scaler_by_value_or_on_every_micro_batch_records_the_norm_before_the_last_clip(sqlite_server, how: str) -> None:  # type: ignore[no-untyped-def]
+def test_clipping_without_a_scaler_by_value_or_on_every_micro_batch_records_the_norm_before_the_last_clip(
+    sqlite_server, how: str
+) -> None:  # type: ignore[no-untyped-def]
     """`clip_grad_value_` (Accelerate's too) changes the gradients as clip_grad_norm_ does; a clip called on every
     micro-batch (Accelerate's, unguarded by sync_gradients) clips gradients a backward has added to since."""
     torch.manual_seed(0)

@@ -42,7 +42,9 @@ def test_db_upgrade_command_creates_the_schema(db_url: str) -> None:
     assert done.returncode == 0, done.stderr
     assert "latest schema" in done.stdout
     engine = db.make_engine(db_url)
-    assert {"runs", "points", "series", "events", "batches", "alerts", "projects"} <= set(inspect(engine).get_table_names())
+    assert {"runs", "points", "series", "events", "batches", "alerts", "projects"} <= set(
+        inspect(engine).get_table_names()
+    )
     engine.dispose()
 
 
@@ -59,10 +61,14 @@ def test_upgrading_to_0005_fills_the_block_rollups_of_existing_points(db_url: st
             " VALUES ('r', 1, 'n', 'running', 'ok', '{}', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
         ))  # fmt: skip
         connection.execute(text("INSERT INTO series (id, run_id, name) VALUES (1, 'r', 'loss')"))
-        connection.execute(text("INSERT INTO points VALUES (1, 0, :s, :v)"), [{"s": s, "v": v} for s, v in values.items()])
+        connection.execute(
+            text("INSERT INTO points VALUES (1, 0, :s, :v)"), [{"s": s, "v": v} for s, v in values.items()]
+        )
     db.upgrade(engine)
     with engine.connect() as connection:
-        rows = connection.execute(text("SELECT block, min_step, min_value, max_step, max_value, last_step FROM point_blocks ORDER BY block")).all()
+        rows = connection.execute(
+            text("SELECT block, min_step, min_value, max_step, max_value, last_step FROM point_blocks ORDER BY block")
+        ).all()
     engine.dispose()
     expected = []
     for block in range(5):  # blocks of 64 steps: the least and the greatest finite value, earliest step first

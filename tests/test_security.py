@@ -26,7 +26,9 @@ def _fast_token_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
-    return subprocess.run([sys.executable, "-m", "ampwatch._cli", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ampwatch._cli", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def _token(server, role: str, project: str | None = None) -> str:  # type: ignore[no-untyped-def]
@@ -56,7 +58,9 @@ def test_open_loopback_server_refuses_cross_site_writes_and_foreign_hosts(sqlite
         assert client.get("/api/v1/silences").json() == []
 
         # The dashboard's own pages (same origin) and non-browser clients (no Origin) still work.
-        own = client.post("/api/v1/silences", json=SILENCE, headers={"Origin": sqlite_server.url, "Sec-Fetch-Site": "same-origin"})
+        own = client.post(
+            "/api/v1/silences", json=SILENCE, headers={"Origin": sqlite_server.url, "Sec-Fetch-Site": "same-origin"}
+        )
         assert own.status_code == 201, own.text
         assert client.post("/api/v1/silences", json=SILENCE).status_code == 201
 
@@ -68,10 +72,14 @@ def test_open_loopback_server_refuses_cross_site_writes_and_foreign_hosts(sqlite
 
 def test_insecure_lifts_the_refusal_to_start_not_the_rebinding_guard(sqlite_url: str, live_server_factory) -> None:  # type: ignore[no-untyped-def]
     # As docker-compose runs it: no token, --insecure, the public URL naming the published address.
-    server = live_server_factory(Settings(database_url=sqlite_url, insecure=True, public_url="http://dash.example:8600"))
+    server = live_server_factory(
+        Settings(database_url=sqlite_url, insecure=True, public_url="http://dash.example:8600")
+    )
     with server.client() as client:
         assert client.get("/api/v1/runs", headers={"Host": "dash.example:8600"}).status_code == 200
-        rebound = client.post("/api/v1/silences", json=SILENCE, headers={"Host": "evil.example:8600", "Sec-Fetch-Site": "same-origin"})
+        rebound = client.post(
+            "/api/v1/silences", json=SILENCE, headers={"Host": "evil.example:8600", "Sec-Fetch-Site": "same-origin"}
+        )
         assert rebound.status_code == 403
         assert client.get("/api/v1/silences").json() == []
 
@@ -82,7 +90,10 @@ def test_tokens_gate_reads_writes_and_pages_by_role(sqlite_server) -> None:  # t
         missing = client.get("/api/v1/runs")
         assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
         assert client.get("/api/v1/runs", headers=_bearer(read)).status_code == 200
-        assert client.get("/api/v1/runs", headers=_bearer(read[:-1] + ("A" if read[-1] != "A" else "B"))).status_code == 401
+        assert (
+            client.get("/api/v1/runs", headers=_bearer(read[:-1] + ("A" if read[-1] != "A" else "B"))).status_code
+            == 401
+        )
         assert client.get("/api/v1/runs", headers=_bearer("amw_999_" + "x" * 43)).status_code == 401
         assert client.get("/healthz").status_code == 200  # health checks need no token
         assert client.get("/static/app.css").status_code == 200
@@ -104,7 +115,9 @@ def test_tokens_gate_reads_writes_and_pages_by_role(sqlite_server) -> None:  # t
         assert read not in page.text  # the token itself is never written into a page
 
 
-def test_ingest_token_is_limited_to_its_project_and_refused_data_is_kept_for_sync(sqlite_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_ingest_token_is_limited_to_its_project_and_refused_data_is_kept_for_sync(
+    sqlite_server, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     ingest = _token(sqlite_server, "ingest", project="vision")
     admin = _token(sqlite_server, "admin")
     with ampwatch.init("vision", name="allowed", url=sqlite_server.url, token=ingest) as run:
@@ -115,6 +128,7 @@ def test_ingest_token_is_limited_to_its_project_and_refused_data_is_kept_for_syn
             refused.log({"loss": float(step)}, step=step)
 
     with sqlite_server.client() as client:
+
         def steps(run_id: str) -> list[int]:
             reply = client.get(f"/api/v1/runs/{run_id}/series", params={"name": "loss"}, headers=_bearer(admin))
             return reply.json()["loss"]["steps"] if reply.status_code == 200 else []
@@ -123,7 +137,11 @@ def test_ingest_token_is_limited_to_its_project_and_refused_data_is_kept_for_syn
         assert client.get(f"/api/v1/runs/{refused.id}", headers=_bearer(admin)).status_code == 404
         # An ingest token can neither read nor touch another project's existing run.
         assert client.get("/api/v1/runs", headers=_bearer(ingest)).status_code == 403
-        hijack = client.put(f"/api/v1/runs/{run.id}", json={"project": "vision", "name": "x"}, headers=_bearer(_token(sqlite_server, "ingest", "speech")))
+        hijack = client.put(
+            f"/api/v1/runs/{run.id}",
+            json={"project": "vision", "name": "x"},
+            headers=_bearer(_token(sqlite_server, "ingest", "speech")),
+        )
         assert hijack.status_code == 403
 
         # Nothing was lost: the refused run waits in the spool, and `ampwatch sync` with a good token uploads it.
@@ -176,9 +194,24 @@ def test_server_refuses_a_public_address_without_tokens(sqlite_url: str, tmp_pat
 def test_a_refused_request_never_echoes_a_password_back(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     secret = "hunter2-correct-horse"
     bodies = [
-        {"name": "mail", "kind": "email", "to": ["a@example.org"], "smtp": {"host": "127.0.0.1", "port": "not a port", "password": secret}},
-        {"name": "mail", "kind": "email", "to": ["a@example.org"], "smtp": {"host": "127.0.0.1", "port": 25, "password": [secret]}},
-        {"name": "bad name!", "kind": "email", "to": ["a@example.org"], "smtp": {"host": "127.0.0.1", "password": secret}},
+        {
+            "name": "mail",
+            "kind": "email",
+            "to": ["a@example.org"],
+            "smtp": {"host": "127.0.0.1", "port": "not a port", "password": secret},
+        },
+        {
+            "name": "mail",
+            "kind": "email",
+            "to": ["a@example.org"],
+            "smtp": {"host": "127.0.0.1", "port": 25, "password": [secret]},
+        },
+        {
+            "name": "bad name!",
+            "kind": "email",
+            "to": ["a@example.org"],
+            "smtp": {"host": "127.0.0.1", "password": secret},
+        },
     ]
     with sqlite_server.client() as client:
         for body in bodies:
@@ -189,7 +222,10 @@ def test_a_refused_request_never_echoes_a_password_back(sqlite_server) -> None: 
 
 def test_a_refused_channel_never_echoes_its_webhook_url(sqlite_server) -> None:  # type: ignore[no-untyped-def]
     with sqlite_server.client() as client:
-        for url in ("https://user@hooks.slack.com/services/T0/B0/SUPERSECRETXYZ", "https://hooks.slack.com:99999/services/T0/B0/SUPERSECRETXYZ"):
+        for url in (
+            "https://user@hooks.slack.com/services/T0/B0/SUPERSECRETXYZ",
+            "https://hooks.slack.com:99999/services/T0/B0/SUPERSECRETXYZ",
+        ):
             reply = client.post("/api/v1/alert-channels", json={"name": "chat", "kind": "slack", "url": url})
             assert reply.status_code == 422 and "SUPERSECRETXYZ" not in reply.text, reply.text
 

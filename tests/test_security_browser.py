@@ -19,11 +19,15 @@ def _watched_page(browser: Any) -> tuple[Any, list[str]]:
     page = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()  # the CSP is enforced
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(f"page error: {error}"))
-    page.on("console", lambda msg: msg.type == "error" and errors.append(f"console: {msg.text}"))  # CSP violations land here
+    page.on(
+        "console", lambda msg: msg.type == "error" and errors.append(f"console: {msg.text}")
+    )  # CSP violations land here
     return page, errors
 
 
-def test_sign_in_then_every_page_works_under_its_csp(browser: Any, sqlite_server, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_sign_in_then_every_page_works_under_its_csp(
+    browser: Any, sqlite_server, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(auth, "REFRESH_S", 0.05)
     with sqlite_server.app.state.sessions() as session:
         admin = auth.create_token(session, name="browser", role="admin")

@@ -85,7 +85,9 @@ def test_a_bucket_whose_extreme_is_infinite_also_keeps_its_finite_extremes(http)
 
 def test_a_sparse_series_comes_back_whole(http) -> None:  # type: ignore[no-untyped-def]
     steps = list(range(0, 1_000_000, 5_000))
-    http.post("/api/v1/runs/r1/batches", json={"seq": 2, "points": {"lr": {"steps": steps, "values": [0.5] * len(steps)}}})
+    http.post(
+        "/api/v1/runs/r1/batches", json={"seq": 2, "points": {"lr": {"steps": steps, "values": [0.5] * len(steps)}}}
+    )
     got = http.get("/api/v1/runs/r1/series", params={"name": "lr", "max_points": 1_000}).json()["lr"]
     assert got["steps"] == steps
 
@@ -95,7 +97,9 @@ def test_a_sparse_series_with_a_dense_burst_comes_back_whole_when_its_points_fit
     # number of points, was held against max_points, so the burst came back thinned, zoomed in or not)
     steps = sorted(set(range(0, 100_001, 100)) | set(range(50_000, 50_200)))
     values = [1.0 + (s % 7) / 10 for s in steps]
-    http.post("/api/v1/runs/r1/batches", json={"seq": 2, "points": {"grad_norm/l.0": {"steps": steps, "values": values}}})
+    http.post(
+        "/api/v1/runs/r1/batches", json={"seq": 2, "points": {"grad_norm/l.0": {"steps": steps, "values": values}}}
+    )
     for zoom in ({}, {"start_step": 40_000, "end_step": 60_000}):
         got = http.get("/api/v1/runs/r1/series", params={"name": "grad_norm/l.0", "max_points": 2_000, **zoom}).json()
         lo, hi = zoom.get("start_step", 0), zoom.get("end_step", 100_000)
@@ -104,7 +108,9 @@ def test_a_sparse_series_with_a_dense_burst_comes_back_whole_when_its_points_fit
 
 def test_the_heatmap_puts_layers_in_model_order_with_bucket_maxima_and_nan_cells(http) -> None:  # type: ignore[no-untyped-def]
     layers = ["blocks.10.mlp", "blocks.2.mlp", "embed"]
-    points = {f"grad_norm/{m}": {"steps": list(range(0, 100, 5)), "values": [float(i) for i in range(20)]} for m in layers}
+    points = {
+        f"grad_norm/{m}": {"steps": list(range(0, 100, 5)), "values": [float(i) for i in range(20)]} for m in layers
+    }
     points["grad_norm/blocks.2.mlp"]["values"][7] = "NaN"  # step 35
     points["grad_norm/embed"]["values"][19] = "Infinity"  # step 95
     http.post("/api/v1/runs/r1/batches", json={"seq": 3, "points": points})
@@ -115,7 +121,10 @@ def test_the_heatmap_puts_layers_in_model_order_with_bucket_maxima_and_nan_cells
     assert grid["values"][0][3] == "NaN" and grid["values"][0][2] == 5.0
     assert grid["values"][2][9] == "Infinity"
     zoomed = http.get("/api/v1/runs/r1/heatmap", params={"columns": 100, "start_step": 30, "end_step": 40}).json()
-    assert (zoomed["steps"], zoomed["values"][0]) == (list(range(30, 41)), [6.0, None, None, None, None, "NaN", None, None, None, None, 8.0])
+    assert (zoomed["steps"], zoomed["values"][0]) == (
+        list(range(30, 41)),
+        [6.0, None, None, None, None, "NaN", None, None, None, None, 8.0],
+    )
 
 
 def test_a_long_range_read_in_two_halves_at_once_gives_the_same_points(http, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -138,7 +147,9 @@ def test_a_coarse_chart_read_from_block_rollups_keeps_every_bucket_true_extremes
         kept = dict(zip(got["steps"], got["values"]))
         assert (got["steps"][0], got["steps"][-1]) == (start, end) and len(_finite(got["values"])) <= max_points
         assert all(truth[s] == v for s, v in kept.items()), "every returned point is a real point"
-        assert {s for s in range(start, end + 1) if isinstance(truth[s], str)} <= set(kept), "every non-finite point is kept"
+        assert {s for s in range(start, end + 1) if isinstance(truth[s], str)} <= set(kept), (
+            "every non-finite point is kept"
+        )
         edges = block_buckets(start, end, buckets)
         assert edges[0][0] == start and edges[-1][1] == end and len(edges) <= buckets
         assert all(b[0] == a[1] + 1 for a, b in zip(edges, edges[1:])), "the buckets tile the range"
@@ -192,7 +203,10 @@ def test_rollups_stay_exact_through_out_of_order_replayed_and_overwriting_batche
             assert not http.post("/api/v1/runs/r2/batches", json=body).json()["stored"], "a replay is not stored again"
             truth.update(zip(steps, values))
         overwrite = {1_000: 0.25, 1_001: "NaN", 2_050: 0.5, 3_999: -3.0, 3_998: 0.1}  # the spike is taken back
-        body = {"seq": seq + 1, "points": {"gn": {"steps": list(overwrite) + [2_050], "values": list(overwrite.values()) + [0.75]}}}
+        body = {
+            "seq": seq + 1,
+            "points": {"gn": {"steps": list(overwrite) + [2_050], "values": list(overwrite.values()) + [0.75]}},
+        }
         assert http.post("/api/v1/runs/r2/batches", json=body).json()["stored"]
         truth.update(overwrite)
         truth[2_050] = 0.75  # a step given twice in one batch keeps its last value

@@ -54,7 +54,9 @@ def _start(tmp_path: Path, url: str, name: str, prelude: str = "", loop: str = L
     script = tmp_path / f"{name}.py"
     script.write_text(SCRIPT.format(prelude=textwrap.dedent(prelude), name=name, url=url, loop=textwrap.dedent(loop)))
     env = {**os.environ, "AMPWATCH_FLUSH_INTERVAL_S": "60", "AMPWATCH_FINISH_TIMEOUT_S": "10"}
-    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def _stop_after(process: subprocess.Popen[str], steps: int, signum: int) -> tuple[int, int, str]:
@@ -79,7 +81,9 @@ def _run_state(server: Any) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
     return run, events, series
 
 
-def test_sigterm_marks_the_run_crashed_delivers_every_queued_step_and_still_kills_the_process(sqlite_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_marks_the_run_crashed_delivers_every_queued_step_and_still_kills_the_process(
+    sqlite_server, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     process = _start(tmp_path, sqlite_server.url, "sigterm")
     status, last, err = _stop_after(process, 40, signal.SIGTERM)
     assert status == -signal.SIGTERM, err  # died by the signal, exactly as without ampwatch
@@ -93,7 +97,9 @@ def test_sigterm_marks_the_run_crashed_delivers_every_queued_step_and_still_kill
 
 
 @pytest.mark.parametrize("inside_with", [True, False])
-def test_a_users_own_sigterm_handler_is_chained_and_decides_how_the_process_ends(sqlite_server, tmp_path, inside_with: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_users_own_sigterm_handler_is_chained_and_decides_how_the_process_ends(
+    sqlite_server, tmp_path, inside_with: bool
+) -> None:  # type: ignore[no-untyped-def]
     marker = tmp_path / "handler-ran"
     prelude = f"""
     def checkpoint_and_exit(signum, frame):

@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import _runs
 import httpx
 
-import _runs
 import ampwatch
 from ampwatch._spool import Spool
 from ampwatch.server import Settings
@@ -90,7 +90,12 @@ def test_a_run_that_ends_while_the_server_is_gone_is_uploaded_later(sqlite_url, 
     spool_dir = os.environ["AMPWATCH_SPOOL_DIR"]
     assert any(Path(spool_dir).rglob("[0-9]*.json"))
     back = start_server(Settings(database_url=sqlite_url))
-    done = subprocess.run([shutil.which("ampwatch") or "ampwatch", "sync", spool_dir, "--url", back.url], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [shutil.which("ampwatch") or "ampwatch", "sync", spool_dir, "--url", back.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert _series(back, run.id)["step_seen"]["steps"] == list(range(40))
 
@@ -123,7 +128,9 @@ def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> 
     assert sync(Path(os.environ["AMPWATCH_SPOOL_DIR"]), None, None) == 1
 
 
-def test_sync_keeps_and_reports_what_the_server_refuses_and_takes_a_run_folder(sqlite_url, live_server_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_sync_keeps_and_reports_what_the_server_refuses_and_takes_a_run_folder(
+    sqlite_url, live_server_factory, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     # It said "uploaded", exited 0 and deleted the spool of a batch the server refused (a body or point limit).
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     server = live_server_factory(Settings(database_url=sqlite_url, max_batch_points=50))
@@ -132,12 +139,18 @@ def test_sync_keeps_and_reports_what_the_server_refuses_and_takes_a_run_folder(s
     spool_dir = Path(os.environ["AMPWATCH_SPOOL_DIR"])
     [folder] = list(spool_dir.iterdir())
     ampwatch_cli = shutil.which("ampwatch") or "ampwatch"
-    missing = subprocess.run([ampwatch_cli, "sync", str(spool_dir / "typo")], capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [ampwatch_cli, "sync", str(spool_dir / "typo")], capture_output=True, text=True, timeout=60
+    )
     assert missing.returncode == 2 and "no such folder" in missing.stderr
-    done = subprocess.run([ampwatch_cli, "sync", str(folder), "--url", server.url], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [ampwatch_cli, "sync", str(folder), "--url", server.url], capture_output=True, text=True, timeout=120
+    )
     refused = re.search(r"refused (\d+) \(see the error above\), kept in (.+) as \.bad files", done.stderr)
     assert done.returncode == 1 and refused and "(413)" in done.stderr, (done.stdout, done.stderr)
-    assert refused[2] == str(folder) and int(refused[1]) == len(list(folder.glob("[0-9]*.bad"))) > 0, "each refused batch is kept"
+    assert refused[2] == str(folder) and int(refused[1]) == len(list(folder.glob("[0-9]*.bad"))) > 0, (
+        "each refused batch is kept"
+    )
 
 
 class _Front:
@@ -169,7 +182,9 @@ class _Front:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                reply = httpx.request(self.command, target + self.path, content=body, headers={"Content-Type": "application/json"})
+                reply = httpx.request(
+                    self.command, target + self.path, content=body, headers={"Content-Type": "application/json"}
+                )
                 self.send_response(reply.status_code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply.content)))
@@ -186,7 +201,7 @@ class _Front:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
-    def __enter__(self) -> "_Front":
+    def __enter__(self) -> _Front:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -217,7 +232,9 @@ def test_a_backlog_still_being_delivered_at_finish_leaves_the_last_steps_on_disk
         Spool.create(folder.parent, "backlog", 0, {"run_id": "backlog", "rank": 0, "url": front.url,
                      "doc": {"project": "spool", "name": "backlog", "config": {}, "environment": {}}}, 1 << 30)  # fmt: skip
         for seq in range(1, 41):  # 10 s of batches at this server's pace
-            (folder / f"{seq:012d}.json").write_text(f'{{"rank": 0, "seq": {seq}, "points": {{}}, "events": [], "status": null}}')
+            (folder / f"{seq:012d}.json").write_text(
+                f'{{"rank": 0, "seq": {seq}, "points": {{}}, "events": [], "status": null}}'
+            )
         run = ampwatch.init("spool", "backlog", url=front.url)
         time.sleep(0.6)  # (the sender is busy with the backlog)
         _runs.train(run, range(20))
@@ -260,7 +277,9 @@ def test_a_batch_the_server_rejects_is_counted_as_dropped(sqlite_server, monkeyp
     assert data["x"]["steps"] == [1] and data["dropped_records"]["values"] == [1.0]
 
 
-def test_sync_while_an_offline_run_still_writes_uploads_what_is_there_and_keeps_the_folder(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_sync_while_an_offline_run_still_writes_uploads_what_is_there_and_keeps_the_folder(
+    sqlite_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     """ampwatch sync run while an offline run goes on (to watch it from elsewhere) uploads its batches so far and
     leaves the folder to the run, which writes on; a sync after the run ends uploads the rest and removes it."""
     monkeypatch.setenv("AMPWATCH_MODE", "offline")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import _runs
 import pytest
 import torch
 
-import _runs
 import ampwatch
 from ampwatch import _steady
 
@@ -18,7 +18,18 @@ SERIES = ["loss", "scale", "skipped", "grad_norm", "lr", "param_norm", "grad_nor
 # Steps that break the loop's pattern, each in a different stretch of plain steps (layer norms every 10 steps,
 # parameter checks every 14: the steps between those, and not just before a layer step, are plain).
 NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, OTHER_CLIP, ARMED = (
-    3, 12, 16, 22, 32, 44, 47, 54, 52, 57, 61)
+    3,
+    12,
+    16,
+    22,
+    32,
+    44,
+    47,
+    54,
+    52,
+    57,
+    61,
+)
 DROPPED = 29  # unscale_, then the loop drops the step (no clip, no step()) and calls update(); a layer step follows
 STEPS = 70
 
@@ -39,7 +50,9 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
             if run._recorder._steady is not None:  # (private: which path this step begins on)
                 steady_seen.append(step)
             if step == ARMED:
-                run._recorder.arm_step = step - 1  # (private: what the sender's diagnosis asks after a non-finite value)
+                run._recorder.arm_step = (
+                    step - 1
+                )  # (private: what the sender's diagnosis asks after a non-finite value)
                 run._recorder.arm_request = True
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(x).float().pow(2).mean()
@@ -99,7 +112,16 @@ def test_a_run_records_the_same_with_and_without_the_steady_path(sqlite_server, 
     norms = dict(zip(series["grad_norm"]["steps"], series["grad_norm"]["values"]))
     assert norms[LOGGED] == 5.0 and norms[OTHER_CLIP] > 0  # (the agent's own norm there, not the other model's 0)
     assert series["loss"]["steps"] == list(range(STEPS)) and series["lr"]["values"][10] == 0.005
-    assert series["grad_norm/0"]["steps"] == [0, 10, 20, 30, 40, 50, 60, *range(ARMED + 1, STEPS)]  # and every step while the probe is armed
+    assert series["grad_norm/0"]["steps"] == [
+        0,
+        10,
+        20,
+        30,
+        40,
+        50,
+        60,
+        *range(ARMED + 1, STEPS),
+    ]  # and every step while the probe is armed
     assert series["scale"]["values"][SCALE_SET + 1] == 2.0**12
     assert ("scaler_misuse", STEP_TWICE, "step_twice") in lean["events"]
 
@@ -116,8 +138,21 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
     skips = [0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1]
     norms = [1.0, 1.5, 0.5, 1.0, float("nan"), 2.0, float("inf"), 3.0, 4.0, 5.0, 6.0, 7.0, float("nan")]
     lrs = [0.1, 0.1, 0.1, 0.1, 0.1, None, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
-    tensors = [(torch.tensor(l), torch.tensor(float(f)), torch.tensor(n)) for l, f, n in zip(losses, skips, norms)]
-    anchor = (STEP, 0, None, tensors[0][1], None, True, (torch.tensor([1024.0]), torch.tensor([0])), (2.0, 0.5, 3), None, None)
+    tensors = [
+        (torch.tensor(loss), torch.tensor(float(f)), torch.tensor(n)) for loss, f, n in zip(losses, skips, norms)
+    ]
+    anchor = (
+        STEP,
+        0,
+        None,
+        tensors[0][1],
+        None,
+        True,
+        (torch.tensor([1024.0]), torch.tensor([0])),
+        (2.0, 0.5, 3),
+        None,
+        None,
+    )
     decoded = []
     for kind in (STEP, PLAIN, RAN):
         decoder, points = StepDecoder(), {}
@@ -131,7 +166,11 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
             else:  # the skipped steps' records hold found_inf, the others do not: runs of one kind each
                 for s in steps:
                     loss, found, norm = tensors[s]
-                    entry = (PLAIN, s + 1, loss, found, norm, lrs[s]) if skips[s] else (RAN, s + 1, loss, None, norm, lrs[s])
+                    entry = (
+                        (PLAIN, s + 1, loss, found, norm, lrs[s])
+                        if skips[s]
+                        else (RAN, s + 1, loss, None, norm, lrs[s])
+                    )
                     if runs[-1][0][0] != entry[0]:
                         runs.append([])
                     runs[-1].append(entry)
@@ -145,7 +184,22 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
         decoded.append({name: (steps, [repr(v) for v in vals]) for name, (steps, vals) in points.items()})
     assert decoded[0] == decoded[1] == decoded[2]
     # (it was a test of both ways: the scale stayed, then backed off at the skips and grew after three good steps)
-    assert [float(v) for v in decoded[1]["scale"][1]] == [1024, 1024, 1024, 2048, 2048, 2048, 1024, 1024, 512, 512, 512, 1024, 1024, 1024]
+    assert [float(v) for v in decoded[1]["scale"][1]] == [
+        1024,
+        1024,
+        1024,
+        2048,
+        2048,
+        2048,
+        1024,
+        1024,
+        512,
+        512,
+        512,
+        1024,
+        1024,
+        1024,
+    ]
     assert decoded[1]["lr"][0] == [s + 1 for s in range(len(lrs)) if lrs[s] is not None]
 
 

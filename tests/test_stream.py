@@ -31,7 +31,9 @@ class SSE:
                 fields = {}
             elif not line.startswith(":"):
                 key, _, value = line.partition(":")
-                fields[key] = fields.get(key, "") + value.removeprefix(" ") if key == "data" else value.removeprefix(" ")
+                fields[key] = (
+                    fields.get(key, "") + value.removeprefix(" ") if key == "data" else value.removeprefix(" ")
+                )
         raise AssertionError(f"no {event!r} event within {timeout_s} s")
 
     def until(self, predicate: Any, event: str = "update", timeout_s: float = 10.0) -> list[dict[str, Any]]:
@@ -60,8 +62,12 @@ def http(live_server):  # type: ignore[no-untyped-def]
         yield client
 
 
-def _post(http: httpx.Client, seq: int, points: dict[str, Any], events: list[dict[str, Any]] | None = None, rank: int = 0) -> None:
-    reply = http.post("/api/v1/runs/r1/batches", json={"seq": seq, "rank": rank, "points": points, "events": events or []})
+def _post(
+    http: httpx.Client, seq: int, points: dict[str, Any], events: list[dict[str, Any]] | None = None, rank: int = 0
+) -> None:
+    reply = http.post(
+        "/api/v1/runs/r1/batches", json={"seq": seq, "rank": rank, "points": points, "events": events or []}
+    )
     assert reply.status_code == 200 and reply.json()["stored"], reply.text
 
 
@@ -77,7 +83,15 @@ def test_a_point_posted_after_the_stream_opened_arrives_with_its_event(http) -> 
     _post(http, 1, {"loss": {"steps": [0, 1, 2], "values": [3.0, 2.5, 2.0]}})
     with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 2, "after_event": 0}) as stream:
         event = {"step": 4, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss at step 4"}
-        _post(http, 2, {"loss": {"steps": [3, 4], "values": [1.5, "NaN"]}, "scale": {"steps": [3, 4], "values": [65536.0, 32768.0]}}, [event])
+        _post(
+            http,
+            2,
+            {
+                "loss": {"steps": [3, 4], "values": [1.5, "NaN"]},
+                "scale": {"steps": [3, 4], "values": [65536.0, 32768.0]},
+            },
+            [event],
+        )
         updates = stream.until(lambda d: 4 in d["points"].get("loss", {}).get("steps", []) and d["events"])
     loss = _merged(updates, "loss")
     assert {k: v for k, v in loss.items() if k > 2} == {3: 1.5, 4: "NaN"}
@@ -135,7 +149,13 @@ def test_the_runs_stream_sends_a_run_that_changed_with_its_vitals(http) -> None:
                         "skipped": {"steps": [0, 1, 2, 3], "values": skipped}})  # fmt: skip
         runs = stream.until(lambda d: any(r["id"] == "r1" and r["last_step"] == 3 for r in d), event="runs")
     row = next(r for r in runs[-1]["data"] if r["id"] == "r1")
-    assert (row["project"], row["status"], row["scale"], row["skip_rate"], row["firing"]) == ("p", "running", 16384.0, 0.5, 0)
+    assert (row["project"], row["status"], row["scale"], row["skip_rate"], row["firing"]) == (
+        "p",
+        "running",
+        16384.0,
+        0.5,
+        0,
+    )
     assert all(r["id"] != "other" for m in runs for r in m["data"]), "the project filter holds"
 
 
@@ -169,7 +189,11 @@ def test_many_open_streams_do_not_starve_other_requests(sqlite_server) -> None: 
                 assert stack.enter_context(client.stream("GET", "/api/v1/runs/busy/stream")).status_code == 200
             reply = http.get("/api/v1/runs", timeout=5)
             assert reply.status_code == 200
-            posted = http.post("/api/v1/runs/busy/batches", json={"seq": 1, "points": {"x": {"steps": [0], "values": [1.0]}}}, timeout=5)
+            posted = http.post(
+                "/api/v1/runs/busy/batches",
+                json={"seq": 1, "points": {"x": {"steps": [0], "values": [1.0]}}},
+                timeout=5,
+            )
             assert posted.status_code == 200
 
 
@@ -179,7 +203,11 @@ def test_points_written_far_behind_the_stream_arrive_live(http) -> None:  # type
         _post(http, 2, {"loss": {"steps": [100, 101], "values": [0.9, 0.8]}})
         stream.until(lambda d: 101 in d["points"].get("loss", {}).get("steps", []))
         # A spool replayed after an outage: old steps, a series the stream never saw, a value replaced.
-        _post(http, 3, {"loss": {"steps": [10, 11], "values": [5.0, "NaN"]}, "lr": {"steps": [10, 11], "values": [0.1, 0.2]}})
+        _post(
+            http,
+            3,
+            {"loss": {"steps": [10, 11], "values": [5.0, "NaN"]}, "lr": {"steps": [10, 11], "values": [0.1, 0.2]}},
+        )
         _post(http, 1, {"loss": {"steps": [3], "values": [7.0]}}, rank=1)  # a slower rank, behind rank 0
         late = stream.until(lambda d: 10 in d["points"].get("loss", {}).get("steps", []))
     assert _merged(late, "loss") == {10: 5.0, 11: "NaN"}
@@ -207,10 +235,14 @@ def test_a_batch_committing_late_is_streamed_and_numbered_after_the_one_before_i
     with live_server.client() as http:
         http.put("/api/v1/runs/r1", json={"project": "p", "name": "race"})
         with sse(http, "/api/v1/runs/r1/stream", params={"after_step": -1}) as stream:
-            a = threading.Thread(target=_post, args=(live_server.client(), 1, {"loss": {"steps": [50], "values": [5.0]}}))
+            a = threading.Thread(
+                target=_post, args=(live_server.client(), 1, {"loss": {"steps": [50], "values": [5.0]}})
+            )
             a.start()
             assert held.wait(10)
-            b = threading.Thread(target=_post, args=(live_server.client(), 2, {"loss": {"steps": [60], "values": [6.0]}}))
+            b = threading.Thread(
+                target=_post, args=(live_server.client(), 2, {"loss": {"steps": [60], "values": [6.0]}})
+            )
             b.start()
             b.join(1.0)
             assert b.is_alive(), "batch B waits for A's commit"

@@ -119,7 +119,9 @@ def add_rule_form(request: Request, session: SessionDep, form: Fields) -> Any:
     wanted = ("name", "severity", "project", "for", *_RULE_FIELDS[kind])
     data: dict[str, Any] = {k: form[k].strip() for k in wanted if form.get(k, "").strip()}
     try:
-        rule = _admin.save_rule(session, body=RuleIn.model_validate({**data, "kind": kind, "per_rank": "per_rank" in form}))
+        rule = _admin.save_rule(
+            session, body=RuleIn.model_validate({**data, "kind": kind, "per_rank": "per_rank" in form})
+        )
     except (ValidationError, _admin.Conflict) as error:
         return _rules_page(request, session, failed=kind, typed=form, error=f"Rule not added. {explain(error)}")
     return _back("/alerts/rules", f"rule {rule.name} added: {_board.condition(rule)}")
@@ -155,9 +157,22 @@ def add_channel_form(request: Request, session: SessionDep, settings: SettingsDe
     which = "email" if form.get("kind") == "email" else "hook"
     common = {k: form[k].strip() for k in ("name", "project", "min_severity") if form.get(k, "").strip()}
     if which == "email":
-        smtp = {k: form[f"smtp_{k}"].strip() for k in ("host", "port", "username", "from") if form.get(f"smtp_{k}", "").strip()}
-        smtp |= {"password": form.get("smtp_password") or None, "starttls": "smtp_starttls" in form, "ssl": "smtp_ssl" in form}
-        data = {**common, "kind": "email", "to": [a for a in re.split(r"[\s,;]+", form.get("to", "")) if a], "smtp": smtp}
+        smtp = {
+            k: form[f"smtp_{k}"].strip()
+            for k in ("host", "port", "username", "from")
+            if form.get(f"smtp_{k}", "").strip()
+        }
+        smtp |= {
+            "password": form.get("smtp_password") or None,
+            "starttls": "smtp_starttls" in form,
+            "ssl": "smtp_ssl" in form,
+        }
+        data = {
+            **common,
+            "kind": "email",
+            "to": [a for a in re.split(r"[\s,;]+", form.get("to", "")) if a],
+            "smtp": smtp,
+        }
     else:
         data = {**common, "kind": form.get("kind", ""), "url": form.get("url", "").strip()}
     try:
@@ -167,7 +182,9 @@ def add_channel_form(request: Request, session: SessionDep, settings: SettingsDe
     except (ValidationError, TargetError, _admin.Conflict) as error:
         typed = {k: v for k, v in form.items() if k != "smtp_password"}
         again = " (enter the password again)" if form.get("smtp_password") else ""
-        return _rules_page(request, session, failed=which, typed=typed, error=f"Channel not added{again}. {explain(error)}")
+        return _rules_page(
+            request, session, failed=which, typed=typed, error=f"Channel not added{again}. {explain(error)}"
+        )
     return _back("/alerts/rules", f"channel {channel.name} added")
 
 

@@ -21,10 +21,15 @@ from ampwatch.web import formats
 router = APIRouter(include_in_schema=False)
 _HERE = resources.files("ampwatch.web")
 templates = Jinja2Templates(directory=str(_HERE / "templates"))
-templates.env.filters.update(scale=formats.scale, rate=formats.rate, stamp=formats.stamp, clock=formats.clock, plain=formats.plain)
+templates.env.filters.update(
+    scale=formats.scale, rate=formats.rate, stamp=formats.stamp, clock=formats.clock, plain=formats.plain
+)
 _OWN = ("app.js", "run.js", "runs.js", "compare.js", "app.css")
 _STATIC = {
-    **{name: (Path(str(_HERE / "static" / name)), "text/css" if name.endswith(".css") else "text/javascript") for name in _OWN},
+    **{
+        name: (Path(str(_HERE / "static" / name)), "text/css" if name.endswith(".css") else "text/javascript")
+        for name in _OWN
+    },
     "plotly.min.js": (Path(plotly.__file__).parent / "package_data" / "plotly.min.js", "text/javascript"),
 }
 STATUSES = ("running", "finished", "crashed", "stalled")
@@ -67,7 +72,9 @@ def _sort_links(project: str | None, status: str | None, q: str | None, sort: st
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
-def run_page(request: Request, run_id: str, session: SessionDep, rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0) -> Any:
+def run_page(
+    request: Request, run_id: str, session: SessionDep, rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0
+) -> Any:
     """One run: header, runtime, charts of one rank (drawn by run.js), the event timeline, alerts, configuration, environment."""
     found = store.get_run(session, run_id=run_id)
     if found is None:

@@ -4,12 +4,11 @@ Revision ID: 0003
 Revises: 0002
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0003'
-down_revision = '0002'
+revision = "0003"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 
@@ -17,13 +16,16 @@ NONFINITE_POINT = sa.text("value IS NULL OR value > 1e308 OR value < -1e308")
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('points', schema=None) as batch_op:
+    with op.batch_alter_table("points", schema=None) as batch_op:
         batch_op.create_index(
-            'ix_points_nonfinite', ['series_id', 'rank', 'step'], unique=False,
-            sqlite_where=NONFINITE_POINT, postgresql_where=NONFINITE_POINT,
+            "ix_points_nonfinite",
+            ["series_id", "rank", "step"],
+            unique=False,
+            sqlite_where=NONFINITE_POINT,
+            postgresql_where=NONFINITE_POINT,
         )
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('points', schema=None) as batch_op:
-        batch_op.drop_index('ix_points_nonfinite')
+    with op.batch_alter_table("points", schema=None) as batch_op:
+        batch_op.drop_index("ix_points_nonfinite")

@@ -7,12 +7,11 @@ Revises: 0004
 
 import math
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0005'
-down_revision = '0004'
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
@@ -31,31 +30,33 @@ WINDOW b AS (PARTITION BY series_id, rank, step / 64),
 
 
 def upgrade() -> None:
-    op.create_table('point_blocks',
-    sa.Column('series_id', sa.Integer(), nullable=False),
-    sa.Column('rank', sa.Integer(), nullable=False),
-    sa.Column('block', sa.BigInteger(), nullable=False),
-    sa.Column('min_step', sa.BigInteger(), nullable=False),
-    sa.Column('min_value', sa.Double(), nullable=False),
-    sa.Column('max_step', sa.BigInteger(), nullable=False),
-    sa.Column('max_value', sa.Double(), nullable=False),
-    sa.Column('last_step', sa.BigInteger(), nullable=False),
-    sa.ForeignKeyConstraint(['series_id'], ['series.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('series_id', 'rank', 'block'),
-    sqlite_with_rowid=False
+    op.create_table(
+        "point_blocks",
+        sa.Column("series_id", sa.Integer(), nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("block", sa.BigInteger(), nullable=False),
+        sa.Column("min_step", sa.BigInteger(), nullable=False),
+        sa.Column("min_value", sa.Double(), nullable=False),
+        sa.Column("max_step", sa.BigInteger(), nullable=False),
+        sa.Column("max_value", sa.Double(), nullable=False),
+        sa.Column("last_step", sa.BigInteger(), nullable=False),
+        sa.ForeignKeyConstraint(["series_id"], ["series.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("series_id", "rank", "block"),
+        sqlite_with_rowid=False,
     )
-    op.create_table('point_feed',
-    sa.Column('run_id', sa.String(length=64), nullable=False),
-    sa.Column('position', sa.BigInteger(), nullable=False),
-    sa.Column('rank', sa.Integer(), nullable=False),
-    sa.Column('first_step', sa.BigInteger(), nullable=False),
-    sa.Column('last_step', sa.BigInteger(), nullable=False),
-    sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'position')
+    op.create_table(
+        "point_feed",
+        sa.Column("run_id", sa.String(length=64), nullable=False),
+        sa.Column("position", sa.BigInteger(), nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("first_step", sa.BigInteger(), nullable=False),
+        sa.Column("last_step", sa.BigInteger(), nullable=False),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("run_id", "position"),
     )
     op.execute(sa.text(_BACKFILL).bindparams(inf=math.inf, ninf=-math.inf))
 
 
 def downgrade() -> None:
-    op.drop_table('point_feed')
-    op.drop_table('point_blocks')
+    op.drop_table("point_feed")
+    op.drop_table("point_blocks")

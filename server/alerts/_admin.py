@@ -14,8 +14,17 @@ from ampwatch.server.alerts._db import now, utc
 from ampwatch.server.alerts._rules import DEFAULTS
 from ampwatch.server.alerts._targets import check_host, mask_url
 from ampwatch.server.alerts.schemas import (
-    AlertDetailOut, ChannelFields, ChannelIn, ChannelOut, DeliveryOut, FlipOut, RuleFields, RuleIn, RuleOut,
-    SilenceIn, SilenceOut,
+    AlertDetailOut,
+    ChannelFields,
+    ChannelIn,
+    ChannelOut,
+    DeliveryOut,
+    FlipOut,
+    RuleFields,
+    RuleIn,
+    RuleOut,
+    SilenceIn,
+    SilenceOut,
 )  # fmt: skip
 
 ENV_CHANNEL = "AMPWATCH_ALERT_WEBHOOK_URL"
@@ -140,10 +149,14 @@ def _apply_channel(channel: models.AlertChannel, body: ChannelFields, merge: boo
 def channel_out(session: Session, channel: models.AlertChannel) -> ChannelOut:
     """A channel as the API shows it: no password, secrets in URLs masked, with its latest delivery."""
     D = models.AlertDelivery
-    last = session.scalars(select(D).where(D.channel_id == channel.id, D.finished_at.is_not(None)).order_by(D.id.desc()).limit(1)).first()
+    last = session.scalars(
+        select(D).where(D.channel_id == channel.id, D.finished_at.is_not(None)).order_by(D.id.desc()).limit(1)
+    ).first()
     smtp = None
     if channel.kind == "email":
-        smtp = {k: v for k, v in (channel.config or {}).items() if k != "password"} | {"password_set": bool(channel.secret)}
+        smtp = {k: v for k, v in (channel.config or {}).items() if k != "password"} | {
+            "password_set": bool(channel.secret)
+        }
     return ChannelOut(
         id=channel.id, name=channel.name, kind=channel.kind, project=channel.project, min_severity=channel.min_severity,
         url=mask_url(channel.target) if channel.kind != "email" else None,
@@ -200,7 +213,9 @@ def alert_detail(session: Session, *, alert_id: int) -> AlertDetailOut | None:
         return None
     F, D, C = models.AlertFlip, models.AlertDelivery, models.AlertChannel
     flips = list(session.scalars(select(F).where(F.alert_id == alert_id).order_by(F.id)))
-    rows = session.execute(select(D, C.name).join(C, C.id == D.channel_id).where(D.flip_id.in_([f.id for f in flips])).order_by(D.id)).all()
+    rows = session.execute(
+        select(D, C.name).join(C, C.id == D.channel_id).where(D.flip_id.in_([f.id for f in flips])).order_by(D.id)
+    ).all()
     by_flip: dict[int, list[DeliveryOut]] = {}
     for d, channel in rows:
         by_flip.setdefault(d.flip_id, []).append(DeliveryOut(

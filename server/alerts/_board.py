@@ -27,7 +27,9 @@ def alert_rows(session: Session, *, active: bool, limit: int = 200) -> list[Aler
     A, R, P = models.Alert, models.Run, models.Project
     query = select(A, P.name, R.name).join(R, R.id == A.run_id).join(P, P.id == R.project_id)
     if active:
-        worst_first = case({"critical": 0, "warning": 1}, value=A.severity, else_=2)  # (as text, info came before warning)
+        worst_first = case(
+            {"critical": 0, "warning": 1}, value=A.severity, else_=2
+        )  # (as text, info came before warning)
         query = query.where(A.state.in_(ACTIVE)).order_by(worst_first, A.started_at.desc())
     else:
         query = query.where(A.state == "resolved").order_by(A.resolved_at.desc())
@@ -42,7 +44,9 @@ def _notified(session: Session, alert_id: int) -> str:
         return ""
     if flip.suppressed:
         return f"not sent: {flip.suppressed}"
-    outcomes = session.execute(select(C.name, D.status, D.error).join(C, C.id == D.channel_id).where(D.flip_id == flip.id).order_by(D.id)).all()
+    outcomes = session.execute(
+        select(C.name, D.status, D.error).join(C, C.id == D.channel_id).where(D.flip_id == flip.id).order_by(D.id)
+    ).all()
     if not outcomes:
         return "no channel configured" if flip.new_state == "firing" else ""
     latest: dict[str, tuple[str, str | None]] = {}
@@ -64,7 +68,9 @@ def condition(rule: models.AlertRule) -> str:
     elif rule.kind == "event_rate":
         text = f"{rule.event_type} events in the last {rule.window_steps} steps {rule.op} {rule.threshold:g}"
     else:
-        text = f"{rule.aggregation} of {rule.series} over the last {rule.window_steps} steps {rule.op} {rule.threshold:g}"
+        text = (
+            f"{rule.aggregation} of {rule.series} over the last {rule.window_steps} steps {rule.op} {rule.threshold:g}"
+        )
         if rule.ignore_steps:
             text += f", from step {rule.ignore_steps}"
     holds = []

@@ -51,7 +51,12 @@ class Outcome:
 
 
 def send(
-    channel: models.AlertChannel, notice: Notice, *, timeout_s: float, scope: str = "private", http: httpx.Client | None = None,
+    channel: models.AlertChannel,
+    notice: Notice,
+    *,
+    timeout_s: float,
+    scope: str = "private",
+    http: httpx.Client | None = None,
     key: str | None = None,
 ) -> Outcome:
     """Deliver `notice` to `channel` once, if `scope` allows its destination; `http` is a shared client (keeps
@@ -172,7 +177,9 @@ def _email(channel: models.AlertChannel, notice: Notice, timeout_s: float, scope
             refused = smtp.send_message(message)
     except smtplib.SMTPRecipientsRefused as error:
         codes = {code for code, _ in error.recipients.values()}
-        return Outcome(False, temporary=all(400 <= c < 500 for c in codes), error=f"all recipients refused: {sorted(codes)}")
+        return Outcome(
+            False, temporary=all(400 <= c < 500 for c in codes), error=f"all recipients refused: {sorted(codes)}"
+        )
     except smtplib.SMTPResponseException as error:
         return Outcome(False, temporary=400 <= error.smtp_code < 500, status=error.smtp_code,
                        error=f"SMTP {error.smtp_code}: {_decode(error.smtp_error)}")  # fmt: skip

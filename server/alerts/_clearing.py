@@ -33,7 +33,11 @@ def cleared(session: Session, *, alert: models.Alert, event_type: str, run: mode
     after = alert.last_step if alert.last_step is not None else -1
     rank = alert.rank if alert.rank >= 0 else int(alert.details.get("rank", 0))
     if event_type == "scaler_misuse" and (alert.details or {}).get("cause") in LASTING:
-        return None if run.status in ("running", "stalled") else f"The run ended ({run.status}); the mistake is in its code."
+        return (
+            None
+            if run.status in ("running", "stalled")
+            else f"The run ended ({run.status}); the mistake is in its code."
+        )
     if event_type not in _CURES:
         if run.last_step is not None and run.last_step - after >= QUIET_STEPS:
             return f"No new {event_type} for {QUIET_STEPS} steps (through step {steps(run.last_step)})."
@@ -52,7 +56,11 @@ def cleared(session: Session, *, alert: models.Alert, event_type: str, run: mode
 
 def _say(event_type: str, first: int, last: int, scale: str | None) -> str:
     if event_type == "scale_collapse":
-        return f"Skips stopped at step {steps(first)}; scale back to {scale}." if scale else f"Skips stopped at step {steps(first)}."
+        return (
+            f"Skips stopped at step {steps(first)}; scale back to {scale}."
+            if scale
+            else f"Skips stopped at step {steps(first)}."
+        )
     if event_type == "nonfinite_param":
         return f"The parameters are finite again at step {steps(first)}."
     what = "loss" if event_type == "nonfinite_loss" else "gradient norm"

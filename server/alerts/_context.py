@@ -23,7 +23,9 @@ TREND_STEPS = 30
 def summary(kind: str, details: dict[str, Any], project: str, run_name: str, step: int | None) -> str:
     """'NaN loss in llm/exp-12 at step 4 812'."""
     grad = {"NaN": "NaN", "Infinity": "Inf", "-Infinity": "Inf"}.get(details.get("grad_norm"), "Non-finite")  # type: ignore[arg-type]
-    title = _TITLES.get(kind, kind.replace("_", " ").capitalize()).format(loss=details.get("loss") or "Non-finite", grad=grad)
+    title = _TITLES.get(kind, kind.replace("_", " ").capitalize()).format(
+        loss=details.get("loss") or "Non-finite", grad=grad
+    )
     return f"{title} in {project}/{run_name} at step {steps(step)}"
 
 
@@ -58,7 +60,9 @@ def _scale(session: Session, run_id: str, rank: int, step: int, details: dict[st
 
 def _trend(session: Session, run_id: str, rank: int, step: int) -> dict[str, float] | None:
     """Median, last and max of the finite gradient norms of the steps just before `step`."""
-    recent = [v for _, v in _points(session, run_id, "grad_norm", rank, step_before=step, limit=TREND_STEPS) if v is not None]
+    recent = [
+        v for _, v in _points(session, run_id, "grad_norm", rank, step_before=step, limit=TREND_STEPS) if v is not None
+    ]
     recent = [v for v in recent if v == v and abs(v) != float("inf")]
     if not recent:
         return None
@@ -98,7 +102,9 @@ def series_ranks(session: Session, series: int, *, limit: int = 1024) -> list[in
     ranks: list[int] = []
     P = models.Point
     while len(ranks) < limit:
-        rank = session.scalar(select(func.min(P.rank)).where(P.series_id == series, P.rank > (ranks[-1] if ranks else -1)))
+        rank = session.scalar(
+            select(func.min(P.rank)).where(P.series_id == series, P.rank > (ranks[-1] if ranks else -1))
+        )
         if rank is None:
             break
         ranks.append(rank)

@@ -57,7 +57,12 @@ def _group_key(row: Any) -> tuple[Any, ...]:
 
 
 def attempt(
-    sessions: sessionmaker[Session], delivery_ids: list[int], *, base_url: str, timeout_s: float, scope: str = "private",
+    sessions: sessionmaker[Session],
+    delivery_ids: list[int],
+    *,
+    base_url: str,
+    timeout_s: float,
+    scope: str = "private",
     http: httpx.Client | None = None,
 ) -> Outcome:
     """Send claimed deliveries (one channel, one run) as one message and record what happened on each."""
@@ -118,7 +123,9 @@ def record(session: Session, delivery_id: int, outcome: Outcome, *, stamp: datet
             delivery.error = f"{outcome.error} (gave up after {delivery.attempt} attempts over {RETRY_FOR.total_seconds() / 3600:g} h)"
 
 
-def _requeue(session: Session, delivery: models.AlertDelivery, stamp: datetime, retry_after_s: float | None, jitter: float) -> None:
+def _requeue(
+    session: Session, delivery: models.AlertDelivery, stamp: datetime, retry_after_s: float | None, jitter: float
+) -> None:
     backoff = min(600.0, 2.0 ** (delivery.attempt - 1)) * jitter
     delay = retry_after_s if retry_after_s is not None else backoff
     session.add(D(
@@ -139,7 +146,12 @@ def recover_stale(session: Session, *, stamp: datetime, timeout_s: float) -> int
             .execution_options(synchronize_session=False)
         )  # fmt: skip
         if done.rowcount == 1:
-            record(session, delivery_id, Outcome(False, temporary=True, error="the sending process stopped without an outcome"), stamp=stamp)
+            record(
+                session,
+                delivery_id,
+                Outcome(False, temporary=True, error="the sending process stopped without an outcome"),
+                stamp=stamp,
+            )
     session.commit()
     return len(stale)
 

@@ -29,7 +29,9 @@ _REMIND_STATUSES = ("running", "stalled")  # a finished or dead run does not nee
 
 def runs_to_evaluate(session: Session, *, limit: int = 200) -> list[str]:
     """Runs with data newer than their last evaluation, and runs with open alerts."""
-    fresh = select(L.run_id).join(R, R.id == L.run_id).where(or_(L.evaluated_at.is_(None), L.evaluated_at < R.last_seen_at))
+    fresh = (
+        select(L.run_id).join(R, R.id == L.run_id).where(or_(L.evaluated_at.is_(None), L.evaluated_at < R.last_seen_at))
+    )
     # Open alerts of a finished or dead run change only with new data, unless a timer runs (for, keep_firing_for)
     # or their rule was disabled or deleted (they resolve).
     orphaned = or_(Rule.id.is_(None), Rule.enabled.is_(False))
@@ -58,13 +60,20 @@ def _take_lease(session: Session, run_id: str, stamp: datetime) -> bool:
 
 def release(session: Session, run_id: str, seen: datetime | None) -> None:
     """Give the lease back, recording what was evaluated (the run's last_seen_at as of the evaluation); the caller commits."""
-    session.execute(update(L).where(L.run_id == run_id).values(lease_until=None, evaluated_at=seen).execution_options(synchronize_session=False))
+    session.execute(
+        update(L)
+        .where(L.run_id == run_id)
+        .values(lease_until=None, evaluated_at=seen)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def evaluate_run(session: Session, run_id: str, stamp: datetime, rules: list[models.AlertRule]) -> None:
     """Windowed rules, then the upkeep of every open alert of the run; then the lease is given back (the caller
     holds it, and commits). `rules`: every rule, read once per pass."""
-    found = session.execute(select(R, models.Project.name).join(models.Project, models.Project.id == R.project_id).where(R.id == run_id)).first()
+    found = session.execute(
+        select(R, models.Project.name).join(models.Project, models.Project.id == R.project_id).where(R.id == run_id)
+    ).first()
     if found is None:
         release(session, run_id, None)
         return
@@ -83,7 +92,9 @@ def evaluate_run(session: Session, run_id: str, stamp: datetime, rules: list[mod
     release(session, run_id, run.last_seen_at)
 
 
-def _upkeep(session: Session, alert: models.Alert, rule: models.AlertRule | None, run: models.Run, stamp: datetime) -> None:
+def _upkeep(
+    session: Session, alert: models.Alert, rule: models.AlertRule | None, run: models.Run, stamp: datetime
+) -> None:
     if alert.state not in ACTIVE:
         return
     if rule is None or not rule.enabled:
@@ -120,7 +131,7 @@ def _window(session: Session, rule: models.AlertRule, run: models.Run, liveness:
             value, step = measured.get(alert.rank, min(measured.items())[1])
             reason = f"{_what(rule)} is {value:.4g} at step {steps(step)}, no longer {rule.op} {rule.threshold:g}."
             _state.clear(session, alert, rule, step=step, reason=reason, stamp=stamp)
-    for key, (rank, (value, step)) in keys.items():
+    for rank, (value, step) in keys.values():
         where = f" (rank {rank})" if len(measured) > 1 or rank != 0 else ""
         message = f"{_what(rule)} is {value:.4g} (threshold {rule.op} {rule.threshold:g}) at step {steps(step)}{where}."
         details = {"value": value, "window_steps": rule.window_steps, "threshold": rule.threshold, "type": rule.name,
@@ -137,7 +148,9 @@ def _holds(rule: models.AlertRule, value: float) -> bool:
     return not math.isnan(value) and _OPS[rule.op or ">"](value, rule.threshold if rule.threshold is not None else 0.0)
 
 
-def _measure(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness) -> dict[int, tuple[float, int]]:
+def _measure(
+    session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness
+) -> dict[int, tuple[float, int]]:
     window = rule.window_steps or 1
     floor = rule.ignore_steps
     if rule.series in ("skipped", "scale") and liveness.calibrated_step is not None:

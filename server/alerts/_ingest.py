@@ -59,7 +59,15 @@ def _track_steps(liveness: models.RunLiveness, new_step: int | None, stamp: date
     return True
 
 
-def _resume(session: Session, run: models.Run, liveness: models.RunLiveness, *, status: str | None, advanced: bool, stamp: datetime) -> None:
+def _resume(
+    session: Session,
+    run: models.Run,
+    liveness: models.RunLiveness,
+    *,
+    status: str | None,
+    advanced: bool,
+    stamp: datetime,
+) -> None:
     kind, liveness.detected = liveness.detected, None
     if status is None:
         run.status, run.finished_at = "running", None
@@ -70,7 +78,11 @@ def _resume(session: Session, run: models.Run, liveness: models.RunLiveness, *, 
     else:
         reason = f"The run ended ({status}) at step {steps(run.last_step)}."
     R, A = models.AlertRule, models.Alert
-    query = select(A).join(R, A.rule_id == R.id).where(A.run_id == run.id, A.state.in_(ACTIVE), R.event_type.in_(LIVENESS_TYPES))
+    query = (
+        select(A)
+        .join(R, A.rule_id == R.id)
+        .where(A.run_id == run.id, A.state.in_(ACTIVE), R.event_type.in_(LIVENESS_TYPES))
+    )
     for alert in session.scalars(query).all():
         if alert.state == "pending":
             _state.drop_pending(session, alert)
@@ -90,11 +102,17 @@ def apply_event_rules(session: Session, *, run: models.Run, events: list[models.
     # Critical events first, so an inhibiting alert (a collapse) is open before the lesser ones it suppresses.
     for event in sorted(events, key=lambda e: (-SEVERITY_RANK[e.severity], e.step)):
         for rule in rules:
-            if rule.event_type == event.type and at_least(event.severity, rule.min_event_severity) and applies(rule, project):
+            if (
+                rule.event_type == event.type
+                and at_least(event.severity, rule.min_event_severity)
+                and applies(rule, project)
+            ):
                 _open(session, rule, run, project, event, stamp)
 
 
-def _open(session: Session, rule: models.AlertRule, run: models.Run, project: str, event: models.Event, stamp: datetime) -> None:
+def _open(
+    session: Session, rule: models.AlertRule, run: models.Run, project: str, event: models.Event, stamp: datetime
+) -> None:
     details = event_context(session, run_id=run.id, rank=event.rank, event=event)
     text = summary(event.type, details, project, run.name, event.step)
     _state.open_or_fold(

@@ -21,7 +21,9 @@ Run, Liveness = models.Run, models.RunLiveness
 def detect_crashed(session: Session, settings: Settings, stamp: datetime) -> int:
     """Mark running or stalled runs that sent nothing for `heartbeat_timeout_s` as crashed; how many."""
     cutoff = stamp - timedelta(seconds=settings.heartbeat_timeout_s)
-    silent = session.scalars(select(Run.id).where(Run.status.in_(("running", "stalled")), Run.last_seen_at < cutoff).limit(500)).all()
+    silent = session.scalars(
+        select(Run.id).where(Run.status.in_(("running", "stalled")), Run.last_seen_at < cutoff).limit(500)
+    ).all()
     for run_id in silent:
         claimed = session.execute(
             update(Run).where(Run.id == run_id, Run.status.in_(("running", "stalled")), Run.last_seen_at < cutoff)
@@ -62,7 +64,9 @@ def detect_stalled(session: Session, settings: Settings, stamp: datetime) -> int
     marked = 0
     for run_id, last_step_at, step_time_s in rows:
         limit_s = max(settings.stall_min_s, settings.stall_factor * step_time_s)
-        if (stamp - utc(last_step_at)).total_seconds() > limit_s and _mark_stalled(session, run_id, stamp, limit_s, step_time_s):
+        if (stamp - utc(last_step_at)).total_seconds() > limit_s and _mark_stalled(
+            session, run_id, stamp, limit_s, step_time_s
+        ):
             marked += 1
     return marked
 

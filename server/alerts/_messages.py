@@ -49,7 +49,13 @@ def notice_for_flip(session: Session, flip: models.AlertFlip, base_url: str) -> 
         "count": alert.count, "last_step": alert.last_step, "rank": None if alert.rank < 0 else alert.rank,
         "url": f"{run_url}?step={step}" if step is not None else run_url,
     }  # fmt: skip
-    run_doc = {"id": run.id, "project": project_of(session, run), "name": run.name, "url": run_url, "status": run.status}
+    run_doc = {
+        "id": run.id,
+        "project": project_of(session, run),
+        "name": run.name,
+        "url": run_url,
+        "status": run.status,
+    }
     status = "resolved" if flip.new_state == "resolved" else "firing"
     reminder = flip.old_state == "firing" and flip.new_state == "firing"
     return Notice(status, body, run_doc, flip.reason, reminder=reminder, details=dict(alert.details or {}))
@@ -120,7 +126,12 @@ def slack_body(notice: Notice) -> dict[str, Any]:
     blocks: list[dict[str, Any]] = [{"type": "section", "text": {"type": "mrkdwn", "text": f"*{_slack(first)}*"}}]
     if rest:
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": _slack(rest)}})
-    blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": f"<{notice.alert['url']}|Open the run at the step>"}]})
+    blocks.append(
+        {
+            "type": "context",
+            "elements": [{"type": "mrkdwn", "text": f"<{notice.alert['url']}|Open the run at the step>"}],
+        }
+    )
     return {"text": first, "blocks": blocks}
 
 

@@ -21,7 +21,15 @@ DEFAULTS: dict[str, Any] = {
 
 
 def _event(name: str, severity: str, description: str, **extra: Any) -> dict[str, Any]:
-    return {**DEFAULTS, "name": name, "kind": "event", "event_type": name, "severity": severity, "description": description, **extra}
+    return {
+        **DEFAULTS,
+        "name": name,
+        "kind": "event",
+        "event_type": name,
+        "severity": severity,
+        "description": description,
+        **extra,
+    }
 
 
 BUILTINS: list[dict[str, Any]] = [

@@ -32,7 +32,9 @@ def open_or_fold(
         if alert is not None:
             flip(session, alert, None, alert.state, step=step, reason=reason, stamp=stamp)
             return alert, True
-        query = select(Alert).where(Alert.rule == rule.name, Alert.run_id == run_id, Alert.rank == key_rank, Alert.state.in_(ACTIVE))
+        query = select(Alert).where(
+            Alert.rule == rule.name, Alert.run_id == run_id, Alert.rank == key_rank, Alert.state.in_(ACTIVE)
+        )
         alert = session.scalars(query.with_for_update().execution_options(populate_existing=True)).first()
         if alert is not None:
             fold(alert, step=step, details=details, stamp=stamp, occurrence=occurrence)
@@ -51,8 +53,10 @@ def _try_open(
         fired_at=stamp if state == "firing" else None, cleared_at=None, last_notified_at=None, updated_at=stamp,
         details=details,
     )  # fmt: skip
-    stmt = insert(session, Alert.__table__).values(**values).on_conflict_do_nothing(
-        index_elements=["rule", "run_id", "rank"], index_where=models.ACTIVE_ALERT
+    stmt = (
+        insert(session, Alert.__table__)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=["rule", "run_id", "rank"], index_where=models.ACTIVE_ALERT)
     )
     new_id = session.execute(stmt.returning(Alert.id)).scalar()
     return session.get(Alert, new_id) if new_id is not None else None
@@ -82,7 +86,9 @@ def resolve(session: Session, alert: Alert, *, step: int | None, reason: str, st
     return transition(session, alert, "resolved", step=step, reason=reason, stamp=stamp, resolved_at=stamp)
 
 
-def transition(session: Session, alert: Alert, new: str, *, step: int | None, reason: str, stamp: datetime, **values: Any) -> bool:
+def transition(
+    session: Session, alert: Alert, new: str, *, step: int | None, reason: str, stamp: datetime, **values: Any
+) -> bool:
     """Move `alert` from the state we saw to `new` unless another process already moved it; flip on success."""
     old = alert.state
     done = session.execute(
@@ -99,11 +105,15 @@ def transition(session: Session, alert: Alert, new: str, *, step: int | None, re
 
 def drop_pending(session: Session, alert: Alert) -> None:
     """A pending alert whose condition went away never existed for anyone: remove it (as Prometheus does)."""
-    session.execute(delete(Alert).where(Alert.id == alert.id, Alert.state == "pending").execution_options(synchronize_session=False))
+    session.execute(
+        delete(Alert).where(Alert.id == alert.id, Alert.state == "pending").execution_options(synchronize_session=False)
+    )
     session.expire(alert)
 
 
-def clear(session: Session, alert: Alert, rule: models.AlertRule | None, *, step: int | None, reason: str, stamp: datetime) -> bool:
+def clear(
+    session: Session, alert: Alert, rule: models.AlertRule | None, *, step: int | None, reason: str, stamp: datetime
+) -> bool:
     """The condition is false now: drop a pending alert; resolve a firing one after `keep_firing_for`."""
     if alert.state == "pending":
         drop_pending(session, alert)
@@ -163,9 +173,13 @@ def unsuppress(session: Session, alert: Alert, *, stamp: datetime) -> bool:
     return True
 
 
-def flip(session: Session, alert: Alert, old: str | None, new: str, *, step: int | None, reason: str, stamp: datetime) -> models.AlertFlip:
+def flip(
+    session: Session, alert: Alert, old: str | None, new: str, *, step: int | None, reason: str, stamp: datetime
+) -> models.AlertFlip:
     """Record a state change; queue notifications for it unless a silence or a more important alert suppresses it."""
-    row = models.AlertFlip(alert_id=alert.id, created_at=stamp, old_state=old, new_state=new, step=step, reason=reason, suppressed=None)
+    row = models.AlertFlip(
+        alert_id=alert.id, created_at=stamp, old_state=old, new_state=new, step=step, reason=reason, suppressed=None
+    )
     session.add(row)
     session.flush()
     notify = new == "firing" or (new == "resolved" and old == "firing" and alert.last_notified_at is not None)
@@ -211,6 +225,9 @@ def _queue(session: Session, row: models.AlertFlip, alert: Alert, project: str, 
 
 
 def _project(session: Session, run_id: str) -> str:
-    query = select(models.Project.name).join(models.Run, models.Run.project_id == models.Project.id).where(models.Run.id == run_id)
+    query = (
+        select(models.Project.name)
+        .join(models.Run, models.Run.project_id == models.Project.id)
+        .where(models.Run.id == run_id)
+    )
     return session.scalar(query) or ""
-

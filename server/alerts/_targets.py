@@ -47,7 +47,9 @@ def check_url(url: str) -> str:
     if not parts.hostname:
         raise TargetError("the URL has no host")
     if "@" in parts.netloc:
-        raise TargetError("the URL must not contain a user name or password (user:password@host): put a token in the path or query")
+        raise TargetError(
+            "the URL must not contain a user name or password (user:password@host): put a token in the path or query"
+        )
     return url
 
 
@@ -57,7 +59,9 @@ def check_host(host: str, scope: str) -> None:
     if address is not None:
         _check(address, host, scope)
     elif scope == "loopback" and not _is_localhost(host):
-        raise TargetError(f"{host}: only this machine (127.0.0.1, ::1, localhost) is allowed (AMPWATCH_ALERT_URL_SCOPE=loopback)")
+        raise TargetError(
+            f"{host}: only this machine (127.0.0.1, ::1, localhost) is allowed (AMPWATCH_ALERT_URL_SCOPE=loopback)"
+        )
 
 
 def resolve(host: str, port: int, scope: str) -> str:

@@ -15,7 +15,11 @@ Kind = Literal["event", "event_rate", "threshold"]
 Aggregation = Literal["mean", "max", "min", "sum", "last", "nonfinite"]
 Op = Literal[">", ">=", "<", "<="]
 RuleName = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.:-]+$")]
-_PATTERNS = {"name": "use letters, digits and _ . : - only", "to": "is not an e-mail address", "host": "is not a host name"}
+_PATTERNS = {
+    "name": "use letters, digits and _ . : - only",
+    "to": "is not an e-mail address",
+    "host": "is not a host name",
+}
 _FOR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|s|m|h)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -60,7 +64,7 @@ class RuleFields(BaseModel):
     description: Annotated[str, Field(max_length=2000)] | None = None
 
     @model_validator(mode="after")
-    def _parse_for(self) -> "RuleFields":
+    def _parse_for(self) -> RuleFields:
         if self.for_ is not None:
             match = _FOR.match(self.for_)
             if not match:
@@ -86,7 +90,7 @@ class RuleIn(RuleFields):
     kind: Kind
 
     @model_validator(mode="after")
-    def _complete(self) -> "RuleIn":
+    def _complete(self) -> RuleIn:
         needs = {"event": ("event_type",), "event_rate": ("event_type", "op", "threshold", "window_steps"),
                  "threshold": ("series", "op", "threshold")}[self.kind]  # fmt: skip
         missing = [n for n in needs if getattr(self, n) is None]
@@ -131,14 +135,21 @@ class Smtp(BaseModel):
     starttls: bool = True
     ssl: bool = False
     username: str | None = None
-    password: SecretStr | None = Field(None, description="Write-only: never returned.", json_schema_extra={"writeOnly": True})
+    password: SecretStr | None = Field(
+        None, description="Write-only: never returned.", json_schema_extra={"writeOnly": True}
+    )
     sender: str | None = Field(None, alias="from")
     ca_file: str | None = Field(None, description="A CA bundle to verify the server's certificate (a private CA).")
 
 
 class ChannelFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    url: Annotated[str, Field(max_length=2000, description="http(s) with a host, no user:password@ (AMPWATCH_ALERT_URL_SCOPE)")] | None = None
+    url: (
+        Annotated[
+            str, Field(max_length=2000, description="http(s) with a host, no user:password@ (AMPWATCH_ALERT_URL_SCOPE)")
+        ]
+        | None
+    ) = None
     to: list[Annotated[str, Field(pattern=r"^[^@\s,]+@[^@\s,]+$")]] | None = None
     smtp: Smtp | None = None
     project: str | None = None
@@ -158,7 +169,7 @@ class ChannelIn(ChannelFields):
     kind: Literal["webhook", "slack", "email"]
 
     @model_validator(mode="after")
-    def _complete(self) -> "ChannelIn":
+    def _complete(self) -> ChannelIn:
         if self.kind == "email" and (not self.to or self.smtp is None):
             raise ValueError("an email channel needs `to` and `smtp`")
         if self.kind != "email" and not self.url:
@@ -170,7 +181,9 @@ class ChannelOut(BaseModel):
     id: int
     name: str
     kind: str
-    url: str | None = Field(description="Scheme and host only: the path and query, where webhook secrets live, are masked.")
+    url: str | None = Field(
+        description="Scheme and host only: the path and query, where webhook secrets live, are masked."
+    )
     to: list[str] | None
     smtp: dict[str, Any] | None = Field(description="Without the password; `password_set` says whether one is stored.")
     project: str | None
@@ -192,7 +205,7 @@ class SilenceIn(BaseModel):
     comment: Annotated[str, Field(max_length=2000)] = ""
 
     @model_validator(mode="after")
-    def _complete(self) -> "SilenceIn":
+    def _complete(self) -> SilenceIn:
         if self.run_id is None and self.project is None:
             raise ValueError("a silence needs `run_id` or `project`")
         if (self.ends_at is None) == (self.duration_s is None):

@@ -13,7 +13,16 @@ from ampwatch.server.alerts import _admin
 from ampwatch.server.alerts._deliver import send_test
 from ampwatch.server.alerts._targets import TargetError, scope_of
 from ampwatch.server.alerts.schemas import (
-    AlertDetailOut, ChannelFields, ChannelIn, ChannelOut, RuleFields, RuleIn, RuleOut, SilenceIn, SilenceOut, TestResult,
+    AlertDetailOut,
+    ChannelFields,
+    ChannelIn,
+    ChannelOut,
+    RuleFields,
+    RuleIn,
+    RuleOut,
+    SilenceIn,
+    SilenceOut,
+    TestResult,
 )  # fmt: skip
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import MAX_INT

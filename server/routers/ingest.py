@@ -33,9 +33,11 @@ def post_batch(run_id: RunId, batch: BatchIn, request: Request, session: Session
     if total > settings.max_batch_points:
         raise HTTPException(413, f"batch has {total} points; the limit is {settings.max_batch_points}")
     try:
-        return db.retrying(session, lambda: store.ingest_batch(session, run_id=run_id, batch=batch))  # stored once per (rank, seq)
-    except store.UnknownRun:
-        raise HTTPException(404, f"unknown run {run_id!r}: register it with PUT /api/v1/runs/{run_id} first")
+        return db.retrying(
+            session, lambda: store.ingest_batch(session, run_id=run_id, batch=batch)
+        )  # stored once per (rank, seq)
+    except store.UnknownRun as error:
+        raise HTTPException(404, f"unknown run {run_id!r}: register it with PUT /api/v1/runs/{run_id} first") from error
 
 
 def _check_project(request: Request, session: Session, run_id: str, project: str | None = None) -> None:

@@ -7,11 +7,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
-from ampwatch.server.db import utc
-from ampwatch.server.schemas import MAX_BIGINT, MAX_INT
 from ampwatch.server import models, store
+from ampwatch.server.db import utc
 from ampwatch.server.deps import SessionDep, SettingsDep
-from ampwatch.server.schemas import AlertOut, EventOut, RunOut
+from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, AlertOut, EventOut, RunOut
 from ampwatch.server.settings import Settings
 from ampwatch.server.values import to_json
 
@@ -49,7 +48,9 @@ def list_runs(session: SessionDep, settings: SettingsDep, project: str | None = 
 def get_run(run_id: str, session: SessionDep, settings: SettingsDep) -> RunOut:
     """One run, with the names of its series and the ranks it has heard from."""
     run, project = _get_run(session, run_id)
-    return run_out(run, project, settings, store.series_names(session, run_id=run_id), store.run_ranks(session, run_id=run_id))
+    return run_out(
+        run, project, settings, store.series_names(session, run_id=run_id), store.run_ranks(session, run_id=run_id)
+    )
 
 
 @router.get(
@@ -62,7 +63,9 @@ def get_series(
     name: Annotated[list[str] | None, Query(description="Series to return; all when absent.")] = None,
     max_points: Annotated[int | None, Query(ge=4, le=1_000_000)] = None,
     rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
-    start_step: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="First step to return (a zoomed chart).")] = None,
+    start_step: Annotated[
+        int | None, Query(ge=0, le=MAX_BIGINT, description="First step to return (a zoomed chart).")
+    ] = None,
     end_step: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Last step to return.")] = None,
 ) -> Response:
     """`{name: {"steps": [...], "values": [...]}}`; non-finite values are "NaN", "Infinity", "-Infinity".
@@ -90,7 +93,9 @@ def get_heatmap(
     """Per-layer series (`grad_norm/<module>`) as a grid: `{layers, steps, width, values}`, `values[layer][bucket]`
     the bucket's largest value, or "NaN"/"Infinity"/"-Infinity" when it holds one, null when empty."""
     _get_run(session, run_id)
-    grid = store.layer_heatmap(session, run_id=run_id, prefix=prefix, rank=rank, columns=columns, start=start_step, end=end_step)
+    grid = store.layer_heatmap(
+        session, run_id=run_id, prefix=prefix, rank=rank, columns=columns, start=start_step, end=end_step
+    )
     return Response(json.dumps(grid, separators=(",", ":")), media_type="application/json")
 
 
@@ -99,15 +104,30 @@ def get_events(
     run_id: str,
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=10_000, description="At most this many events.")] = 1000,
-    after_id: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Page through all events: those stored "
-                                          "after the event with this id, in stored order (0: from the first).")] = None,
+    after_id: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=MAX_BIGINT,
+            description="Page through all events: those stored "
+            "after the event with this id, in stored order (0: from the first).",
+        ),
+    ] = None,
 ) -> list[EventOut]:
     """The run's newest `limit` events (step, rank, type, severity, message, details, time) in step order; with
     `after_id`, the first `limit` stored after that event."""
     _get_run(session, run_id)
     return [
-        EventOut(id=e.id, step=e.step, rank=e.rank, type=e.type, severity=e.severity, message=e.message,
-                 details=e.details, time=utc(e.time))  # fmt: skip
+        EventOut(
+            id=e.id,
+            step=e.step,
+            rank=e.rank,
+            type=e.type,
+            severity=e.severity,
+            message=e.message,
+            details=e.details,
+            time=utc(e.time),
+        )  # fmt: skip
         for e in store.list_events(session, run_id=run_id, limit=limit, after_id=after_id)
     ]
 
@@ -120,8 +140,15 @@ def list_alerts(
 ) -> list[AlertOut]:
     """Alerts, newest first: firing and resolved; `state=pending` lists those still waiting out a rule's `for`."""
     return [
-        AlertOut(id=a.id, run_id=a.run_id, rule=a.rule, severity=a.severity, state=a.state,
-                 started_at=utc(a.started_at), resolved_at=utc(a.resolved_at) if a.resolved_at else None,
-                 summary=a.summary)  # fmt: skip
+        AlertOut(
+            id=a.id,
+            run_id=a.run_id,
+            rule=a.rule,
+            severity=a.severity,
+            state=a.state,
+            started_at=utc(a.started_at),
+            resolved_at=utc(a.resolved_at) if a.resolved_at else None,
+            summary=a.summary,
+        )  # fmt: skip
         for a in store.list_alerts(session, run_id=run_id, state=state)
     ]

@@ -29,11 +29,10 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server.db import utc
-from ampwatch.server.schemas import MAX_BIGINT, MAX_INT
 from ampwatch.server import models, series, store
+from ampwatch.server.db import utc
 from ampwatch.server.routers.read import run_out
-from ampwatch.server.schemas import EventOut
+from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, EventOut
 from ampwatch.server.values import to_json
 
 router = APIRouter(prefix="/api/v1", tags=["stream"])
@@ -86,9 +85,25 @@ def _parse_id(last_event_id: str | None) -> tuple[int, int] | None:
 async def stream_run(
     request: Request,
     run: Annotated[models.Run, Depends(_existing_run)],
-    after_position: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Send batches stored after this point-feed position (a page shows it as `data-feed`).")] = None,
-    after_step: Annotated[int | None, Query(ge=-1, le=MAX_BIGINT, description="Without `after_position`: also send the points after this step stored so far.")] = None,
-    after_event: Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Send events with a larger id; the newest when absent.")] = None,
+    after_position: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=MAX_BIGINT,
+            description="Send batches stored after this point-feed position (a page shows it as `data-feed`).",
+        ),
+    ] = None,
+    after_step: Annotated[
+        int | None,
+        Query(
+            ge=-1,
+            le=MAX_BIGINT,
+            description="Without `after_position`: also send the points after this step stored so far.",
+        ),
+    ] = None,
+    after_event: Annotated[
+        int | None, Query(ge=0, le=MAX_BIGINT, description="Send events with a larger id; the newest when absent.")
+    ] = None,
     rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> AsyncIterator[ServerSentEvent]:
@@ -130,7 +145,9 @@ def _start(
     return cursor
 
 
-def _poll_run(sessions: sessionmaker[Session], run_id: str, rank: int, cursor: RunCursor) -> tuple[dict[str, Any] | None, bool]:
+def _poll_run(
+    sessions: sessionmaker[Session], run_id: str, rank: int, cursor: RunCursor
+) -> tuple[dict[str, Any] | None, bool]:
     """One look at the database: (the message to send or None, whether more is waiting)."""
     with sessions() as session:
         run = session.get(models.Run, run_id)
@@ -142,7 +159,12 @@ def _poll_run(sessions: sessionmaker[Session], run_id: str, rank: int, cursor: R
         if state == cursor.seen and not events and not cursor.pending:
             return None, more
         cursor.seen = state
-        message: dict[str, Any] = {"run": _run_state(run), "points": {}, "events": [_event(e) for e in events], "reset": False}
+        message: dict[str, Any] = {
+            "run": _run_state(run),
+            "points": {},
+            "events": [_event(e) for e in events],
+            "reset": False,
+        }
         if sum(hi - lo + 1 for lo, hi in cursor.pending) > RESET_STEPS:
             message["reset"] = True
         else:
@@ -190,7 +212,9 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _pending_points(session: Session, run_id: str, rank: int, ranges: list[tuple[int, int]]) -> tuple[dict[str, Any], bool]:
+def _pending_points(
+    session: Session, run_id: str, rank: int, ranges: list[tuple[int, int]]
+) -> tuple[dict[str, Any], bool]:
     """({name: {steps, values}} of every point in the ranges, False), or ({}, True) when there are too many."""
     points: dict[str, dict[str, list[Any]]] = {}
     budget = MAX_ROWS
@@ -245,7 +269,11 @@ async def stream_runs(
         changed, snapshot, newest = await _run_sync(partial(_poll_runs, sessions, settings, filters, snapshot, resume))
         resume = max(resume, newest) if resume and newest else (newest or resume)
         if changed:
-            yield ServerSentEvent(event="runs", raw_data=json.dumps(changed, separators=(",", ":")), id=resume.isoformat() if resume else None)
+            yield ServerSentEvent(
+                event="runs",
+                raw_data=json.dumps(changed, separators=(",", ":")),
+                id=resume.isoformat() if resume else None,
+            )
         await anyio.sleep(RUNS_POLL_S)
 
 
@@ -265,7 +293,10 @@ def _poll_runs(
     with sessions() as session:
         rows = store.list_runs(session, **filters)
         firing = store.firing_counts(session)
-        now = {run.id: (run.status, run.health, run.last_step, utc(run.last_seen_at), firing.get(run.id, 0)) for run, _ in rows}
+        now = {
+            run.id: (run.status, run.health, run.last_step, utc(run.last_seen_at), firing.get(run.id, 0))
+            for run, _ in rows
+        }
         if snapshot is None:
             changed = [(r, p) for r, p in rows if since is not None and now[r.id][3] > since]
             # (a run may have left the filters while the browser reconnected; a run never leaves its project)
@@ -275,6 +306,9 @@ def _poll_runs(
             changed = [(r, p) for r, p in rows if snapshot.get(r.id) != now[r.id]]
             left = [row for run_id in snapshot.keys() - now.keys() if (row := store.get_run(session, run_id=run_id))]
         vitals = store.run_vitals(session, run_ids=[r.id for r, _ in changed + left])
-        out = [{**run_out(r, p, settings).model_dump(mode="json"), **vitals[r.id], "in_filter": r.id in now} for r, p in changed + left]
+        out = [
+            {**run_out(r, p, settings).model_dump(mode="json"), **vitals[r.id], "in_filter": r.id in now}
+            for r, p in changed + left
+        ]
     newest = max((now[r.id][3] for r, _ in changed), default=None)
     return out, now, newest

@@ -52,13 +52,16 @@ class Receiver:
             time.sleep(0.02)
         raise AssertionError(f"expected {count} requests to {path} matching {match}, got {self.bodies(path)}")
 
-
     def notified(self, count: int, timeout_s: float = 20.0, path: str = "/hook") -> list[tuple[str, str, str]]:
         """(status, run id, rule) of every alert notified, a grouped message counting each of its alerts,
         once there are at least `count`."""
         deadline = time.monotonic() + timeout_s
         while True:
-            found = [(b["status"], b["run"]["id"], a["rule"]) for b in self.bodies(path) for a in b.get("alerts", [b["alert"]])]
+            found = [
+                (b["status"], b["run"]["id"], a["rule"])
+                for b in self.bodies(path)
+                for a in b.get("alerts", [b["alert"]])
+            ]
             if len(found) >= count or time.monotonic() > deadline:
                 return found
             time.sleep(0.02)
@@ -118,7 +121,7 @@ def alert_server(sqlite_url: str, receiver: Receiver, live_server_factory: Calla
     return start
 
 
-TRAINING_SCRIPT = '''
+TRAINING_SCRIPT = """
 import os, sys, time, torch, ampwatch
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -140,7 +143,7 @@ while True:
     time.sleep(0.01)
     while hang and step >= 40 and not os.path.exists(hang):
         time.sleep(0.05)  # hung (as in a collective), while the agent's thread keeps heartbeating
-'''
+"""
 
 
 @pytest.fixture
@@ -151,7 +154,12 @@ def training(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen, s
     started: list[subprocess.Popen] = []
 
     def start(url: str, *args: str) -> tuple[subprocess.Popen, str]:
-        env = {**os.environ, "AMPWATCH_URL": url, "AMPWATCH_HEARTBEAT_INTERVAL_S": "0.2", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}
+        env = {
+            **os.environ,
+            "AMPWATCH_URL": url,
+            "AMPWATCH_HEARTBEAT_INTERVAL_S": "0.2",
+            "AMPWATCH_FLUSH_INTERVAL_S": "0.05",
+        }
         process = subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE, text=True)
         started.append(process)
         assert process.stdout is not None

@@ -47,8 +47,14 @@ def test_a_rule_made_on_the_page_fires_on_a_real_training_run(alert_server, rece
     error = page.locator("#error-threshold")
     assert "threshold: Input should be a valid number" in error.inner_text()
     form = page.locator("#add-threshold-rule")
-    assert (form.locator("[name=name]").input_value(), form.locator("[name=aggregation]").input_value()) == ("loss_seen", "max")
-    assert (form.locator("[name=project]").input_value(), form.locator("[name=severity]").input_value()) == ("demo", "critical")
+    assert (form.locator("[name=name]").input_value(), form.locator("[name=aggregation]").input_value()) == (
+        "loss_seen",
+        "max",
+    )
+    assert (form.locator("[name=project]").input_value(), form.locator("[name=severity]").input_value()) == (
+        "demo",
+        "critical",
+    )
     form.locator("[name=threshold]").fill("0")
     form.locator("button[type=submit]").click()
     assert _flash(page) == "rule loss_seen added: max of loss over the last 5 steps > 0 in project demo"
@@ -68,7 +74,13 @@ def test_a_rule_made_on_the_page_fires_on_a_real_training_run(alert_server, rece
 
 def _nan(http: httpx.Client, run_id: str) -> int:
     http.put(f"/api/v1/runs/{run_id}", json={"project": "p", "name": run_id}).raise_for_status()
-    event = {"step": 5, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss", "details": {"loss": "NaN"}}
+    event = {
+        "step": 5,
+        "type": "nonfinite_loss",
+        "severity": "critical",
+        "message": "NaN loss",
+        "details": {"loss": "NaN"},
+    }
     http.post(f"/api/v1/runs/{run_id}/batches", json={"seq": 1, "events": [event]}).raise_for_status()
     return http.get("/api/v1/alerts", params={"run_id": run_id}).json()[0]["id"]
 
@@ -93,7 +105,9 @@ def test_a_channel_disabled_on_the_page_gets_no_more_notifications(alert_server,
         assert _flash(page) == "channel team disabled"
         assert "disabled" in page.locator("tr[data-channel=team]").inner_text()
         second = _nan(http, "r2")
-        retry = wait_for(lambda: [d for d in _deliveries(http, first) if d["attempt"] == 2 and d["finished_at"]], what="the retry")
+        retry = wait_for(
+            lambda: [d for d in _deliveries(http, first) if d["attempt"] == 2 and d["finished_at"]], what="the retry"
+        )
         assert (retry[0]["status"], retry[0]["error"]) == ("failed", "not sent: the channel is disabled")
         assert _deliveries(http, second) == []  # nothing queued for a disabled channel
         time.sleep(0.5)
@@ -105,7 +119,9 @@ def test_a_channel_disabled_on_the_page_gets_no_more_notifications(alert_server,
         assert receiver.wait(2, path="/team")[1]["run"]["id"] == "r3"
 
 
-def test_an_email_channel_added_on_the_page_sends_through_real_smtp_and_never_shows_its_password(alert_server, page) -> None:  # type: ignore[no-untyped-def]
+def test_an_email_channel_added_on_the_page_sends_through_real_smtp_and_never_shows_its_password(
+    alert_server, page
+) -> None:  # type: ignore[no-untyped-def]
     received: list[Any] = []
 
     class Inbox:
@@ -119,7 +135,9 @@ def test_an_email_channel_added_on_the_page_sends_through_real_smtp_and_never_sh
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    smtp = Controller(Inbox(), hostname="127.0.0.1", port=port, authenticator=login, auth_required=True, auth_require_tls=False)
+    smtp = Controller(
+        Inbox(), hostname="127.0.0.1", port=port, authenticator=login, auth_required=True, auth_require_tls=False
+    )
     smtp.start()
     try:
         server = alert_server(alert_webhook_url="")
@@ -133,8 +151,10 @@ def test_an_email_channel_added_on_the_page_sends_through_real_smtp_and_never_sh
         assert _flash(page) == "channel oncall added"
         page.locator("tr[data-channel=oncall] button", has_text="Send test").click()
         assert _flash(page) == "test to oncall: delivered"
-        assert "via 127.0.0.1:%d as bot, password set" % port in page.locator("tr[data-channel=oncall]").inner_text()
+        assert f"via 127.0.0.1:{port} as bot, password set" in page.locator("tr[data-channel=oncall]").inner_text()
         assert PASSWORD not in page.content()
     finally:
         smtp.stop()
-    assert [r.rcpt_tos for r in received] == [["oncall@example.com"]] and received[0].mail_from == "ampwatch@example.com"
+    assert [r.rcpt_tos for r in received] == [["oncall@example.com"]] and received[
+        0
+    ].mail_from == "ampwatch@example.com"

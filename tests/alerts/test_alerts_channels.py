@@ -11,8 +11,8 @@ import socket
 import ssl
 import subprocess
 import time
-from datetime import timedelta
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -43,7 +43,10 @@ class Inbox:
 
 
 def _authenticate(server: Any, session: Any, envelope: Any, mechanism: str, auth_data: Any) -> AuthResult:
-    ok = isinstance(auth_data, LoginPassword) and (auth_data.login, auth_data.password) == (b"ampwatch", PASSWORD.encode())
+    ok = isinstance(auth_data, LoginPassword) and (auth_data.login, auth_data.password) == (
+        b"ampwatch",
+        PASSWORD.encode(),
+    )
     return AuthResult(success=ok, handled=False)  # not handled: aiosmtpd answers 535 itself
 
 
@@ -63,7 +66,13 @@ def smtp() -> Iterator[tuple[Inbox, int]]:
 
 def _nan(http: Any, run_id: str, step: int = 10, severity: str = "critical", kind: str = "nonfinite_loss") -> None:
     http.put(f"/api/v1/runs/{run_id}", json={"project": "p", "name": run_id}).raise_for_status()
-    event = {"step": step, "type": kind, "severity": severity, "message": f"NaN loss at step {step}.", "details": {"loss": "NaN"}}
+    event = {
+        "step": step,
+        "type": kind,
+        "severity": severity,
+        "message": f"NaN loss at step {step}.",
+        "details": {"loss": "NaN"},
+    }
     http.post(f"/api/v1/runs/{run_id}/batches", json={"seq": 1, "events": [event]}).raise_for_status()
 
 
@@ -94,12 +103,24 @@ def test_email_goes_through_smtp_with_auth_and_the_password_is_never_shown(alert
     assert message["Subject"] == "[FIRING · critical] NaN loss in p/mailed at step 10"
     with server.client() as http:  # a run name with a line break e-mail headers refuse (every e-mail for it failed)
         http.put("/api/v1/runs/formfeed", json={"project": "p", "name": "form\x0cfeed"}).raise_for_status()
-        event = {"step": 3, "type": "nonfinite_loss", "severity": "critical", "message": "NaN", "details": {"loss": "NaN"}}
+        event = {
+            "step": 3,
+            "type": "nonfinite_loss",
+            "severity": "critical",
+            "message": "NaN",
+            "details": {"loss": "NaN"},
+        }
         http.post("/api/v1/runs/formfeed/batches", json={"seq": 1, "events": [event]}).raise_for_status()
         [*_, fed] = inbox.wait(3)
-    assert email.message_from_bytes(fed.content, policy=email.policy.default)["Subject"] == "[FIRING · critical] NaN loss in p/form feed at step 3"
+    assert (
+        email.message_from_bytes(fed.content, policy=email.policy.default)["Subject"]
+        == "[FIRING · critical] NaN loss in p/form feed at step 3"
+    )
     assert f"{server.url}/runs/mailed?step=10" in message.get_content()
-    assert "test from ampwatch" in email.message_from_bytes(inbox.messages[0].content, policy=email.policy.default).get_content()
+    assert (
+        "test from ampwatch"
+        in email.message_from_bytes(inbox.messages[0].content, policy=email.policy.default).get_content()
+    )
     assert PASSWORD not in listing and PASSWORD not in caplog.text
 
 
@@ -119,7 +140,10 @@ def test_wrong_smtp_credentials_are_a_permanent_failure_with_the_servers_answer(
 def test_slack_gets_its_incoming_webhook_format_and_the_token_is_masked(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
-        made = http.post("/api/v1/alert-channels", json={"name": "slack", "kind": "slack", "url": f"{receiver.url}/slack/T0/B0/token123"})
+        made = http.post(
+            "/api/v1/alert-channels",
+            json={"name": "slack", "kind": "slack", "url": f"{receiver.url}/slack/T0/B0/token123"},
+        )
         assert made.json()["url"] == f"{receiver.url}/***"  # the path may be the secret (Telegram, ntfy)
         _nan(http, "slacked")
     [body] = receiver.wait(1, path="/slack/T0/B0/token123")
@@ -137,7 +161,10 @@ def test_a_503_is_retried_after_retry_after_and_each_attempt_is_recorded(alert_s
         first, second = receiver.received[:2]
         assert second.at - first.at >= 0.9  # Retry-After: 1 was honoured
         deliveries = _wait_final(http, "flaky", 2)
-    assert [(d["attempt"], d["status"], d["response_status"]) for d in deliveries] == [(1, "retried", 503), (2, "delivered", 200)]
+    assert [(d["attempt"], d["status"], d["response_status"]) for d in deliveries] == [
+        (1, "retried", 503),
+        (2, "delivered", 200),
+    ]
     assert deliveries[0]["error"].startswith("HTTP 503")
     keys = [r.headers.get("Idempotency-Key") for r in receiver.received[:2]]  # a receiver can drop a repeat
     assert keys[0] and keys[0] == keys[1], keys
@@ -201,7 +228,10 @@ def test_starttls_verifies_the_servers_certificate_against_the_given_ca(alert_se
     with server.client() as http:
         trusted = http.post("/api/v1/alert-channels", json={"name": "tls", "kind": "email", "to": ["a@example.com"],
                                                             "smtp": {**smtp, "ca_file": cert}}).json()  # fmt: skip
-        untrusted = http.post("/api/v1/alert-channels", json={"name": "tls-unknown-ca", "kind": "email", "to": ["a@example.com"], "smtp": smtp}).json()
+        untrusted = http.post(
+            "/api/v1/alert-channels",
+            json={"name": "tls-unknown-ca", "kind": "email", "to": ["a@example.com"], "smtp": smtp},
+        ).json()
         ok = http.post(f"/api/v1/alert-channels/{trusted['id']}/test").json()
         refused = http.post(f"/api/v1/alert-channels/{untrusted['id']}/test").json()
     assert ok["ok"] is True, ok
@@ -216,7 +246,10 @@ def test_a_retried_firing_notice_never_arrives_after_the_resolved_one(alert_serv
         _nan(http, "recovers", step=1)
         receiver.wait(1)
         # the run recovers before the retry is due: the alert resolves, and its notice goes out at once
-        http.post("/api/v1/runs/recovers/batches", json={"seq": 2, "points": {"loss": {"steps": list(range(2, 14)), "values": [1.0] * 12}}})
+        http.post(
+            "/api/v1/runs/recovers/batches",
+            json={"seq": 2, "points": {"loss": {"steps": list(range(2, 14)), "values": [1.0] * 12}}},
+        )
         receiver.wait(2)
         time.sleep(4.5)  # past the firing notice's retry
         deliveries = _wait_final(http, "recovers", 2)
@@ -270,7 +303,9 @@ def test_patching_a_channel_keeps_what_it_does_not_name_and_refuses_another_kind
         "host": "127.0.0.1", "port": port + 1, "starttls": False, "username": "ampwatch", "password": PASSWORD,
         "from": "ampwatch@example.com"}}  # fmt: skip
     with server.client() as http:
-        hook = http.post("/api/v1/alert-channels", json={"name": "hook", "kind": "webhook", "url": "http://127.0.0.1:9/h"}).json()
+        hook = http.post(
+            "/api/v1/alert-channels", json={"name": "hook", "kind": "webhook", "url": "http://127.0.0.1:9/h"}
+        ).json()
         email_id = http.post("/api/v1/alert-channels", json=mail).json()["id"]
         # (the URL of a webhook was replaced by an address, an e-mail channel's recipients by a URL: both 200)
         for channel_id, body in ((hook["id"], {"to": ["a@example.com"]}), (email_id, {"url": "http://127.0.0.1:9/h"})):
@@ -284,7 +319,12 @@ def test_patching_a_channel_keeps_what_it_does_not_name_and_refuses_another_kind
         listed = {c["name"]: c for c in http.get("/api/v1/alert-channels").json()}
     assert sent.mail_from == "ampwatch@example.com"
     smtp_out = listed["mail"]["smtp"]
-    assert (smtp_out["port"], smtp_out["starttls"], smtp_out["username"], smtp_out["password_set"]) == (port, False, "ampwatch", True)
+    assert (smtp_out["port"], smtp_out["starttls"], smtp_out["username"], smtp_out["password_set"]) == (
+        port,
+        False,
+        "ampwatch",
+        True,
+    )
     assert listed["hook"]["url"].startswith("http://127.0.0.1:9")
 
 
@@ -292,15 +332,25 @@ def test_an_alert_that_fired_during_a_silence_is_notified_when_the_silence_ends(
     server = alert_server()
     with server.client() as http:
         http.put("/api/v1/runs/hushed", json={"project": "p", "name": "hushed"}).raise_for_status()
-        assert http.post("/api/v1/silences", json={"run_id": "hushed", "duration_s": 1.5, "comment": "node restart"}).status_code == 201
+        assert (
+            http.post(
+                "/api/v1/silences", json={"run_id": "hushed", "duration_s": 1.5, "comment": "node restart"}
+            ).status_code
+            == 201
+        )
         _nan(http, "hushed", step=1)
         time.sleep(0.5)
         assert receiver.bodies() == []  # silenced
         for seq in range(2, 6):  # the run goes on (NaN still), past the silence's end
-            http.post("/api/v1/runs/hushed/batches", json={"seq": seq, "points": {"loss": {"steps": [seq], "values": ["NaN"]}}})
+            http.post(
+                "/api/v1/runs/hushed/batches",
+                json={"seq": seq, "points": {"loss": {"steps": [seq], "values": ["NaN"]}}},
+            )
             time.sleep(0.5)
         [body] = receiver.wait(1, timeout_s=5)  # (it waited for the 4 h reminder, or forever)
         [alert] = http.get("/api/v1/alerts", params={"run_id": "hushed"}).json()
         flips = http.get(f"/api/v1/alerts/{alert['id']}").json()["flips"]
     assert body["status"] == "firing" and body["alert"]["rule"] == alert["rule"]
-    assert [f["reason"] for f in flips][-1] == "no longer silenced or inhibited: still firing" and flips[0]["suppressed"]
+    assert [f["reason"] for f in flips][-1] == "no longer silenced or inhibited: still firing" and flips[0][
+        "suppressed"
+    ]

@@ -24,8 +24,11 @@ def _batch(seq: int, step: int) -> dict[str, Any]:
 
 
 def test_two_server_processes_on_one_postgres_notify_exactly_once(pg_url, receiver, server_processes) -> None:  # type: ignore[no-untyped-def]
-    env = {"AMPWATCH_ALERT_WEBHOOK_URL": f"{receiver.url}/hook", "AMPWATCH_ALERT_EVAL_INTERVAL_S": "0.05",
-           "AMPWATCH_HEARTBEAT_TIMEOUT_S": "4"}  # fmt: skip  (2 s called runs crashed before their first batch on a loaded machine)
+    env = {
+        "AMPWATCH_ALERT_WEBHOOK_URL": f"{receiver.url}/hook",
+        "AMPWATCH_ALERT_EVAL_INTERVAL_S": "0.05",
+        "AMPWATCH_HEARTBEAT_TIMEOUT_S": "4",
+    }  # fmt: skip  (2 s called runs crashed before their first batch on a loaded machine)
     servers = [server_processes(pg_url, **env), server_processes(pg_url, **env)]
     run_ids = [f"replica-{i}" for i in range(RUNS)]
     for run_id in run_ids:
@@ -33,7 +36,9 @@ def test_two_server_processes_on_one_postgres_notify_exactly_once(pg_url, receiv
 
     def post(job: tuple[str, int]) -> int:
         run_id, seq = job  # seq 1 goes to one server, seq 2 to the other, at the same moment
-        return httpx.post(f"{servers[seq % 2].url}/api/v1/runs/{run_id}/batches", json=_batch(seq, 400 + seq), timeout=30).status_code
+        return httpx.post(
+            f"{servers[seq % 2].url}/api/v1/runs/{run_id}/batches", json=_batch(seq, 400 + seq), timeout=30
+        ).status_code
 
     with ThreadPoolExecutor(2 * RUNS) as pool:
         assert set(pool.map(post, [(r, s) for r in run_ids for s in (1, 2)])) == {200}
@@ -45,7 +50,9 @@ def test_two_server_processes_on_one_postgres_notify_exactly_once(pg_url, receiv
             assert sorted(a["rule"] for a in alerts) == ["nonfinite_loss", "run_crashed", "skip_rate"], run_id
             for alert in alerts:
                 detail = http.get(f"/api/v1/alerts/{alert['id']}").json()
-                assert [f["new_state"] for f in detail["flips"]] == ["firing"], [(f["new_state"], f["reason"], alert["rule"]) for f in detail["flips"]]
+                assert [f["new_state"] for f in detail["flips"]] == ["firing"], [
+                    (f["new_state"], f["reason"], alert["rule"]) for f in detail["flips"]
+                ]
                 assert [d["status"] for d in detail["flips"][0]["deliveries"]] == ["delivered"], detail
     time.sleep(0.5)  # a duplicate notification would arrive about now
     notified = receiver.notified(0)

@@ -29,9 +29,13 @@ class Feed:
         self.http.put(f"/api/v1/runs/{run_id}", json={"project": project, "name": run_id}).raise_for_status()
         return run_id
 
-    def send(self, run_id: str, *, events: list[tuple[str, str, int]] = (), rank: int = 0, **series: tuple[range, float]) -> None:  # type: ignore[assignment]
+    def send(
+        self, run_id: str, *, events: list[tuple[str, str, int]] = (), rank: int = 0, **series: tuple[range, float]
+    ) -> None:  # type: ignore[assignment]
         self.seq += 1
-        points = {name: {"steps": list(steps), "values": [value] * len(steps)} for name, (steps, value) in series.items()}
+        points = {
+            name: {"steps": list(steps), "values": [value] * len(steps)} for name, (steps, value) in series.items()
+        }
         body = {"seq": self.seq, "rank": rank, "points": points,
                 "events": [{"step": s, "type": t, "severity": sev, "message": f"{t} at {s}"} for t, sev, s in events]}  # fmt: skip
         self.http.post(f"/api/v1/runs/{run_id}/batches", json=body).raise_for_status()
@@ -40,7 +44,9 @@ class Feed:
         # Pending first: an alert that starts firing between the two requests is then in the second list, not in neither.
         listed = [*self.http.get("/api/v1/alerts", params={"run_id": run_id, "state": "pending"}).json(),
                   *self.http.get("/api/v1/alerts", params={"run_id": run_id}).json()]  # firing and resolved (PRODUCT.md)  # fmt: skip
-        return {a["rule"]: self.http.get(f"/api/v1/alerts/{a['id']}").json() for a in {a["id"]: a for a in listed}.values()}
+        return {
+            a["rule"]: self.http.get(f"/api/v1/alerts/{a['id']}").json() for a in {a["id"]: a for a in listed}.values()
+        }
 
 
 @pytest.fixture
@@ -61,7 +67,9 @@ def test_builtin_rules_work_with_zero_configuration_and_can_be_disabled_but_not_
     assert set(feed.alerts("r")) == {"loss_spike"}
 
 
-def test_a_threshold_rule_goes_pending_then_fires_after_for_steps_and_resolves_after_keep_firing_for(feed, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_threshold_rule_goes_pending_then_fires_after_for_steps_and_resolves_after_keep_firing_for(
+    feed, receiver, wait_for
+) -> None:  # type: ignore[no-untyped-def]
     rule = {"name": "loss_high", "kind": "threshold", "series": "loss", "aggregation": "mean", "window_steps": 5,
             "op": ">", "threshold": 10, "for": "20 steps", "keep_firing_for_s": 0.5, "project": "p"}  # fmt: skip
     assert feed.http.post("/api/v1/alert-rules", json=rule).status_code == 201
@@ -90,13 +98,23 @@ def _by_rank(feed: Feed, run_id: str, rule: str) -> dict[int | None, dict[str, A
 
 
 def test_a_threshold_rule_watches_every_rank_of_a_two_rank_run(feed, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
-    common = {"kind": "threshold", "series": "loss", "aggregation": "max", "window_steps": 5, "op": ">", "threshold": 10}
+    common = {
+        "kind": "threshold",
+        "series": "loss",
+        "aggregation": "max",
+        "window_steps": 5,
+        "op": ">",
+        "threshold": 10,
+    }
     feed.http.post("/api/v1/alert-rules", json={"name": "loss_any_rank", **common}).raise_for_status()
     feed.http.post("/api/v1/alert-rules", json={"name": "loss_per_rank", "per_rank": True, **common}).raise_for_status()
     run = feed.run("ddp")
     feed.send(run, rank=0, loss=(range(0, 10), 1.0))
     feed.send(run, rank=1, loss=(range(0, 10), 50.0))  # only rank 1 goes bad
-    wait_for(lambda: _by_rank(feed, run, "loss_per_rank").keys() == {1} and _by_rank(feed, run, "loss_any_rank"), what="alerts")
+    wait_for(
+        lambda: _by_rank(feed, run, "loss_per_rank").keys() == {1} and _by_rank(feed, run, "loss_any_rank"),
+        what="alerts",
+    )
     [any_rank] = _by_rank(feed, run, "loss_any_rank").values()
     assert any_rank["rank"] is None and "in p/ddp (rank 1) at step 9" in any_rank["summary"], any_rank
     feed.send(run, rank=0, loss=(range(10, 20), 60.0))  # now rank 0 as well: its own alert
@@ -107,7 +125,9 @@ def test_a_threshold_rule_watches_every_rank_of_a_two_rank_run(feed, receiver, w
     assert per_rank[0]["state"] == "firing" and "(rank 0)" in per_rank[0]["summary"]
     assert _by_rank(feed, run, "loss_any_rank")[None]["state"] == "firing"  # rank 0 still breaks it
     feed.send(run, rank=0, loss=(range(20, 30), 1.0))
-    wait_for(lambda: _by_rank(feed, run, "loss_any_rank")[None]["state"] == "resolved", what="the any-rank alert resolved")
+    wait_for(
+        lambda: _by_rank(feed, run, "loss_any_rank")[None]["state"] == "resolved", what="the any-rank alert resolved"
+    )
     wait_for(lambda: _by_rank(feed, run, "loss_per_rank")[0]["state"] == "resolved", what="rank 0 resolved")
     sent = sorted((status, rule) for status, _, rule in receiver.notified(6))
     assert sent == [("firing", "loss_any_rank"), ("firing", "loss_per_rank"), ("firing", "loss_per_rank"),
@@ -115,7 +135,9 @@ def test_a_threshold_rule_watches_every_rank_of_a_two_rank_run(feed, receiver, w
 
 
 @pytest.mark.parametrize(("change", "status"), [("delete", "finished"), ("disable", "crashed")])
-def test_deleting_or_disabling_a_rule_resolves_its_alert_on_a_run_that_already_ended(feed, receiver, wait_for, change, status) -> None:  # type: ignore[no-untyped-def]
+def test_deleting_or_disabling_a_rule_resolves_its_alert_on_a_run_that_already_ended(
+    feed, receiver, wait_for, change, status
+) -> None:  # type: ignore[no-untyped-def]
     # (only running runs were evaluated again: the alert of a finished or crashed run stayed firing for good)
     rule = {"name": "val_high", "kind": "threshold", "series": "val", "aggregation": "last", "op": ">", "threshold": 5}
     rule_id = feed.http.post("/api/v1/alert-rules", json=rule).json()["id"]
@@ -161,7 +183,9 @@ def test_a_silence_mutes_its_run_until_it_ends(feed, receiver) -> None:  # type:
     assert made.status_code == 201 and made.json()["active"] is True
     feed.send(quiet, events=[("nonfinite_loss", "critical", 7)])
     feed.send(loud, events=[("nonfinite_loss", "critical", 7)])
-    assert feed.alerts(quiet)["nonfinite_loss"]["flips"][0]["suppressed"].startswith(f"silenced by silence #{made.json()['id']}")
+    assert feed.alerts(quiet)["nonfinite_loss"]["flips"][0]["suppressed"].startswith(
+        f"silenced by silence #{made.json()['id']}"
+    )
     assert feed.http.delete(f"/api/v1/silences/{made.json()['id']}").json()["active"] is False
     feed.send(quiet, events=[("loss_spike", "warning", 8)])  # the silence ended: the run is heard again, and its
     receiver.wait(3)  # alert that is still firing is told once, now that nothing holds it back (as Alertmanager does)
@@ -186,7 +210,11 @@ channels:
         channels = {c["name"]: c for c in http.get("/api/v1/alert-channels").json()}
         assert channels["AMPWATCH_ALERT_WEBHOOK_URL"]["source"] == "env" and channels["team"]["source"] == "file"
         feed = Feed(http)
-        feed.send(feed.run("bursty"), events=[("grad_spike", "warning", s) for s in (100, 120, 150)], loss=(range(0, 160), 1.0))
+        feed.send(
+            feed.run("bursty"),
+            events=[("grad_spike", "warning", s) for s in (100, 120, 150)],
+            loss=(range(0, 160), 1.0),
+        )
     [team] = receiver.wait(1, path="/team")
     assert team["alert"]["rule"] == "spiky" and "grad_spike events in the last 100 steps is 3" in team["text"]
     server.stop()
@@ -221,11 +249,16 @@ def test_alerts_of_one_run_firing_within_group_wait_go_out_as_one_message(alert_
     assert [a["rule"] for a in grouped["alerts"]] == ["nonfinite_loss", "nonfinite_param", "loss_spike"]
     assert grouped["alert"]["rule"] == "nonfinite_loss"  # the most severe leads (PRODUCT.md's `alert`)
     assert grouped["text"].startswith("[FIRING · critical] Non-finite loss in p/burst at step 5 (+2 more)")
-    assert "Also firing:\n- [critical] Non-finite parameters in p/burst at step 6\n- [warning] Loss spike in p/burst at step 5" in grouped["text"]
+    assert (
+        "Also firing:\n- [critical] Non-finite parameters in p/burst at step 6\n- [warning] Loss spike in p/burst at step 5"
+        in grouped["text"]
+    )
     assert [a["rule"] for a in by_run["other"]["alerts"]] == ["nonfinite_loss"]
 
 
-def test_a_rule_with_for_in_seconds_stays_pending_until_that_time_has_passed_then_fires(feed, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_rule_with_for_in_seconds_stays_pending_until_that_time_has_passed_then_fires(
+    feed, receiver, wait_for
+) -> None:  # type: ignore[no-untyped-def]
     rule = {"name": "loss_high", "kind": "threshold", "series": "loss", "aggregation": "mean", "window_steps": 5,
             "op": ">", "threshold": 10, "for": "2s"}  # fmt: skip
     feed.http.post("/api/v1/alert-rules", json=rule).raise_for_status()
@@ -238,10 +271,14 @@ def test_a_rule_with_for_in_seconds_stays_pending_until_that_time_has_passed_the
     alert = feed.alerts(run)["loss_high"]
     held_s = (datetime.fromisoformat(alert["fired_at"]) - datetime.fromisoformat(alert["started_at"])).total_seconds()
     assert held_s >= 2 and firing["status"] == "firing"
-    assert [(f["old_state"], f["new_state"], f["reason"]) for f in alert["flips"]][1:] == [("pending", "firing", "held for 2 s")]
+    assert [(f["old_state"], f["new_state"], f["reason"]) for f in alert["flips"]][1:] == [
+        ("pending", "firing", "held for 2 s")
+    ]
 
 
-def test_a_run_crashed_alert_inhibits_a_lesser_alert_of_its_run_that_fires_after_it(alert_server, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_crashed_alert_inhibits_a_lesser_alert_of_its_run_that_fires_after_it(
+    alert_server, receiver, wait_for
+) -> None:  # type: ignore[no-untyped-def]
     server = alert_server(heartbeat_timeout_s=1.0)
     rule = {"name": "loss_high", "kind": "threshold", "series": "loss", "aggregation": "mean", "window_steps": 5,
             "op": ">", "threshold": 10, "for": "4s"}  # fmt: skip
@@ -252,7 +289,9 @@ def test_a_run_crashed_alert_inhibits_a_lesser_alert_of_its_run_that_fires_after
         feed.send(dead, loss=(range(0, 10), 50.0))  # then silence: no heartbeat, no finish()
         [crashed] = receiver.wait(1, alert__rule="run_crashed")  # about 1 s later, while loss_high is still pending
         assert feed.alerts(dead)["loss_high"]["state"] == "pending"
-        alert = wait_for(lambda: (a := feed.alerts(dead)["loss_high"])["state"] == "firing" and a, what="loss_high firing")
+        alert = wait_for(
+            lambda: (a := feed.alerts(dead)["loss_high"])["state"] == "firing" and a, what="loss_high firing"
+        )
     [_, fired] = alert["flips"]
     assert fired["suppressed"].startswith(f"inhibited by the firing run_crashed alert #{crashed['alert']['id']}")
     assert fired["deliveries"] == []
@@ -261,7 +300,9 @@ def test_a_run_crashed_alert_inhibits_a_lesser_alert_of_its_run_that_fires_after
 
 def test_a_project_silence_mutes_the_runs_of_that_project_only(feed, receiver) -> None:  # type: ignore[no-untyped-def]
     muted, elsewhere = feed.run("muted", project="noisy"), feed.run("elsewhere", project="calm")
-    made = feed.http.post("/api/v1/silences", json={"project": "noisy", "duration_s": 3600, "comment": "sweep in progress"})
+    made = feed.http.post(
+        "/api/v1/silences", json={"project": "noisy", "duration_s": 3600, "comment": "sweep in progress"}
+    )
     assert made.status_code == 201 and (made.json()["project"], made.json()["run_id"]) == ("noisy", None)
     feed.send(muted, events=[("nonfinite_loss", "critical", 7)])
     feed.send(elsewhere, events=[("nonfinite_loss", "critical", 7)])
@@ -269,7 +310,9 @@ def test_a_project_silence_mutes_the_runs_of_that_project_only(feed, receiver) -
     assert flip["suppressed"].startswith(f"silenced by silence #{made.json()['id']}") and flip["deliveries"] == []
     feed.http.delete(f"/api/v1/silences/{made.json()['id']}").raise_for_status()
     feed.send(muted, events=[("loss_spike", "warning", 8)])  # the silence ended: the project is heard again, and
-    receiver.wait(3)  # its alert that is still firing is told once, now that nothing holds it back (as Alertmanager does)
+    receiver.wait(
+        3
+    )  # its alert that is still firing is told once, now that nothing holds it back (as Alertmanager does)
     assert sorted((b["run"]["id"], b["alert"]["rule"]) for b in receiver.bodies()) == [
         ("elsewhere", "nonfinite_loss"), ("muted", "loss_spike"), ("muted", "nonfinite_loss")]  # fmt: skip
     [late] = receiver.bodies(run__id="muted", alert__rule="nonfinite_loss")
@@ -307,8 +350,16 @@ def test_the_readmes_rules_file_example_loads(alert_server, tmp_path) -> None:  
 def test_a_misuse_that_recurs_unseen_is_not_cleared_by_quiet_steps_only_by_the_run_s_end(feed, receiver) -> None:  # type: ignore[no-untyped-def]
     def misuse(run: str, cause: str, step: int) -> None:
         feed.seq += 1
-        event = {"step": step, "type": "scaler_misuse", "severity": "warning", "message": cause, "details": {"cause": cause}}
-        feed.http.post(f"/api/v1/runs/{run}/batches", json={"seq": feed.seq, "rank": 0, "points": {}, "events": [event]}).raise_for_status()
+        event = {
+            "step": step,
+            "type": "scaler_misuse",
+            "severity": "warning",
+            "message": cause,
+            "details": {"cause": cause},
+        }
+        feed.http.post(
+            f"/api/v1/runs/{run}/batches", json={"seq": feed.seq, "rank": 0, "points": {}, "events": [event]}
+        ).raise_for_status()
 
     lasting, passing = feed.run("clips-scaled"), feed.run("raised-once")
     misuse(lasting, "clip_before_unscale", 3)  # said once, though every step after repeats it
@@ -328,7 +379,9 @@ def test_a_misuse_that_recurs_unseen_is_not_cleared_by_quiet_steps_only_by_the_r
     assert ended["reason"] == "The run ended (finished); the mistake is in its code."
 
 
-def test_a_run_whose_evaluation_fails_gives_its_lease_back_and_the_other_runs_are_evaluated(alert_server, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_whose_evaluation_fails_gives_its_lease_back_and_the_other_runs_are_evaluated(
+    alert_server, caplog
+) -> None:  # type: ignore[no-untyped-def]
     """A rule row no version of the API writes (an operator typed into the database: `!=`) makes one project's
     evaluation raise: logged, the lease given back, the run counted as evaluated (not retried every second), and
     another project's run still gets its skip_rate alert in the same pass."""
@@ -364,7 +417,9 @@ def test_a_run_whose_evaluation_fails_gives_its_lease_back_and_the_other_runs_ar
             assert bad not in _evaluate.runs_to_evaluate(session)
 
 
-def test_a_misuse_alert_that_only_the_run_s_end_resolves_resolves_when_the_server_finds_the_run_crashed(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_misuse_alert_that_only_the_run_s_end_resolves_resolves_when_the_server_finds_the_run_crashed(
+    alert_server, receiver
+) -> None:  # type: ignore[no-untyped-def]
     server = alert_server(heartbeat_timeout_s=1.0)
     with server.client() as http:
         feed = Feed(http)
@@ -372,7 +427,9 @@ def test_a_misuse_alert_that_only_the_run_s_end_resolves_resolves_when_the_serve
         feed.seq += 1
         event = {"step": 3, "type": "scaler_misuse", "severity": "warning", "message": "clips scaled gradients",
                  "details": {"cause": "clip_before_unscale"}}  # fmt: skip
-        http.post(f"/api/v1/runs/{run}/batches", json={"seq": feed.seq, "rank": 0, "points": {}, "events": [event]}).raise_for_status()
+        http.post(
+            f"/api/v1/runs/{run}/batches", json={"seq": feed.seq, "rank": 0, "points": {}, "events": [event]}
+        ).raise_for_status()
         receiver.wait(1, alert__rule="scaler_misuse")  # then silence: no heartbeat, no finish()
         receiver.wait(1, alert__rule="run_crashed")
         [ended] = receiver.wait(1, status="resolved", run__id=run, alert__rule="scaler_misuse")

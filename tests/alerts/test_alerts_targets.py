@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +37,9 @@ def _create(http: Any, url: str, name: str = "c") -> Any:
     ("http://[64:ff9b::a9fe:a9fe]/hook", "link-local"),  # NAT64 of 169.254.169.254
     ("http://0.0.0.0:80/hook", "unspecified, multicast or reserved"),
 ])  # fmt: skip
-def test_a_channel_url_that_is_not_plain_http_to_a_host_is_a_422_with_the_reason(alert_server, url: str, why: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_channel_url_that_is_not_plain_http_to_a_host_is_a_422_with_the_reason(
+    alert_server, url: str, why: str
+) -> None:  # type: ignore[no-untyped-def]
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
         refused = _create(http, url)
@@ -47,7 +48,9 @@ def test_a_channel_url_that_is_not_plain_http_to_a_host_is_a_422_with_the_reason
         assert http.get("/api/v1/alert-channels").json() == []
 
 
-def test_loopback_and_private_addresses_are_allowed_by_default_and_refused_in_narrower_scopes(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_loopback_and_private_addresses_are_allowed_by_default_and_refused_in_narrower_scopes(
+    alert_server, receiver
+) -> None:  # type: ignore[no-untyped-def]
     default = alert_server(alert_webhook_url="")
     with default.client() as http:
         assert _create(http, f"{receiver.url}/hook", "here").status_code == 201
@@ -145,7 +148,9 @@ def echoing_smtp() -> Iterator[int]:
     controller.stop()
 
 
-def test_secrets_are_write_only_and_kept_out_of_errors_pages_and_logs(alert_server, receiver, echoing_smtp, caplog, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_secrets_are_write_only_and_kept_out_of_errors_pages_and_logs(
+    alert_server, receiver, echoing_smtp, caplog, wait_for
+) -> None:  # type: ignore[no-untyped-def]
     caplog.set_level(logging.DEBUG)
     receiver.echo_path = True
     receiver.replies = [(400, {}, 0.0)] * 4  # "invalid token", quoting the URL's path
@@ -154,7 +159,10 @@ def test_secrets_are_write_only_and_kept_out_of_errors_pages_and_logs(alert_serv
             "smtp": {"host": "127.0.0.1", "port": echoing_smtp, "starttls": False, "username": "u", "password": PASSWORD}}  # fmt: skip
     with server.client() as http:
         mail_id = http.post("/api/v1/alert-channels", json=mail).json()["id"]
-        slack_id = http.post("/api/v1/alert-channels", json={"name": "chat", "kind": "slack", "url": f"{receiver.url}/services/T0/B0/{TOKEN}"}).json()["id"]
+        slack_id = http.post(
+            "/api/v1/alert-channels",
+            json={"name": "chat", "kind": "slack", "url": f"{receiver.url}/services/T0/B0/{TOKEN}"},
+        ).json()["id"]
         mail_test = http.post(f"/api/v1/alert-channels/{mail_id}/test").json()
         slack_test = http.post(f"/api/v1/alert-channels/{slack_id}/test").json()
         _nan_event(http)
@@ -165,7 +173,9 @@ def test_secrets_are_write_only_and_kept_out_of_errors_pages_and_logs(alert_serv
     assert slack_test["error"].startswith("HTTP 400: /***/"), slack_test
     assert receiver.bodies(f"/services/T0/B0/{TOKEN}")  # the real URL was used to send
     assert "failed" in caplog.text  # the background deliveries failed and said so in the log
-    logged = "\n".join(r.getMessage() for r in caplog.records if not r.name.startswith("mail"))  # not the test's SMTP server
+    logged = "\n".join(
+        r.getMessage() for r in caplog.records if not r.name.startswith("mail")
+    )  # not the test's SMTP server
     assert "HTTP Request: POST http://127.0.0.1" in logged  # httpx's own request log line is among them
     for text in [*shown, logged]:
         assert PASSWORD not in text and TOKEN not in text
@@ -175,7 +185,9 @@ def _deliveries_done(http: Any, channels: int) -> bool:
     """Alert 1's notification has finished (failed for good) on `channels` channels."""
     reply = http.get("/api/v1/alerts/1")
     flips = reply.json().get("flips", []) if reply.status_code == 200 else []
-    finished = {d["channel"] for f in flips for d in f["deliveries"] if d["finished_at"] is not None and d["status"] == "failed"}
+    finished = {
+        d["channel"] for f in flips for d in f["deliveries"] if d["finished_at"] is not None and d["status"] == "failed"
+    }
     return len(finished) >= channels
 
 
@@ -185,10 +197,15 @@ def _nan_event(http: Any) -> None:
     http.post("/api/v1/runs/r/batches", json={"seq": 1, "events": [event]}).raise_for_status()
 
 
-def test_a_refused_env_webhook_or_config_file_stops_the_server_without_repeating_the_secret(sqlite_url, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_env_webhook_or_config_file_stops_the_server_without_repeating_the_secret(
+    sqlite_url, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError) as refused:
         create_app(Settings(database_url=sqlite_url, alert_webhook_url=f"http://user:{TOKEN}@127.0.0.1/hook"))
-    assert str(refused.value) == "AMPWATCH_ALERT_WEBHOOK_URL: url: the URL must not contain a user name or password (user:password@host): put a token in the path or query"
+    assert (
+        str(refused.value)
+        == "AMPWATCH_ALERT_WEBHOOK_URL: url: the URL must not contain a user name or password (user:password@host): put a token in the path or query"
+    )
     path = tmp_path / "alerts.json"
     path.write_text(json.dumps({"channels": [{"name": "m", "kind": "email", "to": ["a@example.com"],
                                               "smtp": {"host": "127.0.0.1", "port": "many", "password": PASSWORD}}]}))  # fmt: skip
@@ -207,7 +224,9 @@ def test_a_masked_url_shows_no_part_of_its_path_or_query(url: str) -> None:
     from ampwatch.server.alerts._targets import mask_url
 
     masked = mask_url(url)
-    assert masked.endswith("/***") and not any(secret in masked for secret in ("AAH-secret", "8f3a", "SUPERSECRET", "chat_id"))
+    assert masked.endswith("/***") and not any(
+        secret in masked for secret in ("AAH-secret", "8f3a", "SUPERSECRET", "chat_id")
+    )
 
 
 @pytest.mark.parametrize("address", ["fd00:ec2::254", "100.100.100.200", "169.254.169.254"])
@@ -237,7 +256,12 @@ def test_email_goes_to_the_address_that_was_checked_not_a_later_answer(alert_ser
     fake_dns["mail.rebind.test"] = ["127.0.0.1", "127.0.0.2"]  # a second lookup would name an address nobody serves
     try:
         server = alert_server(alert_webhook_url="")
-        channel = {"name": "mail", "kind": "email", "to": ["a@example.com"], "smtp": {"host": "mail.rebind.test", "port": port, "starttls": False}}
+        channel = {
+            "name": "mail",
+            "kind": "email",
+            "to": ["a@example.com"],
+            "smtp": {"host": "mail.rebind.test", "port": port, "starttls": False},
+        }
         with server.client() as http:
             made = http.post("/api/v1/alert-channels", json=channel)
             assert made.status_code == 201, made.text

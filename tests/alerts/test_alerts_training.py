@@ -113,5 +113,8 @@ def test_frequent_overflow_skips_after_calibration_fire_the_skip_rate_warning(al
     run_id = _train(server.url, "skippy", 400, scaler=scaler, batch=lambda s, x: x * 300)
     [body] = receiver.wait(1, alert__rule="skip_rate")
     assert body["status"] == "firing" and body["alert"]["severity"] == "warning"
-    assert body["alert"]["summary"].startswith("Skip rate ") and "over 200 steps in alerts/skippy" in body["alert"]["summary"]
+    assert (
+        body["alert"]["summary"].startswith("Skip rate ")
+        and "over 200 steps in alerts/skippy" in body["alert"]["summary"]
+    )
     assert [a["rule"] for a in _alerts(server, run_id)] == ["skip_rate"]
