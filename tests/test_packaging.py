@@ -3,21 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 import ampwatch
 from ampwatch import _cli
+from ampwatch._settings import AgentSettings
 from ampwatch.server import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-# What the drift tests read: the README and every page of the documentation site.
-DOCS = README + "".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md")))
+
+
+def _configuration_hook():  # type: ignore[no-untyped-def]
+    """docs/_hooks/configuration.py, the MkDocs hook that generates the configuration reference."""
+    spec = importlib.util.spec_from_file_location("_docs_configuration", ROOT / "docs" / "_hooks" / "configuration.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GENERATED = _configuration_hook().render()  # raises when a setting has no description
+# What the drift tests read: the README, every page of the documentation site, and the generated reference.
+DOCS = README + "".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md"))) + GENERATED
 
 
 def _python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -104,3 +120,27 @@ def test_ci_runs_the_readme_test_command() -> None:
     match = re.search(r"<!-- test-command -->\s*```(?:bash|sh)?\n(.+?)\n```", README, re.S)
     assert match, "README marks its test command"
     assert match.group(1).strip() in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_configuration_page_is_generated_from_the_settings_objects() -> None:
+    hook = _configuration_hook()
+    assert hook.MARKER in (ROOT / "docs" / "configuration.md").read_text()
+    assert (
+        hook.on_page_markdown(f"# Configuration\n\n{hook.MARKER}\n", page=None) == f"# Configuration\n\n{GENERATED}\n"
+    )
+    assert hook.MARKER not in hook.on_page_markdown(hook.MARKER, page=None)
+    for name, field in Settings.model_fields.items():
+        default = "off" if field.default is False else f"`{field.default}`" if field.default not in (None, "") else "—"
+        default = default.replace(".0`", "`")
+        assert re.search(rf"^\| `AMPWATCH_{name.upper()}` \|[^|]*\| {re.escape(default)} \|", GENERATED, re.M), name
+    for field in dataclasses.fields(AgentSettings):
+        assert f"`AMPWATCH_{field.name.upper()}`" in GENERATED or f"| `{field.name}` |" in GENERATED, field.name
+    for flag in ("--host", "--port", "--db", "--insecure"):
+        assert f"| `{flag}` |" in GENERATED, flag
+
+
+def test_the_configuration_hook_refuses_a_setting_without_a_meaning() -> None:
+    hook = _configuration_hook()
+    del hook.MEANINGS["AMPWATCH_PORT"]
+    with pytest.raises(LookupError, match="AMPWATCH_PORT"):
+        hook.render()

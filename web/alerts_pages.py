@@ -157,7 +157,7 @@ def add_channel_form(request: Request, session: SessionDep, settings: SettingsDe
     which = "email" if form.get("kind") == "email" else "hook"
     common = {k: form[k].strip() for k in ("name", "project", "min_severity") if form.get(k, "").strip()}
     if which == "email":
-        smtp = {
+        smtp: dict[str, str | bool | None] = {
             k: form[f"smtp_{k}"].strip()
             for k in ("host", "port", "username", "from")
             if form.get(f"smtp_{k}", "").strip()

@@ -332,11 +332,11 @@ def test_a_scale_collapse_that_clears_sends_where_the_skips_stopped_and_the_scal
     assert resolved["text"].startswith(f"[RESOLVED · critical] Loss-scale collapse in p/collapse at step 12\n{said}\n")
 
 
-def test_the_readmes_rules_file_example_loads(alert_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # (the README named fields the server refuses: a rules file written from it stopped the server)
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    example = re.search(r"```yaml\n(rules:.+?)```", readme, re.S)
-    assert example, "the README shows a rules file"
+def test_the_documented_rules_file_example_loads(alert_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # (the docs once named fields the server refuses: a rules file written from them stopped the server)
+    page = (Path(__file__).resolve().parents[2] / "docs" / "alerts.md").read_text()
+    example = re.search(r"```yaml\n(rules:.+?)```", page, re.S)
+    assert example, "docs/alerts.md shows a rules file"
     path = tmp_path / "alerts.yaml"
     path.write_text(example.group(1))
     server = alert_server(alert_rules_file=str(path), alert_url_scope="public")
