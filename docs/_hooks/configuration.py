@@ -206,9 +206,16 @@ def render() -> str:
 
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     """MkDocs event: fill the marker of the configuration page."""
-    if MARKER in markdown:
-        return markdown.replace(MARKER, render())
-    return markdown
+    if MARKER not in markdown:
+        return markdown
+    try:
+        import ampwatch.server  # noqa: F401
+    except ImportError as error:
+        raise SystemExit(
+            f"the configuration page is generated from the installed ampwatch ({error}): run mkdocs from the "
+            'environment where `pip install -e ".[dev]"` installed it'
+        ) from error
+    return markdown.replace(MARKER, render())
 
 
 if __name__ == "__main__":
