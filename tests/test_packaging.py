@@ -144,3 +144,16 @@ def test_the_configuration_hook_refuses_a_setting_without_a_meaning() -> None:
     del hook.MEANINGS["AMPWATCH_PORT"]
     with pytest.raises(LookupError, match="AMPWATCH_PORT"):
         hook.render()
+
+
+def test_the_readme_is_short_and_its_links_to_the_docs_resolve() -> None:
+    assert len(README.splitlines()) <= 200, "the README is an introduction; the reference lives in docs/"
+    links = re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]*)(?:#([^)]*))?\)", README)
+    assert links, "the README points into the docs"
+    for path, anchor in links:
+        target = ROOT / path
+        assert target.exists(), path
+        if anchor and target.is_file():
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            slugs = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
+            assert anchor in slugs, f"{path}#{anchor}"
