@@ -31,7 +31,14 @@ def _configuration_hook():  # type: ignore[no-untyped-def]
     return module
 
 
-GENERATED = _configuration_hook().render()  # raises when a setting has no description
+def _generated() -> str:
+    try:
+        return _configuration_hook().render()
+    except LookupError:  # a setting without a meaning: the configuration test below says which
+        return ""
+
+
+GENERATED = _generated()
 # What the drift tests read: the README, every page of the documentation site, and the generated reference.
 DOCS = README + "".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md"))) + GENERATED
 
@@ -124,6 +131,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 def test_the_configuration_page_is_generated_from_the_settings_objects() -> None:
     hook = _configuration_hook()
+    assert hook.render() == GENERATED  # (raises LookupError naming a setting that has no meaning)
     assert hook.MARKER in (ROOT / "docs" / "configuration.md").read_text()
     assert (
         hook.on_page_markdown(f"# Configuration\n\n{hook.MARKER}\n", page=None) == f"# Configuration\n\n{GENERATED}\n"

@@ -2,8 +2,9 @@
 
 docs/configuration.md holds the marker `<!-- generated: configuration -->`; the build replaces it with tables
 read from `ampwatch._settings.AgentSettings`, `ampwatch.server.Settings` and `ampwatch._cli._parser()`, so
-names, defaults and flags cannot drift from the code. Meanings are written here, in MEANINGS: a setting or
-environment variable without one fails the build (and tests/test_packaging.py), so a new one gets documented.
+names, defaults and flags cannot drift from the code. A setting's meaning is its own where it has one (a server
+field's `Field(description=...)`, an agent field's `metadata={"doc": ...}`), else it is written here, in MEANINGS:
+a setting or environment variable with neither fails the build (and tests/test_packaging.py).
 
 `python docs/_hooks/configuration.py` prints the generated Markdown.
 """
@@ -108,11 +109,13 @@ def agent_table() -> str:
     for field in dataclasses.fields(AgentSettings):
         default = field.default if field.default is not dataclasses.MISSING else None
         variable = f"AMPWATCH_{field.name.upper()}"
+        doc = field.metadata.get("doc")  # a field may carry its own: field(default=..., metadata={"doc": "..."})
         if variable in sources:
             seen.add(variable)
-            rows.append(f"| `{variable}` | {_code(default)} | {_cell(_meaning(variable))} |")
+            rows.append(f"| `{variable}` | {_code(default)} | {_cell(doc or _meaning(variable))} |")
         else:
-            internal.append(f"| `{field.name}` | {_code(default)} | {_cell(_meaning(f'AgentSettings.{field.name}'))} |")
+            meaning = doc or _meaning(f"AgentSettings.{field.name}")
+            internal.append(f"| `{field.name}` | {_code(default)} | {_cell(meaning)} |")
     server = _server_variables()
     for variable in sorted(set(re.findall(r"AMPWATCH_[A-Z_]+", sources)) - seen - server):
         rows.append(f"| `{variable}` | — | {_cell(_meaning(variable))} |")
