@@ -62,7 +62,8 @@ class Analyzer(Trends, Episodes):
         self._below_floor = False  # a scale below the floor was reported; until it is back above
         self._scaled = False  # a GradScaler record (a step's skipped flag) was seen: this run has a scaler
         self._origin: tuple[str, str] | None = None  # (module, phase) of the last NaN origin named (see `event`)
-        self.clipping = False  # the loop clips with clip_grad_norm_ (the agent's recorder tells; see ampwatch._origin)
+        self.clipping = False  # the loop calls clip_grad_norm_ (the agent's recorder tells; see ampwatch._origin)
+        self.max_norm: float | None = None  # and the max_norm it passes, where that is a number
         self._nonfinite_loss = False
         self._nan_grad_streak = 0
         self._skip_steps: deque[int] = deque()  # recent skipped steps
@@ -85,7 +86,8 @@ class Analyzer(Trends, Episodes):
         self._loss_spiking = False
         self._high = {"loss": 0, "grad_norm": 0}  # consecutive values at `factor` times their median or more
         self._last_lr: float | None = None
-        self._skipped_at: dict[int, bool] = {}
+        self.scheduler = False  # an LR scheduler object wraps a watched optimizer's step (see Diagnosis)
+        self._skipped_at: dict[int, bool] = {}  # recent steps -> skipped after start-up calibration
         self._scheduler_reported = False
         self._norm_history: deque[float] = deque(maxlen=30)
 
@@ -165,7 +167,8 @@ class Analyzer(Trends, Episodes):
             self._check_params(step, values["param_norm"], events)
         if skipped is not None:
             self._scaled = True
-            self._skipped_at[step] = bool(skipped)
+            # (a start-up calibration skip is no schedule's problem: whatever steps the LR, it is a handful of steps)
+            self._skipped_at[step] = bool(skipped) and not self.calibrating
             if len(self._skipped_at) > 2:  # the last two steps are all the scheduler check reads
                 del self._skipped_at[next(iter(self._skipped_at))]
         if "lr" in values:
@@ -317,9 +320,9 @@ class Analyzer(Trends, Episodes):
                 self._norm_history.append(norm)
                 self._spike(step, "grad_norm", norm, self._grad_median, self.t.spike_factor, out)
             return
-        self._went_bad(step, "gradients")
         if loss is None and self._last_loss is not None and self._last_loss[0] == step:
             loss = self._last_loss[1]  # (logged before its step's optimizer step, it came a batch early)
+        self._went_bad(step, "gradients" if loss is not None else "gradients, no loss")
         if loss is not None and not math.isfinite(loss):
             return  # the nonfinite_loss event said it
         if scaled and not math.isnan(norm):
@@ -388,9 +391,11 @@ class Analyzer(Trends, Episodes):
 
     # -- schedules ----------------------------------------------------------------------
     def _check_scheduler(self, step: int, lr: float, out: list[Event]) -> None:
-        # The lr read at step k is the one iteration k used; a change from k-1 happened after iteration k-1.
+        # The lr read at step k is the one iteration k used; a change from k-1 happened after iteration k-1. Only an LR
+        # scheduler object is judged: a loop that computes the LR from its iteration number (nanoGPT) means to.
         if (
-            self._last_lr is not None
+            self.scheduler
+            and self._last_lr is not None
             and self._skipped_at.get(step - 1)
             and lr != self._last_lr
             and not self._scheduler_reported

@@ -157,6 +157,11 @@ class OriginProbe:
             flags.append((name, ~(tensor if local is None else local()).isfinite().all()))
 
 
+def _scheduled(optimizer: Any) -> bool:
+    """Whether a torch LR scheduler was built on `optimizer` (each wraps its `step`, marking the wrapper)."""
+    return hasattr(getattr(optimizer, "step", None), "_wrapped_by_lr_sched")
+
+
 class Diagnosis:
     """The analyzer plus the NaN-origin loop: a non-finite event arms the recorder's probe; the probe's
     first hit names the module (once per arming; the probe stays armed its few steps for the per-layer heatmap).
@@ -175,7 +180,10 @@ class Diagnosis:
 
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
-        self.analyzer.clipping = bool(getattr(self._recorder, "_clip_seen", ()))  # (a clip of the gradients was seen)
+        # A clip of the gradients was seen (its max_norm last, see Recorder.on_clipped); an LR scheduler wraps a step.
+        seen: tuple[Any, ...] = getattr(self._recorder, "_clip_seen", ())
+        self.analyzer.clipping, self.analyzer.max_norm = bool(seen), seen[3] if len(seen) > 3 else None
+        self.analyzer.scheduler = any(map(_scheduled, getattr(self._recorder, "_optimizers", ())))
         events = self.analyzer.observe_columns(columns)
         start, end, _ = self._quiet
         arming = [e["step"] for e in events if e["type"] in self._ARMING_TYPES and not start <= e["step"] < end]
@@ -247,7 +255,7 @@ class Diagnosis:
                        "lower loss scale, for values too large for fp16)." if self.analyzer._scaled else "."))  # fmt: skip
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward if n != INPUT]}
             kind = "nonfinite_grad"
-        named, length = (module, details["phase"]), 0
+        named, length = (module, str(details["phase"])), 0
         if named == self._named:  # the same origin twice in a row: it keeps coming back from there
             length = min(2 * self._quiet[2], MAX_QUIET_STEPS) if self._quiet[2] else QUIET_STEPS
         self._named, self._quiet = named, (step, step + length, length)

@@ -43,9 +43,7 @@ class Trends:
                     hint = " Check the batch and the learning rate."
                 else:  # (with a scaler, an explosion is told apart from an overflow, which GradScaler skips)
                     hint = " No step was skipped: this is an explosion, not an fp16 overflow." if self._scaled else ""
-                    hint += (" The loop clips (clip_grad_norm_), so this update was cut down to its max_norm; if it comes back, "
-                             "lower the learning rate or look at the batches it comes on." if self.clipping else
-                             " Clip gradients or lower the learning rate.")  # fmt: skip
+                    hint += self._clip_hint(value)
                 how = (
                     f"{value / mid:.0f}× its median"
                     if mid > 0
@@ -63,6 +61,21 @@ class Trends:
         else:
             self._loss_spiking = spiking
         median.add(value)
+
+    def _clip_hint(self: Any, norm: float) -> str:
+        """What the loop's clip did to a spiking update: only a max_norm below the norm cut it down (a clip with
+        max_norm=inf, or one above the norm, only measures it, as HF's Trainer does to log it)."""
+        max_norm = self.max_norm
+        if not self.clipping:
+            return " Clip gradients or lower the learning rate."
+        if max_norm is None:  # (a tensor max_norm: not read, that would sync)
+            return (" The loop calls clip_grad_norm_: if its max_norm is below this norm, this update was cut down to it; "
+                    "if it comes back, lower the learning rate or look at the batches it comes on.")  # fmt: skip
+        if norm > max_norm:
+            return (f" The loop clips (clip_grad_norm_, max_norm {max_norm:g}), so this update was cut down to {max_norm:g}; "
+                    "if it comes back, lower the learning rate or look at the batches it comes on.")  # fmt: skip
+        return (f" The loop's clip_grad_norm_ (max_norm {max_norm:g}) only measured this norm, it did not cut the update "
+                "down: clip with a lower max_norm or lower the learning rate.")  # fmt: skip
 
     def _trend(self: Any) -> dict[str, float] | None:
         if not self._norm_history:
