@@ -46,7 +46,10 @@ class Episodes:
         self._param_bad = True
         episode = self._episode
         if not self._scaled and episode is not None:
-            made = (f"Step {episode[0]}'s non-finite loss (the forward pass made it: a bad batch, or a layer) gave non-finite "
+            diverged = self.diverged[1] if self.diverged and self.diverged[0] == episode[0] else None
+            made = (f"Step {episode[0]}'s non-finite loss (" + (f"the updates diverged before it: {diverged}; most likely "
+                    "too high a learning rate" if diverged else "the forward pass made it: a bad batch, or a layer") +
+                    ") gave non-finite "
                     "gradients" if episode[1] == "loss" else f"Step {episode[0]}'s gradients were non-finite under a finite "
                     "loss (the backward pass made them: see the nonfinite_grad event)" if episode[1] == "gradients" else
                     f"Step {episode[0]}'s gradients were non-finite (no loss is recorded, so the forward or the backward "

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-from ampwatch._diagnose import Analyzer, Columns, Event, Thresholds
+from ampwatch._diagnose import MAX_DIVERGED_STEPS, Analyzer, Columns, Event, Thresholds
 from ampwatch._guard import Hook, guarded
 
 log = logging.getLogger("ampwatch")
@@ -234,6 +234,10 @@ class Diagnosis:
                     message = (f"At step {step} the first non-finite output is `{module}`'s, most likely because its "
                                f"parameters are non-finite: {applied}. Where that step's values came from can no longer "
                                "be traced: restore a good checkpoint, and the probe names it when it happens again.")  # fmt: skip
+            diverged = self.analyzer.diverged
+            if diverged and step - diverged[0] <= MAX_DIVERGED_STEPS and module != INPUT:
+                message += (f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and "
+                            "the values outgrew what the dtype holds there, rather than an operation that makes NaN.")  # fmt: skip
             details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
             kind = "nonfinite_loss"
         else:
@@ -250,9 +254,15 @@ class Diagnosis:
                 where = (f"in the loss computation: the gradient of the last module's output (`{received}`) is already "
                          "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
                          "division by 0)")  # fmt: skip
+            diverged = self.analyzer.diverged
+            if diverged and step - diverged[0] <= MAX_DIVERGED_STEPS:  # (then no operation there is to blame)
+                look = (f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and the "
+                        "gradients outgrew what the dtype holds there. Lower the learning rate.")  # fmt: skip
+            else:
+                look = " Look there for sqrt, log, pow or a norm at 0" + (" (or, if steps come back at a lower loss scale, "
+                       "for values too large for fp16)." if self.analyzer._scaled else ".")  # fmt: skip
             message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}, while every module's "
-                       "output was finite. Look there for sqrt, log, pow or a norm at 0" + (" (or, if steps come back at a "
-                       "lower loss scale, for values too large for fp16)." if self.analyzer._scaled else "."))  # fmt: skip
+                       f"output was finite.{look}")  # fmt: skip
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward if n != INPUT]}
             kind = "nonfinite_grad"
         named, length = (module, str(details["phase"])), 0

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 import ampwatch
@@ -147,3 +148,35 @@ def test_a_clip_that_only_measures_the_norm_is_not_said_to_cut_the_update_down(s
     assert "cut down" not in measured and "only measured" in measured
     clipped = _spike_message(sqlite_server, 1.0)
     assert "was cut down to 1;" in clipped
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_an_lr_blow_up_is_told_as_a_divergence_at_that_learning_rate_not_a_nan_operation(sqlite_server, fp16) -> None:  # type: ignore[no-untyped-def]
+    # nanoGPT's warm-up towards lr=50 (on the CPU it trains in fp32: see the amp_config tests); in fp16 the growing
+    # gradients overflow first, so GradScaler skips and the NaN gradients come under a finite loss.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=50)
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    with ampwatch.init("realcode", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for it in range(40):
+            for group in optimizer.param_groups:
+                group["lr"] = 50 * (it + 1) / 101
+            x = torch.randn(16, 8) * 0.3
+            with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), x[:, :1])
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)  # (measured, as nanoGPT logs it)
+            if not fp16:
+                run.log({"loss": loss})  # (without an enabled scaler the agent sees the loss where it is logged)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+    events = _events(sqlite_server, run.id)
+    bad = [e for e in events if e["type"] in ("nonfinite_loss", "nonfinite_grad", "scale_collapse")]
+    spikes = [e for e in events if e["type"] in ("grad_spike", "loss_spike")]
+    assert bad and spikes and spikes[0]["step"] < bad[0]["step"] < 25  # (judged in the first steps, before the NaN)
+    for event in spikes[:1] + bad:
+        assert "too high a learning rate" in event["message"] and "grew" in event["message"], event["message"]
+        assert "sqrt" not in event["message"] and "bad batch" not in event["message"], event["message"]
