@@ -180,3 +180,36 @@ def test_an_lr_blow_up_is_told_as_a_divergence_at_that_learning_rate_not_a_nan_o
     for event in spikes[:1] + bad:
         assert "too high a learning rate" in event["message"] and "grew" in event["message"], event["message"]
         assert "sqrt" not in event["message"] and "bad batch" not in event["message"], event["message"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_healthy_runs_get_no_warning_and_no_alert(sqlite_server, dtype) -> None:  # type: ignore[no-untyped-def]
+    """The false-warning budget: zero. A few thousand steps of a healthy plain loop, noisy small batches, nanoGPT's
+    warm-up and cosine LR, clipping; fp16 with GradScaler (start-up calibration included), bf16 without."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, enabled=dtype == torch.float16)  # (calibrates first)
+    steps = 3000
+    with ampwatch.init("realcode", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for it in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = nanogpt_lr(it, decay=steps)
+            x = torch.randn(4, 8)
+            with torch.autocast("cpu", dtype=dtype):
+                loss = torch.nn.functional.mse_loss(model(x).float(), x[:, :1].sin())
+            if dtype == torch.bfloat16:
+                run.log({"loss": loss})
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+    with sqlite_server.client() as http:
+        stored = http.get(f"/api/v1/runs/{run.id}").json()
+        alerts = http.get("/api/v1/alerts", params={"run_id": run.id}).json()
+    events = _events(sqlite_server, run.id)
+    assert stored["last_step"] == steps - 1
+    assert any(e["details"].get("calibration") for e in events) == (dtype == torch.float16)
+    assert _warnings(events) == [] and alerts == [] and stored["health"] == "ok"
