@@ -4,6 +4,7 @@ and healthy runs get no warning."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -213,3 +214,24 @@ def test_healthy_runs_get_no_warning_and_no_alert(sqlite_server, dtype) -> None:
     assert stored["last_step"] == steps - 1
     assert any(e["details"].get("calibration") for e in events) == (dtype == torch.float16)
     assert _warnings(events) == [] and alerts == [] and stored["health"] == "ok"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the pattern is a CUDA script run where there is no CUDA")
+def test_nanogpt_fp16_on_the_cpu_trains_in_fp32_and_is_flagged(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+    # nanoGPT, dtype='float16', device='cpu': ctx = nullcontext() on the CPU; GradScaler(enabled=(dtype == 'float16'))
+    # built for CUDA, which torch turns off (with a warning) on a machine without it.
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = torch.amp.GradScaler("cuda", enabled=True)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with ampwatch.init("realcode", url=sqlite_server.url, config={"dtype": "float16"}) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(5):
+            with contextlib.nullcontext():
+                loss = torch.nn.functional.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 1))
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+    [flag] = _warnings(_events(sqlite_server, run.id))
+    assert flag[0] == "amp_config" and "trains in full fp32 precision" in flag[2]
