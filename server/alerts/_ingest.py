@@ -121,10 +121,16 @@ def _open(
     active = session.scalars(
         select(A).where(A.rule == rule.name, A.run_id == run.id, A.rank == key_rank, A.state.in_(ACTIVE))
     ).first()
+    severity = min(rule.severity, event.severity, key=SEVERITY_RANK.__getitem__)  # (a warning event: no critical alert)
     over = active and cleared_before(session, alert=active, event_type=event.type, run=run, step=event.step)
     if active and over:  # (its condition cleared before this event, counted in steps: this is a new alert)
         _state.clear(session, active, rule, step=event.step, reason=over, stamp=stamp)
-    severity = min(rule.severity, event.severity, key=SEVERITY_RANK.__getitem__)  # (a warning event: no critical alert)
+    elif active and SEVERITY_RANK[severity] > SEVERITY_RANK[active.severity]:  # (told at the higher severity: anew)
+        reason = f"Superseded by a {severity} {event.type} event at step {steps(event.step)}."
+        if active.state == "pending":
+            _state.drop_pending(session, active)
+        else:
+            _state.resolve(session, active, step=event.step, reason=reason, stamp=stamp)
     _state.open_or_fold(
         session, rule=rule, run_id=run.id, rank=event.rank, step=event.step, summary=text, details=details,
         stamp=stamp, reason=f"{event.type} event at step {steps(event.step)}", severity=severity,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import ampwatch
@@ -69,6 +70,18 @@ def test_a_warning_level_misuse_raises_a_warning_alert_not_a_critical_one(alert_
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
-    [firing] = receiver.wait(1, alert__rule="scaler_misuse", run__id=run.id)
-    assert firing["alert"]["severity"] == "warning"
-    assert _alerts(server, run.id) == [("scaler_misuse", "warning", "firing")]
+        [firing] = receiver.wait(1, alert__rule="scaler_misuse", run__id=run.id)
+        assert firing["alert"]["severity"] == "warning"
+        assert _alerts(server, run.id) == [("scaler_misuse", "warning", "firing")]
+        with torch.autocast("cpu", dtype=torch.float16):  # then a crash: zero_grad() between backward and step
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        optimizer.zero_grad()
+        with pytest.raises(AssertionError, match="No inf checks"):
+            scaler.step(optimizer)
+    # (a critical misuse is told at its severity: the warning alert gives way to a critical one)
+    receiver.wait(1, status="resolved", alert__rule="scaler_misuse", run__id=run.id)
+    assert _alerts(server, run.id) == [
+        ("scaler_misuse", "critical", "firing"),
+        ("scaler_misuse", "warning", "resolved"),
+    ]
