@@ -27,7 +27,9 @@ def start_at(run: Any, resume_step: int) -> None:
     if resume_step < 0:
         log.warning("ampwatch: resume_step must be a step (0 or more), got %d; steps count from 0", resume_step)
         return
-    run._recorder.step = resume_step
+    run._recorder.step, run._resume_step = resume_step, resume_step
+    if run._worker is not None:  # (resumed after the registration's reply, as Lightning's restored global step is)
+        run._worker.hold_until = run._worker.refusal = None
     message = f"Resumed at step {resume_step}: this launch's steps continue the run's numbering from there."
     run._record(
         (EVENT, resume_step, _event(run, resume_step, "info", message, {"check": "resumed", "step": resume_step}))
@@ -52,9 +54,13 @@ def check_relaunch(run: Any, reply: dict[str, Any], resume_step: int | None) -> 
     worker = run._worker
     worker.hold_until = last
     worker.refusal = _event(run, last, "critical", message, {"check": "relaunch_without_resume", "stored_step": last})
-    held = worker.outbox.rewrite_from(worker.first_seq, lambda body: _held_back(body, last))
-    if held:  # (else said by the first batch of the sender that holds a point back: see Worker._enqueue)
-        worker.say_refusal = True
+
+    def rewrite(body: bytes) -> tuple[bytes, bool]:  # (the first batch that holds a point back says why)
+        body, held = _held_back(body, last, worker.refusal)
+        worker.refusal = None if held else worker.refusal
+        return body, held
+
+    worker.outbox.rewrite_from(worker.first_seq, rewrite)
 
 
 def held_back(points: dict[str, tuple[list[int], list[Any]]], last: int) -> bool:
@@ -68,14 +74,15 @@ def held_back(points: dict[str, tuple[list[int], list[Any]]], last: int) -> bool
     return held
 
 
-def _held_back(body: bytes, last: int) -> tuple[bytes, bool]:
-    """A queued batch's body without its points at steps up to `last`; whether it had any."""
+def _held_back(body: bytes, last: int, event: dict[str, Any] | None) -> tuple[bytes, bool]:
+    """A queued batch's body without its points at steps up to `last`, and with `event` if it had any; whether it had."""
     doc = json.loads(body)
     points = {name: (_unpacked(s["steps"], "q"), _unpacked(s["values"], "d")) for name, s in doc["points"].items()}
     if not held_back(points, last):
         return body, False
     doc["points"] = {name: {"steps": packed(steps, "q"), "values": packed(values, "d")}
                      for name, (steps, values) in points.items() if steps}  # fmt: skip
+    doc["events"] = doc.get("events", []) + ([event] if event is not None else [])
     return encode(doc), True
 
 

@@ -94,8 +94,7 @@ class Worker:
         self.first_seq = self._seq + 1  # (this launch's first batch)
         # A relaunch that does not resume: its points at the steps an earlier launch stored are held back (see _resume)
         self.hold_until: int | None = None
-        self.refusal: dict[str, Any] | None = None  # the event that says so, once (`say_refusal`)
-        self.say_refusal = False
+        self.refusal: dict[str, Any] | None = None  # the event that says so, until a batch holds a point back
         self._reported_drops = 0
         self._announce = True  # the first batch says the run is running (see _enqueue)
         self._waiters: list[tuple[int, threading.Event]] = []
@@ -363,11 +362,9 @@ class Worker:
     def _enqueue(self, points: dict, events: list, status: str | None, heartbeat: bool = False) -> None:
         """One batch of points (host floats, diagnosed here, in one pass over the batch) and events."""
         points = {name: series for name, series in points.items() if series[0]}  # (a pass makes the standard ones)
-        if self.hold_until is not None and _resume.held_back(points, self.hold_until) or self.say_refusal:
-            if self.refusal is not None:  # (said once)
-                events.append(self.refusal)
-            self.refusal, self.say_refusal = None, False
-            points = {name: series for name, series in points.items() if series[0]}
+        if self.hold_until is not None and _resume.held_back(points, self.hold_until):
+            events.extend([self.refusal] if self.refusal is not None else [])  # (said once)
+            self.refusal, points = None, {name: series for name, series in points.items() if series[0]}
         if points and self.diagnosis is not None:
             events.extend(self.diagnosis.observe_columns(points))
         if not points and not events and status is None and not heartbeat:
