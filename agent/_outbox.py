@@ -74,19 +74,18 @@ class Outbox:
         """Rewrite the queued batches numbered `seq` or later (a relaunch's points that would overwrite a run's are
         taken out of them); whether `rewrite` changed any."""
         changed = False
-        with self._lock:
+        with self._lock:  # (a few batches, once: add() on another thread waits for it)
             queue = list(self._queue)
-        for index, (number, body, stored) in enumerate(queue):
-            body = body if body is not None or number < seq else self._load(number)
-            if number < seq or body is None:
-                continue
-            body, rewritten = rewrite(body)
-            if rewritten:
-                changed = True
-                if stored:
-                    self.spool.remove(number)  # type: ignore[union-attr]
-                queue[index] = (number, body, False)  # (spilled again, rewritten, if it cannot go out now)
-        with self._lock:
+            for index, (number, body, stored) in enumerate(queue):
+                body = body if body is not None or number < seq else self._load(number)
+                if number < seq or body is None:
+                    continue
+                body, rewritten = rewrite(body)
+                if rewritten:
+                    changed = True
+                    if stored:
+                        self.spool.remove(number)  # type: ignore[union-attr]
+                    queue[index] = (number, body, False)  # (spilled again, rewritten, if it cannot go out now)
             self._queue = collections.deque(queue)
         return changed
 
