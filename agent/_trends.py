@@ -1,5 +1,6 @@
-"""Part of `ampwatch._diagnose.Analyzer`: spikes of the loss and the gradient norm against their rolling medians,
-and the norm's recent trend (said in later events)."""
+"""Part of `ampwatch._diagnose.Analyzer`: spikes of the loss and the gradient norm against their rolling medians
+(from the first steps, by a warm-up rule), a divergence (their climb over recent steps, at the recorded learning
+rate), and the norm's recent trend (said in later events)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from ampwatch._median import RollingMedian
 
 Event = dict[str, Any]
 WARMUP_FROM = 2  # finite values before spikes are judged at all (before `Thresholds.warmup`, by the warm-up rule)
-DIVERGENCE_GAP = 10  # steps after the last finite gradient norm within which a non-finite event is told as its growth
+DIVERGENCE_GAP = 10  # steps after the last finite value of a climb within which an event is told as that divergence
 
 
 class Trends:
@@ -109,7 +110,7 @@ class Trends:
 
     def _clip_hint(self: Any, norm: float) -> str:
         """What the loop's clip did to a spiking update: only a max_norm below the norm cut it down (a clip with
-        max_norm=inf, or one above the norm, only measures it, as HF's Trainer does to log it)."""
+        max_norm=inf, or one above the norm, only measures it)."""
         max_norm = self.max_norm
         if not self.clipping:
             return " Clip gradients or lower the learning rate."
