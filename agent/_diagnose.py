@@ -20,6 +20,7 @@ from ampwatch._trends import Trends
 log = logging.getLogger("ampwatch")
 Event = dict[str, Any]
 Columns = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values), as a batch holds them
+MAX_DIVERGED_STEPS = 100  # a divergence is said by non-finite events this many steps after the last one it explained
 OBSERVED = ("loss", "scale", "skipped", "grad_norm", "lr", "param_norm")  # what the analyzer reads
 
 
@@ -62,7 +63,8 @@ class Analyzer(Trends, Episodes):
         self._below_floor = False  # a scale below the floor was reported; until it is back above
         self._scaled = False  # a GradScaler record (a step's skipped flag) was seen: this run has a scaler
         self._origin: tuple[str, str] | None = None  # (module, phase) of the last NaN origin named (see `event`)
-        self.clipping = False  # the loop clips with clip_grad_norm_ (the agent's recorder tells; see ampwatch._origin)
+        self.clipping = False  # the loop calls clip_grad_norm_ (the agent's recorder tells; see ampwatch._origin)
+        self.max_norm: float | None = None  # and the max_norm it passes, where that is a number
         self._nonfinite_loss = False
         self._nan_grad_streak = 0
         self._skip_steps: deque[int] = deque()  # recent skipped steps
@@ -84,10 +86,14 @@ class Analyzer(Trends, Episodes):
         self._grad_spiking = False
         self._loss_spiking = False
         self._high = {"loss": 0, "grad_norm": 0}  # consecutive values at `factor` times their median or more
-        self._last_lr: float | None = None
-        self._skipped_at: dict[int, bool] = {}
+        self._last_lr: float | None = None  # the learning rate of the last step the scheduler check read
+        self._lr: float | None = None  # the learning rate of the step being judged (said in spike and NaN events)
+        self.diverged: tuple[int, str] | None = None  # (step, how) of a non-finite value after a divergence
+        self.scheduler = False  # an LR scheduler object wraps a watched optimizer's step (see Diagnosis)
+        self._skipped_at: dict[int, bool] = {}  # recent steps -> skipped after start-up calibration
         self._scheduler_reported = False
-        self._norm_history: deque[float] = deque(maxlen=30)
+        self._norm_history: deque[tuple[int, float]] = deque(maxlen=30)  # (step, norm) of recent applied steps
+        self._loss_history: deque[tuple[int, float]] = deque(maxlen=30)  # (step, loss) of recent finite losses
 
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series. A calm stretch (every value finite, no skipped step, nothing near a spike)
@@ -129,12 +135,13 @@ class Analyzer(Trends, Episodes):
             self._high["loss"] = 0
             self._nonfinite_loss = False
             self._last_loss = (loss[0][-1], loss[1][-1])
+            self._loss_history.extend(zip(loss[0][-30:], loss[1][-30:]))
             self._loss_median.extend(loss[1])
         if norm:
             self._high["grad_norm"] = 0
             self._nan_grad_streak = 0
             self._finite_norm()
-            self._norm_history.extend(norm[1][-30:])
+            self._norm_history.extend(zip(norm[0][-30:], norm[1][-30:]))
             self._grad_median.extend(norm[1])
         if skipped:
             self._skipped_at = {step: False for step in skipped[0][-2:]}
@@ -144,7 +151,7 @@ class Analyzer(Trends, Episodes):
         if "param_norm" in c:
             self._param_bad = False
         if lr:
-            self._last_lr = lr[1][-1]
+            self._last_lr = self._lr = lr[1][-1]
         return True
 
     def observe(self, step: int, values: dict[str, float]) -> list[Event]:
@@ -152,6 +159,7 @@ class Analyzer(Trends, Episodes):
         events: list[Event] = []
         loss, scale, norm = values.get("loss"), values.get("scale"), values.get("grad_norm")
         skipped = values.get("skipped")
+        self._lr = values.get("lr", self._lr)
         if skipped is None and self._scaled:
             self._logged(step, loss, events)
             loss = norm = None
@@ -165,7 +173,8 @@ class Analyzer(Trends, Episodes):
             self._check_params(step, values["param_norm"], events)
         if skipped is not None:
             self._scaled = True
-            self._skipped_at[step] = bool(skipped)
+            # (a start-up calibration skip is no schedule's problem: whatever steps the LR, it is a handful of steps)
+            self._skipped_at[step] = bool(skipped) and not self.calibrating
             if len(self._skipped_at) > 2:  # the last two steps are all the scheduler check reads
                 del self._skipped_at[next(iter(self._skipped_at))]
         if "lr" in values:
@@ -199,7 +208,10 @@ class Analyzer(Trends, Episodes):
                         {"calibration": True, "skips": self._calibration_skips, "scale": scale}))  # fmt: skip
             elif self._nan_alarm is not None:  # the evidence the NaN-gradient event could not have yet
                 overflow = self._streak_start_scale > self._applied_scale  # (they began only once the scale had grown)
-                why = ("stopped once the scale was lower, so they were most likely fp16 overflow (gradients or activations too "
+                diverged = self._diverged_at(step)
+                why = (f"came after {diverged}: the updates diverged, most likely from too high a learning rate, until "
+                       "the values overflowed. Lower the learning rate (or warm it up longer)." if diverged else
+                       "stopped once the scale was lower, so they were most likely fp16 overflow (gradients or activations too "
                        "large for fp16 at the higher scale; inf - inf is NaN) rather than an operation that makes NaN. If they "
                        "come back at this scale or lower, look for one that does on some batches (sqrt, log, a division by "
                        "0); if the scale keeps having to fall, for activations that keep growing (bf16 has the range of fp32)."
@@ -256,7 +268,7 @@ class Analyzer(Trends, Episodes):
                         f"coming back ({len(recent)} in the last {self.t.window} steps)")  # fmt: skip
             out.append(self.event(step, "scale_collapse", "critical",
                 f"Loss scale collapse: {what}: the gradients overflow or are NaN at any scale. {self._param_note()}"
-                f"{self._collapse_advice()}",
+                f"{self._collapse_advice(step)}",
                 {"streak": self._streak, "scale_before": self._streak_start_scale, "scale_after": scale / 2}))  # fmt: skip
         elif self.calibrating or self._collapsed or self._below_floor:
             return  # (below the floor, the scale_collapse event said it: no skip is normal scaling there)
@@ -279,6 +291,7 @@ class Analyzer(Trends, Episodes):
         self._last_loss = (step, loss)
         if math.isfinite(loss):
             self._nonfinite_loss = False
+            self._loss_history.append((step, loss))
             self._spike(step, "loss", loss, self._loss_median, self.t.loss_spike_factor, out)
             return
         self._went_bad(step, "loss")
@@ -301,9 +314,12 @@ class Analyzer(Trends, Episodes):
             fate = (f"Yet GradScaler applied step {step}, so its gradients were finite: this loss is most likely another "
                     "step's (the step passed to run.log counts otherwise than the agent, which counts optimizer steps from "
                     "0), or a part of it no parameter depends on is non-finite.")  # fmt: skip
+        diverged = self._diverged_at(step)
+        why = ("the parameters are non-finite" if self._param_bad else f"most likely the parameters: {applied}" if applied
+               else f"the updates diverged before it: {diverged}; most likely too high a learning rate" if diverged
+               else "a bad batch, or a layer that overflows")  # fmt: skip
         out.append(self.event(step, "nonfinite_loss", "critical",
-            f"{what} loss at step {step}: the forward pass produced a non-finite value "
-            f"({'the parameters are non-finite' if self._param_bad else f'most likely the parameters: {applied}' if applied else 'a bad batch, or a layer that overflows'}). {fate}",
+            f"{what} loss at step {step}: the forward pass produced a non-finite value ({why}). {fate}",
             {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped), "grad_norm_trend": self._trend()}))  # fmt: skip
 
     def _check_grad(
@@ -314,12 +330,12 @@ class Analyzer(Trends, Episodes):
             self._nan_grad_streak = 0
             self._finite_norm()
             if not skipped:
-                self._norm_history.append(norm)
+                self._norm_history.append((step, norm))
                 self._spike(step, "grad_norm", norm, self._grad_median, self.t.spike_factor, out)
             return
-        self._went_bad(step, "gradients")
         if loss is None and self._last_loss is not None and self._last_loss[0] == step:
             loss = self._last_loss[1]  # (logged before its step's optimizer step, it came a batch early)
+        self._went_bad(step, "gradients" if loss is not None else "gradients, no loss")
         if loss is not None and not math.isfinite(loss):
             return  # the nonfinite_loss event said it
         if scaled and not math.isnan(norm):
@@ -350,7 +366,12 @@ class Analyzer(Trends, Episodes):
         else:
             cause = f"The loss is finite, so the backward pass made the {kind}: "
         look = "look for sqrt, log, pow or a norm of zero, or a division by a value that can be 0"
-        if recurring:
+        diverged = self._diverged_at(step)
+        if diverged:  # (not an operation that makes NaN: the values grew until they overflowed)
+            cause = (f"Before it, {diverged}: the updates diverged, most likely from too high a learning rate, until the "
+                     "values overflowed. Lower the learning rate (or warm it up longer); clip_grad_norm_ with a finite "
+                     "max_norm caps each update.")  # fmt: skip
+        elif recurring:
             cause += (f"it came back at a scale steps were applied at, so most likely an operation makes NaN on some batches "
                       f"({look}), or the gradients keep growing past what fp16 holds.")  # fmt: skip
         elif scaled:  # which of the two, only a lower scale tells (see _check_skip)
@@ -376,8 +397,12 @@ class Analyzer(Trends, Episodes):
                               {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None,
                                "grad_norm": _spell(norm)}))  # fmt: skip
 
-    def _collapse_advice(self) -> str:
-        """What to do about a collapse: what the origin named, if it was; else values fp16 cannot hold."""
+    def _collapse_advice(self, step: int) -> str:
+        """What to do about a collapse: the divergence before it, or what the origin named, if it was; else values fp16
+        cannot hold."""
+        diverged = self._diverged_at(step)
+        if diverged:
+            return f"Before it, {diverged}: most likely too high a learning rate. Lower it (or warm it up longer)."
         module, phase = self._origin or ("", "")
         if phase == "backward":
             return (f"The NaN-origin event named the backward of `{module}`: an operation there makes NaN at any scale (sqrt, "
@@ -386,11 +411,23 @@ class Analyzer(Trends, Episodes):
             return "The NaN-origin event named the input batch: a data problem, which bf16 does not fix: check the data pipeline."
         return "Check the data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows)."
 
+    def _diverged_at(self, step: int) -> str | None:
+        """The gradient norm's growth before a non-finite value at `step` (see Trends._divergence), kept for the NaN-origin
+        event that comes a few steps later."""
+        diverged = self._divergence(step)
+        if diverged:
+            self.diverged = (step, diverged)
+        elif self.diverged and step - self.diverged[0] > MAX_DIVERGED_STEPS:
+            self.diverged = None
+        return diverged or (self.diverged[1] if self.diverged else None)
+
     # -- schedules ----------------------------------------------------------------------
     def _check_scheduler(self, step: int, lr: float, out: list[Event]) -> None:
-        # The lr read at step k is the one iteration k used; a change from k-1 happened after iteration k-1.
+        # The lr read at step k is the one iteration k used; a change from k-1 happened after iteration k-1. Only an LR
+        # scheduler object is judged: a loop that computes the LR from its iteration number (nanoGPT) means to.
         if (
-            self._last_lr is not None
+            self.scheduler
+            and self._last_lr is not None
             and self._skipped_at.get(step - 1)
             and lr != self._last_lr
             and not self._scheduler_reported

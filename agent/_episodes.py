@@ -1,7 +1,8 @@
 """Part of `ampwatch._diagnose.Analyzer`: non-finite episodes and the parameters. Without a GradScaler nothing skips
 a step whose gradients are non-finite: the optimizer writes them into the parameters, and from then on every loss,
 gradient and module output is non-finite because of that step. The episode's first step and what went non-finite
-there (the loss, or the gradients under a finite loss) is what later events name as the cause."""
+there (the loss, the gradients under a finite loss, or the gradients of a step with no loss recorded) is what later
+events name as the cause."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class Episodes:
     """Part of `ampwatch._diagnose.Analyzer`: its attributes are the Analyzer's."""
 
     def _went_bad(self: Any, step: int, what: str) -> None:
-        """`what` ("loss" or "gradients") was non-finite at `step`; an episode begins there unless one is going on."""
+        """`what` ("loss", "gradients" or "gradients, no loss") was non-finite at `step`; an episode begins there unless one is going on."""
         if self._episode is None:
             self._episode = (step, what)
 
@@ -31,7 +32,9 @@ class Episodes:
         episode = self._episode
         if self._scaled or episode is None or episode[0] >= step:
             return None
-        under = "from a non-finite loss" if episode[1] == "loss" else "under a finite loss"
+        under = {"loss": "from a non-finite loss", "gradients": "under a finite loss"}.get(
+            episode[1], "no loss recorded"
+        )
         return f"the optimizer applied step {episode[0]}'s non-finite gradients ({under}), with no GradScaler to skip the step"
 
     def _check_params(self: Any, step: int, param_norm: float, out: list[Event]) -> None:
@@ -43,9 +46,14 @@ class Episodes:
         self._param_bad = True
         episode = self._episode
         if not self._scaled and episode is not None:
-            made = (f"Step {episode[0]}'s non-finite loss (the forward pass made it: a bad batch, or a layer) gave non-finite "
+            diverged = self.diverged[1] if self.diverged and self.diverged[0] == episode[0] else None
+            made = (f"Step {episode[0]}'s non-finite loss (" + (f"the updates diverged before it: {diverged}; most likely "
+                    "too high a learning rate" if diverged else "the forward pass made it: a bad batch, or a layer") +
+                    ") gave non-finite "
                     "gradients" if episode[1] == "loss" else f"Step {episode[0]}'s gradients were non-finite under a finite "
-                    "loss (the backward pass made them: see the nonfinite_grad event)")  # fmt: skip
+                    "loss (the backward pass made them: see the nonfinite_grad event)" if episode[1] == "gradients" else
+                    f"Step {episode[0]}'s gradients were non-finite (no loss is recorded, so the forward or the backward "
+                    "pass made them: see the nonfinite_grad event)")  # fmt: skip
             how = (f"{made}, and the optimizer wrote them into the parameters: no GradScaler skips such a step. Restore the "
                    "last good checkpoint, and skip the update when the gradient norm (the value clip_grad_norm_ returns) is "
                    "non-finite.")  # fmt: skip

@@ -27,6 +27,10 @@ class RollingMedian:
     def value(self) -> float:
         return self._sorted[len(self._sorted) // 2]
 
+    def lower(self) -> float:
+        """The lower median (of an even count, the lower middle value): the warm-up's cautious baseline."""
+        return self._sorted[(len(self._sorted) - 1) // 2]
+
     def extend(self, values: list[float]) -> None:
         """Add many values at once (rebuilding the sorted copy is cheaper than inserting them one by one)."""
         order = self._order

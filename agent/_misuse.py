@@ -248,6 +248,13 @@ def forward_config_problem(module: Any, scaler: Any) -> Problem | None:
         return (f"GradScaler is enabled but the forward runs without autocast on {device}: there is nothing "
                 "to scale. Wrap the forward in torch.autocast, or disable the scaler.",
                 {"check": "scaler_without_autocast", "device": device})  # fmt: skip
+    if scaler is not None and not on and getattr(scaler, "_device", None) == "cuda" and not torch.cuda.is_available():
+        # (nanoGPT on the CPU: its autocast is a nullcontext there, and torch turns a CUDA GradScaler off without CUDA)
+        return (f"The GradScaler was built for CUDA, which this machine lacks, so it is off (torch disables it there), and "
+                f"the forward runs without autocast on {device}: this run trains in full fp32 precision, whatever dtype "
+                f"the script names. For mixed precision on the CPU, wrap the forward in torch.autocast('{device}', "
+                f"dtype=torch.bfloat16), or float16 with torch.amp.GradScaler('{device}').",
+                {"check": "cuda_scaler_without_cuda", "device": device})  # fmt: skip
     return None
 
 

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-from ampwatch._diagnose import Analyzer, Columns, Event, Thresholds
+from ampwatch._diagnose import MAX_DIVERGED_STEPS, Analyzer, Columns, Event, Thresholds
 from ampwatch._guard import Hook, guarded
 
 log = logging.getLogger("ampwatch")
@@ -157,6 +157,11 @@ class OriginProbe:
             flags.append((name, ~(tensor if local is None else local()).isfinite().all()))
 
 
+def _scheduled(optimizer: Any) -> bool:
+    """Whether a torch LR scheduler was built on `optimizer` (each wraps its `step`, marking the wrapper)."""
+    return hasattr(getattr(optimizer, "step", None), "_wrapped_by_lr_sched")
+
+
 class Diagnosis:
     """The analyzer plus the NaN-origin loop: a non-finite event arms the recorder's probe; the probe's
     first hit names the module (once per arming; the probe stays armed its few steps for the per-layer heatmap).
@@ -175,7 +180,10 @@ class Diagnosis:
 
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
-        self.analyzer.clipping = bool(getattr(self._recorder, "_clip_seen", ()))  # (a clip of the gradients was seen)
+        # A clip of the gradients was seen (its max_norm last, see Recorder.on_clipped); an LR scheduler wraps a step.
+        seen: tuple[Any, ...] = getattr(self._recorder, "_clip_seen", ())
+        self.analyzer.clipping, self.analyzer.max_norm = bool(seen), seen[3] if len(seen) > 3 else None
+        self.analyzer.scheduler = any(map(_scheduled, getattr(self._recorder, "_optimizers", ())))
         events = self.analyzer.observe_columns(columns)
         start, end, _ = self._quiet
         arming = [e["step"] for e in events if e["type"] in self._ARMING_TYPES and not start <= e["step"] < end]
@@ -226,6 +234,10 @@ class Diagnosis:
                     message = (f"At step {step} the first non-finite output is `{module}`'s, most likely because its "
                                f"parameters are non-finite: {applied}. Where that step's values came from can no longer "
                                "be traced: restore a good checkpoint, and the probe names it when it happens again.")  # fmt: skip
+            diverged = self.analyzer.diverged
+            if diverged and step - diverged[0] <= MAX_DIVERGED_STEPS and module != INPUT:
+                message += (f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and "
+                            "the values outgrew what the dtype holds there, rather than an operation that makes NaN.")  # fmt: skip
             details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
             kind = "nonfinite_loss"
         else:
@@ -242,12 +254,18 @@ class Diagnosis:
                 where = (f"in the loss computation: the gradient of the last module's output (`{received}`) is already "
                          "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
                          "division by 0)")  # fmt: skip
+            diverged = self.analyzer.diverged
+            if diverged and step - diverged[0] <= MAX_DIVERGED_STEPS:  # (then no operation there is to blame)
+                look = (f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and the "
+                        "gradients outgrew what the dtype holds there. Lower the learning rate.")  # fmt: skip
+            else:
+                look = " Look there for sqrt, log, pow or a norm at 0" + (" (or, if steps come back at a lower loss scale, "
+                       "for values too large for fp16)." if self.analyzer._scaled else ".")  # fmt: skip
             message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}, while every module's "
-                       "output was finite. Look there for sqrt, log, pow or a norm at 0" + (" (or, if steps come back at a "
-                       "lower loss scale, for values too large for fp16)." if self.analyzer._scaled else "."))  # fmt: skip
+                       f"output was finite.{look}")  # fmt: skip
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward if n != INPUT]}
             kind = "nonfinite_grad"
-        named, length = (module, details["phase"]), 0
+        named, length = (module, str(details["phase"])), 0
         if named == self._named:  # the same origin twice in a row: it keeps coming back from there
             length = min(2 * self._quiet[2], MAX_QUIET_STEPS) if self._quiet[2] else QUIET_STEPS
         self._named, self._quiet = named, (step, step + length, length)

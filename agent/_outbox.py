@@ -15,6 +15,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ampwatch._spool import Spool
@@ -69,6 +70,25 @@ class Outbox:
             elif send:
                 self._queue.append((seq, body if not stored or len(self._queue) < IN_MEMORY else None, stored))
 
+    def rewrite_from(self, seq: int, rewrite: Callable[[bytes], tuple[bytes, bool]]) -> bool:
+        """Rewrite the queued batches numbered `seq` or later (a relaunch's points that would overwrite a run's are
+        taken out of them); whether `rewrite` changed any."""
+        changed = False
+        with self._lock:  # (a few batches, once: add() on another thread waits for it)
+            queue = list(self._queue)
+            for index, (number, body, stored) in enumerate(queue):
+                body = body if body is not None or number < seq else self._load(number)
+                if number < seq or body is None:
+                    continue
+                body, rewritten = rewrite(body)
+                if rewritten:
+                    changed = True
+                    if stored:
+                        self.spool.remove(number)  # type: ignore[union-attr]
+                    queue[index] = (number, body, False)  # (spilled again, rewritten, if it cannot go out now)
+            self._queue = collections.deque(queue)
+        return changed
+
     def spill(self) -> int:
         """Persist the batches only memory holds (they were to go out at once, and have not); how many still are."""
         spool = self.spool
@@ -95,6 +115,7 @@ class Outbox:
                 if not self._send("PUT", self._run_path, self._run_body):
                     return False
                 self._registered = registered_now = True
+                continue  # (the reply may have rewritten batches: see rewrite_from)
             seq, body, stored = self._queue[0]
             if body is None:
                 body = self._load(seq)

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+from ampwatch import _resume
 from ampwatch._guard import guarded, warn_once
 from ampwatch._origin import Diagnosis
 from ampwatch._settings import AgentSettings
@@ -48,6 +49,7 @@ class Run:
         settings: AgentSettings,
         name: str | None = None,
         config: Any = None,
+        resume_step: int | None = None,
     ) -> None:
         disabled = settings.mode == "disabled"  # the fallback of a failed init(): nothing here may raise
         self.rank, self.world_size = (0, 1) if disabled else _rank_and_world_size()
@@ -76,6 +78,9 @@ class Run:
             self.url = None
             return
         self._worker.outbox.on_registered = self._registered
+        self._resume_step = None if resume_step is None else int(resume_step)
+        if self._resume_step is not None:
+            _resume.start_at(self, self._resume_step)
         self._worker.diagnosis = Diagnosis(self._recorder, self.rank)
         self._recorder.wake = self._worker.wake
         self._recorder._free_read = self._worker.free_read
@@ -107,6 +112,7 @@ class Run:
 
     def _registered(self, reply: dict[str, Any]) -> None:
         """The server's own link to the run's page (AMPWATCH_PUBLIC_URL behind a proxy) replaces the one from our URL."""
+        guarded(_resume.check_relaunch, self, reply, self._resume_step)
         url = reply.get("url")
         if isinstance(url, str) and url.startswith(("http://", "https://")) and url.endswith("/runs/" + self.id):
             self.url = url
@@ -234,11 +240,13 @@ def init(
     url: str | None = None,
     token: str | None = None,
     config: Any = None,
+    resume_step: int | None = None,
 ) -> Run:
-    """Start a run (`config`: a dict, an argparse.Namespace, a dataclass or an OmegaConf config). Never raises: on
+    """Start a run (`config`: a dict, an argparse.Namespace, a dataclass or an OmegaConf config; `resume_step`: the
+    step a relaunch under the same run id resumes from, where its step numbering continues). Never raises: on
     any problem it logs and returns a run that records nothing."""
     try:
-        return Run(AgentSettings.resolve(project=project, url=url, token=token), name, config)
+        return Run(AgentSettings.resolve(project=project, url=url, token=token), name, config, resume_step)
     except Exception:
         log.exception("ampwatch: init() failed; this run will not be recorded")
         return Run(AgentSettings(mode="disabled", project=project or "default"), name)

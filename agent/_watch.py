@@ -82,7 +82,7 @@ class Recorder(Steady):
         self._clip_trusted = False  # the last clip_grad_norm_ covered the optimizer's parameters: reuse its norm
         self._clip_seen: tuple[
             Any, ...
-        ] = ()  # what that verdict was reached for: parameter ids, norm type, group count
+        ] = ()  # what that verdict was reached for: parameter ids, norm type, group count, max_norm
         self._clip_groups: Any = None  # and the optimizer's parameter-group list
         self._clip_params: Any = None  # and the parameters themselves (the steady path compares identities)
         self._unscaled: Any = None  # the optimizer between its unscale_ and step
@@ -269,7 +269,9 @@ class Recorder(Steady):
             return
         ids = (id(parameters),) if isinstance(parameters, self._tensor) else tuple(map(id, parameters))
         groups = optimizer.param_groups
-        seen = (ids, args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0), len(groups))
+        max_norm = args[0] if args else kwargs.get("max_norm")  # (a number only: comparing tensors would sync)
+        max_norm = float(max_norm) if isinstance(max_norm, (int, float)) else None  # (the diagnosis reads it)
+        seen = (ids, args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0), len(groups), max_norm)
         if (
             groups is not self._clip_groups or seen != self._clip_seen
         ):  # (each step clips the same parameters: decide once)

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ampwatch import _resume
 from ampwatch._guard import report, warn_once
 from ampwatch._host import to_host
 from ampwatch._outbox import Outbox
@@ -90,6 +91,10 @@ class Worker:
         # Batches of a relaunch under the same run id must not look like re-sends of the first process's:
         # number them from the launch time (ms), leaving room for 1000 batches per millisecond.
         self._seq = int(time.time() * 1000) * 1000
+        self.first_seq = self._seq + 1  # (this launch's first batch)
+        # A relaunch that does not resume: its points at the steps an earlier launch stored are held back (see _resume)
+        self.hold_until: int | None = None
+        self.refusal: dict[str, Any] | None = None  # the event that says so, until a batch holds a point back
         self._reported_drops = 0
         self._announce = True  # the first batch says the run is running (see _enqueue)
         self._waiters: list[tuple[int, threading.Event]] = []
@@ -357,6 +362,9 @@ class Worker:
     def _enqueue(self, points: dict, events: list, status: str | None, heartbeat: bool = False) -> None:
         """One batch of points (host floats, diagnosed here, in one pass over the batch) and events."""
         points = {name: series for name, series in points.items() if series[0]}  # (a pass makes the standard ones)
+        if self.hold_until is not None and _resume.held_back(points, self.hold_until):
+            events.extend([self.refusal] if self.refusal is not None else [])  # (said once)
+            self.refusal, points = None, {name: series for name, series in points.items() if series[0]}
         if points and self.diagnosis is not None:
             events.extend(self.diagnosis.observe_columns(points))
         if not points and not events and status is None and not heartbeat:

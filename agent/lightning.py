@@ -18,6 +18,7 @@ import inspect
 import logging
 from typing import Any
 
+from ampwatch import _resume
 from ampwatch._guard import guarded
 from ampwatch._run import Run
 from ampwatch._run import init as init_run
@@ -75,6 +76,17 @@ class AmpwatchCallback(Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Optimizers and the precision plugin exist from here on (not yet in `setup`)."""
         guarded(self._watch, trainer, pl_module)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """A fit resumed from a checkpoint (`ckpt_path`) continues the run's steps from its restored global step, as
+        `ampwatch.init(..., resume_step=)` does (with one optimizer, whose steps the global step counts)."""
+        guarded(self._resume, trainer)
+
+    def _resume(self, trainer: Any) -> None:
+        run, step = self.run, trainer.global_step
+        if (trainer.ckpt_path and step > 0 and len(trainer.optimizers) == 1 and run is not None and run._worker is not None
+                and run._resume_step is None and run._recorder.step == 0):  # fmt: skip
+            _resume.start_at(run, step)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """Without a scaler the agent cannot see the loss: hand it the one Lightning backpropagates."""

@@ -151,6 +151,9 @@ class RunOut(BaseModel):
     url: str
     series: list[str] = []
     ranks: list[int] = Field([], description="The ranks that sent batches (GET /runs/{id} only).")
+    stored_steps: dict[str, int] = Field(
+        {}, description="The last step stored per rank (PUT /runs/{id} only): a relaunch that does not resume sees it."
+    )
 
 
 class EventOut(BaseModel):

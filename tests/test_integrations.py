@@ -159,7 +159,7 @@ def test_nanogpt_loop_records_every_optimizer_step_with_accumulated_loss(sqlite_
         assert data["skipped"]["values"] == [int(after < before) for before, after in zip(scales, scales_after)]
     else:  # a disabled scaler has no scale: steps are counted through the fused optimizer's hooks
         assert data["scale"] == data["skipped"] == {"steps": [], "values": []}
-    assert _run_info(sqlite_server, run.id)["status"] == "finished"
+    assert [_run_info(sqlite_server, run.id)[k] for k in ("status", "health")] == ["finished", "ok"]  # (no warning)
 
 
 # -- HF Accelerate ---------------------------------------------------------------------------------
@@ -316,7 +316,7 @@ def test_lightning_callback_records_every_optimizer_step_and_finishes_the_run(
         assert data["scale"]["values"] == module.scales and data["skipped"]["steps"] == list(range(steps))
     else:
         assert trainer.precision_plugin.scaler is None and data["scale"] == {"steps": [], "values": []}
-    assert _run_info(sqlite_server, run.id)["status"] == "finished"  # the callback finished the run
+    assert [_run_info(sqlite_server, run.id)[k] for k in ("status", "health")] == ["finished", "ok"]  # (finish() ran)
 
 
 def test_lightning_callback_marks_the_run_crashed_and_lets_the_exception_through(

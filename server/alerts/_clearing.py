@@ -4,6 +4,7 @@ scale back to 2^13"). The agent reports an episode once, so clearing is read fro
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from sqlalchemy import and_, func, not_, select
 from sqlalchemy.orm import Session
@@ -54,6 +55,40 @@ def cleared(session: Session, *, alert: models.Alert, event_type: str, run: mode
     return _say(event_type, first, tail[0][0], scale_text)
 
 
+def cleared_before(session: Session, *, alert: models.Alert, event_type: str, run: models.Run, step: int) -> str | None:
+    """Why the condition of an active alert was over, counted in steps, before a new occurrence at `step` (None if it
+    held): then that occurrence is a new alert, whether or not the evaluator, which runs on a clock, saw the gap in
+    between (a slow loop and a fast one with the same bad batches get the same alerts)."""
+    after = alert.last_step
+    lasting = event_type == "scaler_misuse" and (alert.details or {}).get("cause") in LASTING
+    if event_type in NEVER or lasting or after is None or step <= after:
+        return None
+    if event_type not in _CURES:
+        return (
+            f"No new {event_type} for {QUIET_STEPS} steps (through step {steps(step - 1)})."
+            if step - after > QUIET_STEPS
+            else None
+        )
+    name, cure, need = _CURES[event_type]
+    series = series_id(session, run_id=run.id, name=name)
+    if series is None:
+        return None
+    P = models.Point
+    rank = alert.rank if alert.rank >= 0 else int(alert.details.get("rank", 0))
+    base = (P.series_id == series, P.rank == rank, P.step < step)
+    good = _good(cure)
+    last_bad = session.scalar(select(func.max(P.step)).where(*base, P.step > after, not_(good) | P.value.is_(None)))
+    start = after if last_bad is None else last_bad
+    cured = session.scalars(select(P.step).where(*base, P.step > start, good).order_by(P.step).limit(need)).all()
+    return _say(event_type, cured[0], cured[-1], None) if len(cured) == need else None
+
+
+def _good(cure: str) -> Any:
+    """A cured point, as SQL (NaN is stored as NULL)."""
+    P = models.Point
+    return P.value == 0 if cure == "zero" else and_(P.value.is_not(None), P.value < math.inf, P.value > -math.inf)
+
+
 def _say(event_type: str, first: int, last: int, scale: str | None) -> str:
     if event_type == "scale_collapse":
         return (
@@ -78,7 +113,7 @@ def _first_cured(session: Session, series: int, rank: int, after: int, cure: str
     """The first cured step of a series (by id) after the last uncured one (after `after`): where the episode really ended."""
     P = models.Point
     base = (P.series_id == series, P.rank == rank)
-    good = P.value == 0 if cure == "zero" else and_(P.value.is_not(None), P.value < math.inf, P.value > -math.inf)
+    good = _good(cure)
     last_bad = session.scalar(select(func.max(P.step)).where(*base, P.step > after, not_(good) | P.value.is_(None)))
     start = after if last_bad is None else last_bad
     return session.scalar(select(func.min(P.step)).where(*base, P.step > start, good))

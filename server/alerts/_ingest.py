@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server import models
 from ampwatch.server.alerts import _state
+from ampwatch.server.alerts._clearing import cleared_before
 from ampwatch.server.alerts._context import event_context, summary
 from ampwatch.server.alerts._db import ACTIVE, SEVERITY_RANK, at_least, insert, steps, utc
 from ampwatch.server.alerts._rules import applies, enabled_rules, project_of
@@ -115,9 +116,24 @@ def _open(
 ) -> None:
     details = event_context(session, run_id=run.id, rank=event.rank, event=event)
     text = summary(event.type, details, project, run.name, event.step)
+    A = models.Alert
+    key_rank = event.rank if rule.per_rank else -1
+    active = session.scalars(
+        select(A).where(A.rule == rule.name, A.run_id == run.id, A.rank == key_rank, A.state.in_(ACTIVE))
+    ).first()
+    severity = min(rule.severity, event.severity, key=SEVERITY_RANK.__getitem__)  # (a warning event: no critical alert)
+    over = active and cleared_before(session, alert=active, event_type=event.type, run=run, step=event.step)
+    if active and over:  # (its condition cleared before this event, counted in steps: this is a new alert)
+        _state.clear(session, active, rule, step=event.step, reason=over, stamp=stamp)
+    elif active and SEVERITY_RANK[severity] > SEVERITY_RANK[active.severity]:  # (told at the higher severity: anew)
+        reason = f"Superseded by a {severity} {event.type} event at step {steps(event.step)}."
+        if active.state == "pending":
+            _state.drop_pending(session, active)
+        else:
+            _state.resolve(session, active, step=event.step, reason=reason, stamp=stamp)
     _state.open_or_fold(
         session, rule=rule, run_id=run.id, rank=event.rank, step=event.step, summary=text, details=details,
-        stamp=stamp, reason=f"{event.type} event at step {steps(event.step)}",
+        stamp=stamp, reason=f"{event.type} event at step {steps(event.step)}", severity=severity,
     )  # fmt: skip
 
 

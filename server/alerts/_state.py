@@ -22,13 +22,14 @@ from ampwatch.server.models import Alert
 def open_or_fold(
     session: Session, *, rule: models.AlertRule, run_id: str, rank: int, step: int | None,
     summary: str, details: dict[str, Any], stamp: datetime, reason: str, occurrence: bool = True,
+    severity: str | None = None,
 ) -> tuple[Alert, bool]:  # fmt: skip
     """The active alert of (rule, run, rank): opened now (True), or the one already active with this
     occurrence folded in (False) — repeated NaNs update one alert instead of flooding. A windowed rule's
-    re-evaluation is not a new `occurrence`."""
+    re-evaluation is not a new `occurrence`. A new alert has `severity`, else the rule's."""
     key_rank = rank if rule.per_rank else -1
     for _ in range(3):  # the active alert can resolve between our INSERT and SELECT: try again
-        alert = _try_open(session, rule, run_id, key_rank, step, summary, details, stamp)
+        alert = _try_open(session, rule, run_id, key_rank, step, summary, details, stamp, severity or rule.severity)
         if alert is not None:
             flip(session, alert, None, alert.state, step=step, reason=reason, stamp=stamp)
             return alert, True
@@ -44,11 +45,11 @@ def open_or_fold(
 
 def _try_open(
     session: Session, rule: models.AlertRule, run_id: str, rank: int, step: int | None,
-    summary: str, details: dict[str, Any], stamp: datetime,
+    summary: str, details: dict[str, Any], stamp: datetime, severity: str,
 ) -> Alert | None:  # fmt: skip
     state = "pending" if rule.for_s > 0 or rule.for_steps > 0 else "firing"
     values = dict(
-        run_id=run_id, rule=rule.name, rule_id=rule.id, severity=rule.severity, state=state, started_at=stamp,
+        run_id=run_id, rule=rule.name, rule_id=rule.id, severity=severity, state=state, started_at=stamp,
         resolved_at=None, summary=summary, rank=rank, step=step, last_step=step, count=1,
         fired_at=stamp if state == "firing" else None, cleared_at=None, last_notified_at=None, updated_at=stamp,
         details=details,

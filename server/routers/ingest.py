@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Request
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import auth, db, models, store
@@ -19,10 +19,14 @@ RunId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Chose
 
 @router.put("/runs/{run_id}", response_model=RunOut)
 def register_run(run_id: RunId, body: RunIn, request: Request, session: SessionDep, settings: SettingsDep) -> RunOut:
-    """Create or refresh a run; idempotent."""
+    """Create or refresh a run; idempotent. The reply says the last step stored per rank (`stored_steps`)."""
     _check_project(request, session, run_id, body.project)
     run = db.retrying(session, lambda: store.register_run(session, run_id=run_id, body=body))  # idempotent
-    return run_out(run, session.get(models.Project, run.project_id).name, settings)  # (a run keeps its first project)
+    out = run_out(run, session.get(models.Project, run.project_id).name, settings)  # (a run keeps its first project)
+    F = models.PointFeed  # (one row per stored batch with points: the last step stored per rank, for a relaunch)
+    stored = session.execute(select(F.rank, func.max(F.last_step)).where(F.run_id == run_id).group_by(F.rank))
+    out.stored_steps = {str(rank): int(step) for rank, step in stored}
+    return out
 
 
 @router.post("/runs/{run_id}/batches", response_model=BatchOut)
