@@ -241,3 +241,54 @@ def test_importing_ampwatch_loads_neither_transformers_nor_its_integration(tmp_p
     code = "import sys, ampwatch; print([m for m in ('ampwatch.transformers', 'transformers') if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+DDP = """
+import os, sys, torch, transformers
+from ampwatch.transformers import AmpwatchCallback
+
+sys.path.insert(0, TESTS)
+from test_transformers import _Batches, _args, _model
+
+args = _args(transformers, __import__("pathlib").Path(OUT), "bf16", STEPS, ddp_backend="gloo")
+callback = AmpwatchCallback(project="transformers-ddp", name="two-ranks", url=os.environ["SERVER"])
+trainer = transformers.Trainer(model=_model(transformers), args=args, train_dataset=_Batches(STEPS * 4),
+                               callbacks=[callback])
+trainer.train()
+print("rank", args.process_index, "run", callback.run.id, flush=True)
+"""
+
+
+def test_trainer_callback_under_torchrun_reports_every_rank_into_one_run(
+    sqlite_server, transformers: ModuleType, tmp_path: Path
+) -> None:
+    """The process group exists when the training begins: every rank derives the same run id and reports its own
+    records under its rank."""
+    steps = 4
+    script = tmp_path / "train.py"
+    tests = str(Path(__file__).parent)
+    script.write_text(
+        DDP.replace("TESTS", repr(tests)).replace("OUT", repr(str(tmp_path))).replace("STEPS", str(steps))
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = {"SERVER": sqlite_server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path),
+           "HF_HUB_OFFLINE": "1", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ids = {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("rank")}
+    with sqlite_server.client() as http:
+        runs = http.get("/api/v1/runs", params={"project": "transformers-ddp"}).json()
+        assert [r["id"] for r in runs] == list(ids) and len(ids) == 1  # both ranks chose the same run id
+        run = http.get(f"/api/v1/runs/{runs[0]['id']}").json()
+        by_rank = [
+            http.get(f"/api/v1/runs/{run['id']}/series", params={"name": ["loss", "grad_norm"], "rank": rank}).json()
+            for rank in (0, 1)
+        ]
+    assert (run["status"], run["environment"]["world_size"], run["last_step"]) == ("finished", 2, steps - 1)
+    assert "grad_norm/transformer.h.0.mlp.c_fc" in run["series"], run["series"]  # named as without DDP
+    for data in by_rank:
+        assert data["loss"]["steps"] == data["grad_norm"]["steps"] == list(range(steps))
+    assert by_rank[0]["loss"]["values"] != by_rank[1]["loss"]["values"]  # each rank's own batches
+    assert by_rank[0]["grad_norm"]["values"] == pytest.approx(
+        by_rank[1]["grad_norm"]["values"], rel=1e-6
+    )  # all-reduced
