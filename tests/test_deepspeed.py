@@ -1,0 +1,69 @@
+"""The DeepSpeed integration with the real `deepspeed` package: a ZeRO-free engine under bf16 on the CPU (DeepSpeed's
+CPU accelerator refuses fp16). Skipped without deepspeed, also in CI: it is not in the `dev` extra (its first engine on
+a fresh machine compiles a shared-memory communication op, about a minute on two cores)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import ampwatch
+
+deepspeed = pytest.importorskip("deepspeed", reason="pip install deepspeed (DS_BUILD_OPS=0) to test this integration")
+
+
+@pytest.fixture
+def engine(monkeypatch: pytest.MonkeyPatch, free_tcp_port: int) -> Iterator[Any]:
+    """A one-process engine: DeepSpeed starts the process group from torchrun's variables (set here), and the test
+    ends it so that no later test runs inside it."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_tcp_port)}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "steps_per_print": 10**9}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    yield engine
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_a_bf16_engine_records_loss_norm_lr_and_the_steps_it_skips_silently(sqlite_server, engine: Any) -> None:
+    from ampwatch.deepspeed import watch_engine
+
+    steps, accumulation, bad = 6, 2, 3
+    micro: list[float] = []
+    with ampwatch.init(project="deepspeed", name="bf16", url=sqlite_server.url) as run:
+        watch_engine(run, engine)
+        for step in range(steps):
+            for _ in range(accumulation):
+                x = torch.randn(4, 16, dtype=torch.bfloat16)
+                if step == bad:
+                    x[0, 0] = float("inf")
+                loss = engine(x).float().pow(2).mean()
+                micro.append(loss.item() / accumulation)  # (the test reads it; the agent does not)
+                engine.backward(loss)
+                engine.step()
+    assert engine.skipped_steps == 1  # the engine's own count: the non-finite step did not update the parameters
+
+    with sqlite_server.client() as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "skipped", "grad_norm", "lr"]}).json()
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+    for name in ("loss", "skipped", "grad_norm", "lr"):
+        assert data[name]["steps"] == list(range(steps)), name
+    expected = [math.fsum(micro[i : i + accumulation]) for i in range(0, len(micro), accumulation)]
+    assert data["loss"]["values"][:bad] == pytest.approx(expected[:bad], rel=1e-6)
+    assert data["loss"]["values"][bad] in ("NaN", "Infinity")
+    assert data["skipped"]["values"] == [0, 0, 0, 1, 0, 0]
+    assert data["grad_norm"]["values"][bad] in ("NaN", "Infinity") and all(
+        isinstance(v, float) and v > 0 for i, v in enumerate(data["grad_norm"]["values"]) if i != bad
+    )
+    assert data["lr"]["values"] == [1e-3] * steps
+    [told] = [e for e in events if e["type"] == "nonfinite_loss"]
+    assert (told["step"], told["severity"]) == (bad, "critical") and "did not change the parameters" in told["message"]
