@@ -237,8 +237,24 @@ def test_trainer_callback_marks_the_run_crashed_and_lets_the_exception_through(
     assert "training_step" not in vars(trainer)  # the Trainer has its own method back
 
 
-def test_importing_ampwatch_loads_neither_transformers_nor_its_integration(tmp_path: Path) -> None:
-    code = "import sys, ampwatch; print([m for m in ('ampwatch.transformers', 'transformers') if m in sys.modules])"
+def test_the_documented_example_records_its_run(
+    sqlite_server, transformers: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The complete example of docs/integrations/transformers.md, run as written (the server from AMPWATCH_URL)."""
+    page = (Path(__file__).parent.parent / "docs" / "integrations" / "transformers.md").read_text()
+    example = next(block for block in page.split("```python\n")[1:] if "trainer.train()" in block).split("```")[0]
+    monkeypatch.setenv("AMPWATCH_URL", sqlite_server.url)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "transformers.md", "exec"), {})
+    with sqlite_server.client() as http:
+        [run] = http.get("/api/v1/runs", params={"project": "gpt2"}).json()
+    assert (run["name"], run["status"], run["last_step"]) == ("tiny-bf16", "finished", 7)
+    assert _series(sqlite_server, run["id"], "loss")["loss"]["steps"] == list(range(8))
+
+
+def test_importing_ampwatch_loads_neither_transformers_nor_deepspeed(tmp_path: Path) -> None:
+    modules = ("ampwatch.transformers", "transformers", "ampwatch.deepspeed", "deepspeed")
+    code = f"import sys, ampwatch; print([m for m in {modules!r} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr
 
