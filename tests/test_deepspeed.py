@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,21 +18,27 @@ deepspeed = pytest.importorskip("deepspeed", reason="pip install deepspeed (DS_B
 
 
 @pytest.fixture
-def engine(monkeypatch: pytest.MonkeyPatch, free_tcp_port: int) -> Iterator[Any]:
-    """A one-process engine: DeepSpeed starts the process group from torchrun's variables (set here), and the test
-    ends it so that no later test runs inside it."""
+def one_process(monkeypatch: pytest.MonkeyPatch, free_tcp_port: int) -> Iterator[None]:
+    """DeepSpeed starts the process group from torchrun's variables (set here, for one process); the test ends it so
+    that no later test runs inside it."""
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(free_tcp_port)}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
+    yield
+    if torch.distributed.is_initialized():
+        deepspeed.comm.destroy_process_group()  # (DeepSpeed's own: it forgets its groups too)
+
+
+@pytest.fixture
+def engine(one_process: None) -> Any:
+    """A one-process ZeRO-free bf16 engine with gradient accumulation 2."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
               "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "steps_per_print": 10**9}  # fmt: skip
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    yield engine
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    return engine
 
 
 def test_a_bf16_engine_records_loss_norm_lr_and_the_steps_it_skips_silently(sqlite_server, engine: Any) -> None:
@@ -67,3 +74,20 @@ def test_a_bf16_engine_records_loss_norm_lr_and_the_steps_it_skips_silently(sqli
     assert data["lr"]["values"] == [1e-3] * steps
     [told] = [e for e in events if e["type"] == "nonfinite_loss"]
     assert (told["step"], told["severity"]) == (bad, "critical") and "did not change the parameters" in told["message"]
+
+
+def test_the_documented_example_records_its_run(
+    sqlite_server, one_process: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The complete example of docs/integrations/deepspeed.md, run as written (the server from AMPWATCH_URL)."""
+    page = (Path(__file__).parent.parent / "docs" / "integrations" / "deepspeed.md").read_text()
+    example = next(block for block in page.split("```python\n")[1:] if "engine.step()" in block and "for " in block)
+    monkeypatch.setenv("AMPWATCH_URL", sqlite_server.url)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example.split("```")[0], "deepspeed.md", "exec"), {})
+    with sqlite_server.client() as http:
+        [run] = http.get("/api/v1/runs", params={"project": "deepspeed"}).json()
+        data = http.get(f"/api/v1/runs/{run['id']}/series", params={"name": ["loss", "skipped"]}).json()
+    assert (run["name"], run["status"]) == ("bf16-zero0", "finished")
+    assert data["loss"]["steps"] == data["skipped"]["steps"] == list(range(8))
+    assert data["skipped"]["values"] == [0] * 8
