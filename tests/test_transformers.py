@@ -206,6 +206,37 @@ def test_trainer_callback_records_a_nan_batch_that_the_trainers_own_logs_hide(
     assert _get(sqlite_server, f"/api/v1/runs/{run.id}")["status"] == "finished"
 
 
+def test_a_learning_rate_that_runs_away_is_a_grad_spike_before_the_nan(
+    sqlite_server, transformers: ModuleType, tmp_path: Path
+) -> None:
+    """A schedule bug: from step 24 the learning rate grows tenfold per step. The gradient norm leaves its range a
+    few steps before the loss turns NaN, and the run says so in that order."""
+    from ampwatch.transformers import AmpwatchCallback
+
+    steps, ramp = 36, 24
+    model = _model(transformers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < ramp else 10.0 ** (s - ramp + 1))
+    callback = AmpwatchCallback(project="transformers", name="gpt2-lr", url=sqlite_server.url)
+    trainer = transformers.Trainer(model=model, args=_args(transformers, tmp_path, "bf16", steps),
+                                   train_dataset=_Batches(steps * 2), optimizers=(optimizer, schedule),
+                                   callbacks=[callback])  # fmt: skip
+    trainer.train()
+
+    run = callback.run
+    assert run is not None
+    logged = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
+    nan = next(step for step, entry in enumerate(logged) if math.isnan(entry["grad_norm"]))
+    lr = _series(sqlite_server, run.id, "lr")["lr"]
+    assert lr["values"] == pytest.approx([e["learning_rate"] for e in logged], rel=1e-6)
+    events = _get(sqlite_server, f"/api/v1/runs/{run.id}/events")
+    spikes = [e for e in events if e["type"] == "grad_spike"]
+    told_nan = [e for e in events if e["type"] == "nonfinite_loss"]
+    assert spikes and told_nan, [(e["step"], e["type"]) for e in events]
+    assert ramp < spikes[0]["step"] < told_nan[0]["step"] == nan  # the spike is told first, steps before the NaN
+    assert not [e for e in events if e["step"] <= ramp and e["severity"] != "info"]  # quiet before the ramp
+
+
 def test_trainer_callback_marks_the_run_crashed_and_lets_the_exception_through(
     sqlite_server, transformers: ModuleType, tmp_path: Path
 ) -> None:
