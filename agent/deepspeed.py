@@ -19,8 +19,8 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+from ampwatch import Run
 from ampwatch._integration import Integration, guarded
-from ampwatch._run import Run
 
 __all__ = ["watch_engine"]
 

@@ -18,9 +18,9 @@ import inspect
 import logging
 from typing import Any
 
+from ampwatch import Run
+from ampwatch import init as init_run
 from ampwatch._integration import Integration, guarded
-from ampwatch._run import Run
-from ampwatch._run import init as init_run
 
 try:
     from lightning.pytorch import Callback

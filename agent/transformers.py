@@ -15,9 +15,9 @@ import logging
 import sys
 from typing import Any
 
+from ampwatch import Run
+from ampwatch import init as init_run
 from ampwatch._integration import Integration, guarded
-from ampwatch._run import Run
-from ampwatch._run import init as init_run
 
 try:
     from transformers import TrainerCallback
