@@ -26,8 +26,10 @@ except ImportError as error:
 
 __all__ = ["AmpwatchCallback"]
 log = logging.getLogger("ampwatch")
-NO_TRAINER = ("AmpwatchCallback found no Trainer calling it: the loss and the gradient norm before the clip are "
-              "not recorded (no GradScaler hands them to the agent); log the loss with run.log() to see it.")  # fmt: skip
+NO_TRAINER = (
+    "AmpwatchCallback found no Trainer calling it: the loss and the gradient norm before the clip are not recorded "
+    "(no GradScaler hands them to the agent); log the loss with run.log() to see it."
+)
 
 
 class AmpwatchCallback(TrainerCallback):
@@ -53,8 +55,7 @@ class AmpwatchCallback(TrainerCallback):
         self._init = init
         self._own = run is None  # the callback starts (and restarts, at each train()) the run itself
         self._trainer: Any = None
-        self._integration: Integration | None = None
-        self._optimizer: Any = None
+        self._step_wrapper: Any = None  # what replaces the Trainer's training_step while a training runs
 
     # -- the Trainer's events ---------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -99,7 +100,7 @@ class AmpwatchCallback(TrainerCallback):
         run = self.run
         if run is None:
             return
-        trainer = self._trainer or _calling_trainer(self)
+        trainer = self._trainer if self._trainer is not None else _calling_trainer(self)
         accelerator = getattr(trainer, "accelerator", None)
         scaler = getattr(accelerator, "scaler", None) if trainer is not None else getattr(optimizer, "scaler", None)
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
@@ -110,7 +111,7 @@ class AmpwatchCallback(TrainerCallback):
             integration.config_warning(NO_TRAINER, {"check": "transformers_no_trainer"})
             log.warning("ampwatch: %s", NO_TRAINER)
             return
-        self._trainer, self._integration, self._optimizer = trainer, integration, optimizer
+        self._trainer = trainer
         training_step = trainer.training_step  # (the bound method: a subclass's override included)
 
         def watched_training_step(*args: Any, **kwargs: Any) -> Any:
@@ -121,14 +122,13 @@ class AmpwatchCallback(TrainerCallback):
             return loss
 
         watched_training_step.__wrapped__ = training_step  # type: ignore[attr-defined]
-        trainer.training_step = watched_training_step
+        trainer.training_step = self._step_wrapper = watched_training_step
 
     def _release(self) -> None:
         """Give the Trainer back its own `training_step`."""
-        trainer, self._integration, self._optimizer = self._trainer, None, None
-        if trainer is not None and "training_step" in vars(trainer):
-            if getattr(vars(trainer)["training_step"], "__wrapped__", None) is not None:
-                del trainer.training_step
+        trainer, wrapper, self._step_wrapper = self._trainer, self._step_wrapper, None
+        if wrapper is not None and vars(trainer).get("training_step") is wrapper:
+            del trainer.training_step
 
 
 def _calling_trainer(callback: AmpwatchCallback) -> Any:
