@@ -237,6 +237,30 @@ def test_a_learning_rate_that_runs_away_is_a_grad_spike_before_the_nan(
     assert not [e for e in events if e["step"] <= ramp and e["severity"] != "info"]  # quiet before the ramp
 
 
+def test_a_callback_added_later_watches_a_run_of_yours_and_can_leave_it_open(
+    sqlite_server, transformers: ModuleType, tmp_path: Path, wait_for
+) -> None:
+    """`trainer.add_callback()` after the Trainer is built (no on_init_end): the Trainer is found at on_train_begin."""
+    import ampwatch
+    from ampwatch.transformers import AmpwatchCallback
+
+    def last_step_and_status() -> tuple | None:
+        with sqlite_server.client() as http:
+            reply = http.get(f"/api/v1/runs/{run.id}")
+        return (reply.json()["last_step"], reply.json()["status"]) if reply.status_code == 200 else None
+
+    with ampwatch.init(project="transformers", name="gpt2-open", url=sqlite_server.url) as run:
+        trainer = transformers.Trainer(model=_model(transformers), args=_args(transformers, tmp_path, "bf16", 3),
+                                       train_dataset=_Batches(6))  # fmt: skip
+        trainer.add_callback(AmpwatchCallback(run, finish=False))
+        trainer.train()
+        assert wait_for(lambda: last_step_and_status() == (2, "running"), what="the training's last step") is True
+        run.log({"eval_loss": 3.5}, step=2)
+    data = _series(sqlite_server, run.id, "loss", "eval_loss")
+    assert data["loss"]["steps"] == [0, 1, 2] and data["eval_loss"] == {"steps": [2], "values": [3.5]}
+    assert _get(sqlite_server, f"/api/v1/runs/{run.id}")["status"] == "finished"
+
+
 def test_trainer_callback_marks_the_run_crashed_and_lets_the_exception_through(
     sqlite_server, transformers: ModuleType, tmp_path: Path
 ) -> None:
