@@ -29,11 +29,21 @@ def watch_engine(run: Run, engine: Any) -> Run:
     """Record, at each optimizer step of `engine` (a `deepspeed.DeepSpeedEngine`): `loss` (the micro-batches'
     losses as `engine.backward` scales them, summed), `skipped` (1 when the engine skipped the update: an fp16
     overflow, or non-finite gradients under bf16), `grad_norm` (`get_global_grad_norm()`, where the engine computes
-    it), `lr`, and `scale` (the fp16 loss scale `cur_scale`). The engine's model is watched for the NaN-origin probe.
-    Wraps the engine's `backward` and `step` on the instance; reads only values the engine already has on the host
-    or 0-d tensors (read later, off the training thread). Never raises."""
-    guarded(_EngineWatch(run, engine).attach)
+    it), `lr`, and `scale` (the fp16 loss scale `cur_scale`). Wraps the engine's `backward` and `step` on the
+    instance; reads only values the engine already has on the host, or 0-d tensors (read later, off the training
+    thread). An engine that scales with a torch GradScaler (`torch_autocast` with fp16, without ZeRO) is watched
+    as any GradScaler loop instead: the agent hooks that scaler and the engine's optimizer. Never raises."""
+    guarded(_watch_engine, run, engine)
     return run
+
+
+def _watch_engine(run: Run, engine: Any) -> None:
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    if scaler is not None and hasattr(scaler, "is_enabled") and scaler.is_enabled():
+        # (its skips never reach engine.skipped_steps: the GradScaler's own step() skips, the engine is not told)
+        run.watch(model=engine.module, optimizer=engine.optimizer, scaler=scaler)
+    else:
+        _EngineWatch(run, engine).attach()
 
 
 class _EngineWatch:

@@ -29,16 +29,20 @@ def one_process(monkeypatch: pytest.MonkeyPatch, free_tcp_port: int) -> Iterator
         deepspeed.comm.destroy_process_group()  # (DeepSpeed's own: it forgets its groups too)
 
 
-@pytest.fixture
-def engine(one_process: None) -> Any:
-    """A one-process ZeRO-free bf16 engine with gradient accumulation 2."""
+def _engine(precision: dict[str, Any]) -> Any:
+    """A one-process ZeRO-free engine with gradient accumulation 2."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "steps_per_print": 10**9}  # fmt: skip
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, **precision}  # fmt: skip
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
+
+
+@pytest.fixture
+def engine(one_process: None) -> Any:
+    return _engine({"bf16": {"enabled": True}})
 
 
 def test_a_bf16_engine_records_loss_norm_lr_and_the_steps_it_skips_silently(sqlite_server, engine: Any) -> None:
@@ -91,3 +95,38 @@ def test_the_documented_example_records_its_run(
     assert (run["name"], run["status"]) == ("bf16-zero0", "finished")
     assert data["loss"]["steps"] == data["skipped"]["steps"] == list(range(8))
     assert data["skipped"]["values"] == [0] * 8
+
+
+def test_an_fp16_autocast_engine_is_watched_through_its_gradscaler(sqlite_server, one_process: None) -> None:
+    """`torch_autocast` with fp16 and no ZeRO: DeepSpeed scales with a torch GradScaler (on the CPU too) whose skips
+    it does not count; the agent watches that scaler, so the skipped step is in the run."""
+    from ampwatch.deepspeed import watch_engine
+
+    engine = _engine({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}})
+    steps, accumulation, bad = 5, 2, 3
+    micro: list[float] = []
+    with ampwatch.init(project="deepspeed", name="fp16-autocast", url=sqlite_server.url) as run:
+        watch_engine(run, engine)
+        for step in range(steps):
+            for _ in range(accumulation):
+                x = torch.randn(4, 16)
+                if step == bad:
+                    x[0, 0] = float("inf")
+                loss = engine(x).float().pow(2).mean()
+                micro.append(loss.item() / accumulation)
+                engine.backward(loss)
+                engine.step()
+    assert engine.skipped_steps == 0  # DeepSpeed's own count missed the GradScaler's skip
+
+    with sqlite_server.client() as http:
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "scale", "skipped"]}).json()
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+    for name in ("loss", "scale", "skipped"):
+        assert data[name]["steps"] == list(range(steps)), name
+    expected = [math.fsum(micro[i : i + accumulation]) for i in range(0, len(micro), accumulation)]
+    assert data["loss"]["values"][:bad] == pytest.approx(expected[:bad], rel=1e-6)
+    assert data["loss"]["values"][bad] in ("NaN", "Infinity")
+    assert data["skipped"]["values"] == [0, 0, 0, 1, 0]
+    assert data["scale"]["values"] == [2.0**16] * 4 + [2.0**15]
+    [told] = [e for e in events if e["type"] == "nonfinite_loss"]
+    assert (told["step"], told["severity"]) == (bad, "critical") and "GradScaler skipped the step" in told["message"]
