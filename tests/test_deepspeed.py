@@ -119,9 +119,12 @@ def test_an_fp16_autocast_engine_is_watched_through_its_gradscaler(sqlite_server
     assert engine.skipped_steps == 0  # DeepSpeed's own count missed the GradScaler's skip
 
     with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "scale", "skipped"]}).json()
+        names = ["loss", "scale", "skipped", "grad_norm"]
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": names}).json()
         events = http.get(f"/api/v1/runs/{run.id}/events").json()
-    for name in ("loss", "scale", "skipped"):
+        series = http.get(f"/api/v1/runs/{run.id}").json()["series"]
+    assert {"grad_norm/0", "grad_norm/2"} <= set(series), series  # per-layer norms
+    for name in ("loss", "scale", "skipped", "grad_norm"):
         assert data[name]["steps"] == list(range(steps)), name
     expected = [math.fsum(micro[i : i + accumulation]) for i in range(0, len(micro), accumulation)]
     assert data["loss"]["values"][:bad] == pytest.approx(expected[:bad], rel=1e-6)
