@@ -93,7 +93,8 @@ class _EngineWatch:
         lr = engine.get_lr()
         if lr:
             values["lr"] = lr[0]
-        scale = getattr(engine.optimizer, "cur_scale", None)  # (the fp16 optimizers' loss scale: a Python number)
-        if isinstance(scale, numbers.Real):
-            values["scale"] = scale
+        if engine.fp16_enabled():  # (ZeRO's optimizers hold a cur_scale of 1 under bf16 too: no loss scaling there)
+            scale = getattr(engine.optimizer, "cur_scale", None)  # (a Python number)
+            if isinstance(scale, numbers.Real):
+                values["scale"] = scale
         self.run.log(values, step=int(engine.global_steps) - 1)

@@ -1,5 +1,5 @@
-"""The DeepSpeed integration with the real `deepspeed` package: a ZeRO-free engine under bf16 on the CPU (DeepSpeed's
-CPU accelerator refuses fp16). Skipped without deepspeed, also in CI: it is not in the `dev` extra (its first engine on
+"""The DeepSpeed integration with the real `deepspeed` package on the CPU: bf16 engines with ZeRO stages 0-2, and fp16
+through torch_autocast (DeepSpeed's CPU accelerator refuses its own fp16). Skipped without deepspeed, also in CI: it is not in the `dev` extra (its first engine on
 a fresh machine compiles a shared-memory communication op, about a minute on two cores)."""
 
 from __future__ import annotations
@@ -29,25 +29,25 @@ def one_process(monkeypatch: pytest.MonkeyPatch, free_tcp_port: int) -> Iterator
         deepspeed.comm.destroy_process_group()  # (DeepSpeed's own: it forgets its groups too)
 
 
-def _engine(precision: dict[str, Any]) -> Any:
-    """A one-process ZeRO-free engine with gradient accumulation 2."""
+def _engine(precision: dict[str, Any], stage: int = 0) -> Any:
+    """A one-process engine with gradient accumulation 2."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, **precision}  # fmt: skip
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, **precision}  # fmt: skip
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
-@pytest.fixture
-def engine(one_process: None) -> Any:
-    return _engine({"bf16": {"enabled": True}})
-
-
-def test_a_bf16_engine_records_loss_norm_lr_and_the_steps_it_skips_silently(sqlite_server, engine: Any) -> None:
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_bf16_engine_records_loss_norm_lr_and_the_steps_it_skips_silently(
+    sqlite_server, one_process: None, stage: int
+) -> None:
+    """ZeRO stages 0-2 under bf16: a step with non-finite gradients is skipped by the engine, without a word."""
     from ampwatch.deepspeed import watch_engine
 
+    engine = _engine({"bf16": {"enabled": True}}, stage)
     steps, accumulation, bad = 6, 2, 3
     micro: list[float] = []
     with ampwatch.init(project="deepspeed", name="bf16", url=sqlite_server.url) as run:
@@ -64,7 +64,8 @@ def test_a_bf16_engine_records_loss_norm_lr_and_the_steps_it_skips_silently(sqli
     assert engine.skipped_steps == 1  # the engine's own count: the non-finite step did not update the parameters
 
     with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "skipped", "grad_norm", "lr"]}).json()
+        names = ["loss", "skipped", "grad_norm", "lr", "scale"]
+        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": names}).json()
         events = http.get(f"/api/v1/runs/{run.id}/events").json()
     for name in ("loss", "skipped", "grad_norm", "lr"):
         assert data[name]["steps"] == list(range(steps)), name
@@ -76,6 +77,7 @@ def test_a_bf16_engine_records_loss_norm_lr_and_the_steps_it_skips_silently(sqli
         isinstance(v, float) and v > 0 for i, v in enumerate(data["grad_norm"]["values"]) if i != bad
     )
     assert data["lr"]["values"] == [1e-3] * steps
+    assert data["scale"] == {"steps": [], "values": []}  # bf16 scales no loss
     [told] = [e for e in events if e["type"] == "nonfinite_loss"]
     assert (told["step"], told["severity"]) == (bad, "critical") and "did not change the parameters" in told["message"]
 
