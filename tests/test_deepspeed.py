@@ -1,6 +1,7 @@
 """The DeepSpeed integration with the real `deepspeed` package on the CPU: bf16 engines with ZeRO stages 0-2, and fp16
-through torch_autocast (DeepSpeed's CPU accelerator refuses its own fp16). Skipped without deepspeed, also in CI: it is not in the `dev` extra (its first engine on
-a fresh machine compiles a shared-memory communication op, about a minute on two cores)."""
+through torch_autocast (DeepSpeed's CPU accelerator refuses its own fp16). Skipped without deepspeed, also in CI: it is
+not in the `dev` extra (its first engine on a fresh machine compiles a shared-memory communication op, about a minute
+on two cores)."""
 
 from __future__ import annotations
 
