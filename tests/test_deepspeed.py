@@ -6,6 +6,9 @@ on two cores)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,3 +139,51 @@ def test_an_fp16_autocast_engine_is_watched_through_its_gradscaler(sqlite_server
     assert data["scale"]["values"] == [2.0**16] * 4 + [2.0**15]
     [told] = [e for e in events if e["type"] == "nonfinite_loss"]
     assert (told["step"], told["severity"]) == (bad, "critical") and "GradScaler skipped the step" in told["message"]
+
+
+TWO_RANKS = """
+import os, torch, deepspeed, torch.distributed as dist
+import ampwatch
+from ampwatch.deepspeed import watch_engine
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+          "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "steps_per_print": 10**9}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+torch.manual_seed(1 + dist.get_rank())  # each rank its own data
+with ampwatch.init(project="deepspeed-ranks", name="zero2", url=os.environ["SERVER"]) as run:
+    watch_engine(run, engine)
+    for step in range(6):
+        x = torch.randn(4, 16, dtype=torch.bfloat16)
+        if step == 3 and dist.get_rank() == 1:
+            x[0, 0] = float("inf")  # only rank 1's batch is bad
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+print("rank", dist.get_rank(), "run", run.id, flush=True)
+"""
+
+
+def test_two_zero2_ranks_report_into_one_run_and_both_skip_one_ranks_bad_batch(sqlite_server, tmp_path: Path) -> None:
+    """Under torchrun: each rank starts its run after deepspeed.initialize, so the ranks share one run. ZeRO's
+    overflow check is global: a bad batch on rank 1 makes both ranks skip the step, and each rank's series says so."""
+    script = tmp_path / "train.py"
+    script.write_text(TWO_RANKS)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = {"SERVER": sqlite_server.url, "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path)),
+           "OMP_NUM_THREADS": "1", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ids = {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("rank")}
+    with sqlite_server.client() as http:
+        runs = http.get("/api/v1/runs", params={"project": "deepspeed-ranks"}).json()
+        assert [r["id"] for r in runs] == list(ids) and len(ids) == 1
+        by_rank = [
+            http.get(f"/api/v1/runs/{runs[0]['id']}/series", params={"name": ["loss", "skipped"], "rank": rank}).json()
+            for rank in (0, 1)
+        ]
+    assert (runs[0]["status"], runs[0]["environment"]["world_size"]) == ("finished", 2)
+    for data in by_rank:
+        assert data["skipped"] == {"steps": list(range(6)), "values": [0, 0, 0, 1, 0, 0]}
+    assert math.isfinite(by_rank[0]["loss"]["values"][3]) and by_rank[1]["loss"]["values"][3] in ("NaN", "Infinity")
