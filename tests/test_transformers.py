@@ -292,6 +292,19 @@ def test_trainer_callback_marks_the_run_crashed_and_lets_the_exception_through(
     assert "training_step" not in vars(trainer)  # the Trainer has its own method back
 
 
+def test_a_misspelt_argument_fails_when_the_callback_is_built(
+    transformers: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ampwatch
+    from ampwatch.transformers import AmpwatchCallback
+
+    with pytest.raises(TypeError, match="projekt"):
+        AmpwatchCallback(projekt="llm")
+    with pytest.raises(TypeError, match="not both"):
+        monkeypatch.setenv("AMPWATCH_MODE", "disabled")  # (a run that records nothing: no sender left behind)
+        AmpwatchCallback(ampwatch.init(project="x"), name="y")
+
+
 def test_the_documented_example_records_its_run(
     sqlite_server, transformers: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
