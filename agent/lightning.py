@@ -18,17 +18,15 @@ import inspect
 import logging
 from typing import Any
 
-from ampwatch import _resume
-from ampwatch._guard import guarded
-from ampwatch._run import Run
-from ampwatch._run import init as init_run
-from ampwatch._watch import _unwrap
+from ampwatch import Run
+from ampwatch import init as init_run
+from ampwatch._integration import Integration, guarded
 
 try:
     from lightning.pytorch import Callback
 except ImportError:
     try:
-        from pytorch_lightning import Callback  # type: ignore[no-redef]
+        from pytorch_lightning import Callback  # type: ignore[assignment]
     except ImportError as error:
         raise ImportError("ampwatch.lightning needs Lightning: pip install lightning") from error
 
@@ -58,19 +56,19 @@ class AmpwatchCallback(Callback):
         self._init = init
         self._feed = False  # True when the agent cannot see loss and norms by itself: no enabled GradScaler
         self._feed_loss = False  # and the fit has one optimizer (with several, which backward is whose it cannot tell)
+        self._integration: Integration | None = None  # (set with _feed)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """After Lightning's strategy has set up its processes (and their process group)."""
         if self.run is None:
             self.run = init_run(**self._init)
-        elif (self.run.world_size, self.run.rank) != (
-            trainer.world_size,
-            trainer.global_rank,
-        ) and self.run._worker is not None:
+        elif (self.run.world_size, self.run.rank) != (trainer.world_size, trainer.global_rank) and Integration(
+            self.run
+        ).recording:
             message = SPLIT.format(world=trainer.world_size)
             log.warning("ampwatch: %s", message)
-            guarded(
-                self.run._recorder._config, message, {"check": "run_before_ddp", "global_rank": trainer.global_rank}
+            Integration(self.run).config_warning(
+                message, {"check": "run_before_ddp", "global_rank": trainer.global_rank}
             )
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -83,37 +81,36 @@ class AmpwatchCallback(Callback):
         guarded(self._resume, trainer)
 
     def _resume(self, trainer: Any) -> None:
-        run, step = self.run, trainer.global_step
-        if (trainer.ckpt_path and step > 0 and len(trainer.optimizers) == 1 and run is not None and run._worker is not None
-                and run._resume_step is None and run._recorder.step == 0):  # fmt: skip
-            _resume.start_at(run, step)
+        if trainer.ckpt_path and len(trainer.optimizers) == 1 and self.run is not None:
+            Integration(self.run).resume_at(trainer.global_step)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """Without a scaler the agent cannot see the loss: hand it the one Lightning backpropagates."""
-        if self._feed_loss:
-            guarded(self.run._recorder.on_scale, loss)  # summed over accumulated micro-batches, as with a scaler
+        if self._feed_loss and self._integration is not None:
+            self._integration.feed_loss(loss)  # summed over accumulated micro-batches, as with a scaler
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """After the closure's backward, before Lightning clips: the gradient norm as the model made it."""
-        recorder = self.run._recorder  # (with a scaler the norm is taken at unscale_, or in a fused step)
-        if (
-            self._feed and recorder._optimizers and _unwrap(optimizer) is recorder._optimizers[0]
-        ):  # (steps are its steps)
-            guarded(recorder.on_unscaled, recorder._optimizers[0])
+        # (with a scaler the norm is taken at unscale_, or in a fused step; steps are the first optimizer's steps)
+        integration = self._integration
+        if self._feed and integration is not None and integration.is_first_optimizer(optimizer):
+            integration.take_grad_norm(optimizer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.finish and self.run is not None:
             self.run.finish()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if (
-            self.finish and self.run is not None
-        ):  # crashed, with the traceback (Ctrl-C too), as in `with ampwatch.init()`
-            self.run.__exit__(type(exception), exception, exception.__traceback__)
+        if self.finish and self.run is not None:  # crashed, with the traceback (Ctrl-C too), as `with ampwatch.init()`
+            Integration(self.run).finish(exception)
 
     def _watch(self, trainer: Any, pl_module: Any) -> None:
+        run = self.run
+        if run is None:  # (setup() starts it: a fit always runs setup first)
+            return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        recording = self.run._worker is not None  # a disabled run hooks nothing and is fed nothing
+        self._integration = Integration(run)
+        recording = self._integration.recording  # a disabled run hooks nothing and is fed nothing
         self._feed = recording and not (scaler is not None and scaler.is_enabled())
         self._feed_loss = self._feed and len(trainer.optimizers) == 1  # (with several: the README asks to log it)
-        self.run.watch(model=pl_module, optimizer=list(trainer.optimizers) or None, scaler=scaler)
+        run.watch(model=pl_module, optimizer=list(trainer.optimizers) or None, scaler=scaler)
