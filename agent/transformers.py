@@ -63,8 +63,11 @@ class AmpwatchCallback(TrainerCallback):
         guarded(self._attach, _calling_trainer(self))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Model, optimizer and the process group exist from here on."""
+        """Model, optimizer and the process group exist from here on; a training resumed from a checkpoint has its
+        global step restored, and the run's steps continue from it."""
         guarded(self._begin, args, kwargs.get("model"), kwargs.get("optimizer"))
+        if self.run is not None:
+            Integration(self.run).resume_at(int(getattr(state, "global_step", 0) or 0))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._release()

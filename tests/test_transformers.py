@@ -237,6 +237,35 @@ def test_a_learning_rate_that_runs_away_is_a_grad_spike_before_the_nan(
     assert not [e for e in events if e["step"] <= ramp and e["severity"] != "info"]  # quiet before the ramp
 
 
+def test_a_training_resumed_from_its_checkpoint_continues_the_runs_steps(
+    sqlite_server, transformers: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`trainer.train(resume_from_checkpoint=...)` under the same run id: the second launch's steps follow the first's
+    (the Trainer's restored global step), nothing stored is overwritten, and where it resumed is an event."""
+    from ampwatch.transformers import AmpwatchCallback
+
+    monkeypatch.setenv("AMPWATCH_RUN_ID", "hf-resumed")
+    first = _args(transformers, tmp_path, "fp32", 4)
+    first.save_strategy, first.save_steps = "steps", 4
+    trainer = transformers.Trainer(
+        model=_model(transformers), args=first, train_dataset=_Batches(32),
+        callbacks=[AmpwatchCallback(project="transformers", name="resumed", url=sqlite_server.url)],
+    )  # fmt: skip
+    trainer.train()
+    again = _args(transformers, tmp_path, "fp32", 7)
+    resumed = transformers.Trainer(
+        model=_model(transformers), args=again, train_dataset=_Batches(32),
+        callbacks=[AmpwatchCallback(project="transformers", name="resumed", url=sqlite_server.url)],
+    )  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+
+    data = _series(sqlite_server, "hf-resumed", "loss", "grad_norm")
+    assert data["loss"]["steps"] == list(range(7)) and data["grad_norm"]["steps"] == list(range(7))
+    events = _get(sqlite_server, "/api/v1/runs/hf-resumed/events")
+    assert [(e["step"], e["details"].get("check")) for e in events] == [(4, "resumed")]
+    assert _get(sqlite_server, "/api/v1/runs/hf-resumed")["status"] == "finished"
+
+
 def test_a_callback_added_later_watches_a_run_of_yours_and_can_leave_it_open(
     sqlite_server, transformers: ModuleType, tmp_path: Path, wait_for
 ) -> None:
