@@ -18,7 +18,16 @@ import torch
 
 import ampwatch
 
-deepspeed = pytest.importorskip("deepspeed", reason="pip install deepspeed (DS_BUILD_OPS=0) to test this integration")
+try:
+    import deepspeed
+except ImportError as error:  # CI requires every integration: there a missing package fails instead of skipping
+    if os.environ.get("AMPWATCH_REQUIRE_INTEGRATIONS"):
+        raise
+    pytest.skip(f"pip install deepspeed to test this integration ({error})", allow_module_level=True)
+# DeepSpeed's CPU shared-memory all-reduce is a speed-up it compiles on first use (70-110 s on a 2-core machine):
+# the tests run without it, as DeepSpeed itself does wherever it cannot build that op.
+NO_SHM_OP = 'deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False'
+exec(NO_SHM_OP)
 
 
 @pytest.fixture
@@ -141,9 +150,13 @@ def test_an_fp16_autocast_engine_is_watched_through_its_gradscaler(sqlite_server
     assert (told["step"], told["severity"]) == (bad, "critical") and "GradScaler skipped the step" in told["message"]
 
 
-TWO_RANKS = """
+TWO_RANKS = (
+    """
 import os, torch, deepspeed, torch.distributed as dist
 import ampwatch
+"""
+    + NO_SHM_OP
+    + """
 from ampwatch.deepspeed import watch_engine
 
 torch.manual_seed(0)
@@ -163,6 +176,7 @@ with ampwatch.init(project="deepspeed-ranks", name="zero2", url=os.environ["SERV
         engine.step()
 print("rank", dist.get_rank(), "run", run.id, flush=True)
 """
+)
 
 
 def test_two_zero2_ranks_report_into_one_run_and_both_skip_one_ranks_bad_batch(sqlite_server, tmp_path: Path) -> None:
