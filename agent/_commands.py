@@ -287,13 +287,14 @@ def _prune(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def stream_messages(client: Client, run_id: str) -> Iterator[tuple[str, Any]]:
-    """The run's SSE messages as (event, decoded data), forever: the server ends each stream after a while and
-    this reconnects from the last id it saw (`Last-Event-ID`), as a browser does."""
+def stream_messages(client: Client, run_id: str, start: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The run's SSE messages as (event, decoded data) from `start` (the stream's query), forever: the server ends
+    each stream after a while and this reconnects from the last id it saw (`Last-Event-ID`), as a browser does."""
     last_id: str | None = None
     while True:
         headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last_id} if last_id else {})}
-        with client.open("GET", f"/api/v1/runs/{_quoted(run_id)}/stream", headers=headers, timeout_s=90) as response:
+        path = f"/api/v1/runs/{_quoted(run_id)}/stream"
+        with client.open("GET", path, None if last_id else start, headers=headers, timeout_s=90) as response:
             event, data = "message", list[str]()
             for raw in response:
                 line = raw.decode("utf-8").rstrip("\r\n")
@@ -316,13 +317,17 @@ def stream_messages(client: Client, run_id: str) -> Iterator[tuple[str, Any]]:
 
 def _watch(client: Client, args: argparse.Namespace) -> int:
     found = client.get(f"/api/v1/runs/{_quoted(args.id)}")
+    newest = client.get(f"/api/v1/runs/{_quoted(args.id)}/events", limit=1)
+    # The stream starts where these reads left off: what is stored while it connects is shown, nothing before.
+    start = {"after_step": found["last_step"] if found["last_step"] is not None else -1,
+             "after_event": newest[-1]["id"] if newest else 0}  # fmt: skip
     print(f"watching run {found['id']} ({found['project']}/{found['name']}): {found['status']}, "
           f"step {found['last_step'] if found['last_step'] is not None else '-'}", flush=True)  # fmt: skip
     messages: queue.Queue[tuple[str, Any] | BaseException] = queue.Queue()
 
     def follow() -> None:
         try:
-            for message in stream_messages(client, found["id"]):
+            for message in stream_messages(client, found["id"], start):
                 messages.put(message)
         except BaseException as error:  # handed to the main thread, which reports it
             messages.put(error)
@@ -332,6 +337,7 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
     status, ended_at = found["status"], None
     while True:
         if (code := watcher.check_alerts()) is not None:
+            _drain(messages, watcher, ALERT_POLL_S)  # the events behind the alert are usually a stream poll away
             return code
         if ended_at is not None and time.monotonic() - ended_at >= FINISH_GRACE_S:
             print(f"run {status}", flush=True)
@@ -346,6 +352,18 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
             raise item if isinstance(item, CommandError) else CommandError(f"lost the run's stream: {item}")
         if item[0] == "update":
             status = watcher.show(item[1]) or status
+
+
+def _drain(messages: queue.Queue[Any], watcher: _Watcher, wait_s: float) -> None:
+    """Show what the stream delivers within `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            item = messages.get(timeout=left)
+        except queue.Empty:
+            return
+        if not isinstance(item, BaseException) and item[0] == "update":
+            watcher.show(item[1])
 
 
 class _Watcher:
@@ -369,17 +387,18 @@ class _Watcher:
         return (update.get("run") or {}).get("status")
 
     def check_alerts(self) -> int | None:
-        """Print alerts newly firing (at most once per ALERT_POLL_S); CRITICAL_EXIT once a critical one fires."""
+        """Print alerts that fired since the last look (at most once per ALERT_POLL_S); CRITICAL_EXIT once a
+        critical one has fired. All states are read: an alert may fire and resolve between two looks."""
         if time.monotonic() - self.polled_at < ALERT_POLL_S:
             return None
-        self.polled_at = time.monotonic()
-        firing = self.client.get("/api/v1/alerts", run_id=self.run_id, state="firing")
-        for alert in firing:
-            if alert["id"] not in self.alerts:
-                self.alerts.add(alert["id"])
-                print(f"ALERT [{alert['severity']}] {alert['rule']}: {alert['summary']}", flush=True)
-        if any(a["severity"] == "critical" for a in firing):
-            print("a critical alert is firing: exiting with status 3", file=sys.stderr)
+        first, self.polled_at = self.polled_at < 0, time.monotonic()
+        alerts = self.client.get("/api/v1/alerts", run_id=self.run_id)
+        fired = [a for a in alerts if a["id"] not in self.alerts and not (first and a["state"] == "resolved")]
+        self.alerts.update(a["id"] for a in alerts)  # (resolved before `watch` started: history, not news)
+        for alert in reversed(fired):  # oldest first
+            print(f"ALERT [{alert['severity']}] {alert['rule']}: {alert['summary']} ({alert['state']})", flush=True)
+        if any(a["severity"] == "critical" for a in fired):
+            print("a critical alert fired: exiting with status 3", file=sys.stderr)
             return CRITICAL_EXIT
         return None
 

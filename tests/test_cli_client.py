@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -29,19 +28,25 @@ from ampwatch import _cli
 from ampwatch.server import auth
 
 
-def _train(run: ampwatch.Run, steps: range, nan_at: int | None = None) -> None:
-    """A watched fp16 loop whose batch at step `nan_at` holds a NaN (a critical `nonfinite_loss`)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
-    run.watch(model=model, optimizer=optimizer, scaler=scaler)
-    for step in steps:
-        x = torch.randn(8, 4)
-        if step == nan_at:
-            x[0, 0] = float("nan")
-        clipped_step(model, optimizer, scaler, x)
-        run.log({"probe": float("inf") if step == 3 else float(step)}, step=step)
+class Loop:
+    """A watched fp16 loop on the CPU; each step also logs `probe` (Inf at step 3, else the step)."""
+
+    def __init__(self, run: ampwatch.Run) -> None:
+        torch.manual_seed(0)
+        self.run = run
+        self.model = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.scaler = torch.amp.GradScaler("cpu")
+        run.watch(model=self.model, optimizer=self.optimizer, scaler=self.scaler)
+
+    def steps(self, steps: range, nan_at: int | None = None) -> None:
+        """Train these steps; the batch at step `nan_at` holds a NaN (a critical `nonfinite_loss`)."""
+        for step in steps:
+            x = torch.randn(8, 4)
+            if step == nan_at:
+                x[0, 0] = float("nan")
+            clipped_step(self.model, self.optimizer, self.scaler, x)
+            self.run.log({"probe": float("inf") if step == 3 else float(step)}, step=step)
 
 
 def _cli_run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -64,9 +69,10 @@ def _strict(text: str) -> Any:
 
 @pytest.fixture
 def filled(sqlite_server, wait_for) -> tuple[Any, str]:  # type: ignore[no-untyped-def]
-    """A real server holding one finished run with a NaN batch at step 20 (its alert firing) and `probe` = Inf at 3."""
+    """A real server holding one finished run with a NaN batch at step 20 and `probe` = Inf at 3; its alert stays
+    firing (9 finite losses follow the NaN, one short of what clears a `nonfinite_loss` alert)."""
     with ampwatch.init("cli", name="tiny", url=sqlite_server.url) as run:
-        _train(run, range(30), nan_at=20)
+        Loop(run).steps(range(30), nan_at=20)
     with sqlite_server.client() as http:
         wait_for(lambda: http.get("/api/v1/alerts", params={"run_id": run.id, "state": "firing"}).json(), what="alert")
     return sqlite_server, run.id
@@ -180,36 +186,57 @@ def test_the_client_commands_need_no_server_dependency(filled) -> None:  # type:
     assert _strict(done.stdout)["id"] == run_id
 
 
-def _watch(url: str, run_id: str) -> subprocess.Popen[str]:
-    """`ampwatch watch` as a real process; returns once it has printed its first line."""
-    command = [sys.executable, "-m", "ampwatch._cli", "watch", run_id, "--url", url]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
-    assert process.stdout is not None
-    assert process.stdout.readline().startswith(f"watching run {run_id}")
-    return process
+class Watch:
+    """`ampwatch watch` as a real process, its stdout collected line by line."""
+
+    def __init__(self, url: str, run_id: str) -> None:
+        command = [sys.executable, "-m", "ampwatch._cli", "watch", run_id, "--url", url]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout or ()), daemon=True)
+        self.reader.start()
+
+    def printed(self, prefix: str) -> bool:
+        return any(line.startswith(prefix) for line in list(self.lines))
+
+    def result(self) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) once it exits."""
+        code = self.process.wait(timeout=60)
+        self.reader.join(timeout=10)
+        return code, "".join(self.lines), self.process.stderr.read() if self.process.stderr else ""
+
+
+def _watching(server, run: ampwatch.Run, wait_for) -> Watch:  # type: ignore[no-untyped-def]
+    with server.client() as http:
+        wait_for(lambda: http.get(f"/api/v1/runs/{run.id}").status_code == 200, what="the run registered")
+    watch = Watch(server.url, run.id)
+    wait_for(lambda: watch.printed(f"watching run {run.id}"), timeout_s=30, what="watch started")
+    return watch
 
 
 def test_watch_follows_a_run_and_exits_3_when_a_critical_alert_fires(sqlite_server, wait_for) -> None:  # type: ignore[no-untyped-def]
     with ampwatch.init("cli", name="doomed", url=sqlite_server.url) as run:
-        with sqlite_server.client() as http:
-            wait_for(lambda: http.get(f"/api/v1/runs/{run.id}").status_code == 200, what="the run registered")
-        watcher = _watch(sqlite_server.url, run.id)
-        _train(run, range(40), nan_at=25)
-        out, err = watcher.communicate(timeout=60)
-    assert watcher.returncode == 3, (out, err)
+        loop = Loop(run)
+        loop.steps(range(5))
+        watch = _watching(sqlite_server, run, wait_for)
+        loop.steps(range(5, 15))
+        wait_for(lambda: watch.printed("step 14 "), what="watch showed step 14")
+        loop.steps(range(15, 40), nan_at=25)
+        code, out, err = watch.result()
+    assert code == 3, (out, err)
     assert "ALERT [critical] nonfinite_loss" in out and "event [critical] step 25 nonfinite_loss" in out
-    assert any(line.startswith("step ") and "loss=" in line for line in out.splitlines())
-    assert "a critical alert is firing" in err
+    assert "loss=" in next(line for line in out.splitlines() if line.startswith("step 14 "))
+    assert "a critical alert fired" in err
 
 
 def test_watch_exits_0_when_the_run_finishes(sqlite_server, wait_for) -> None:  # type: ignore[no-untyped-def]
     with ampwatch.init("cli", name="healthy", url=sqlite_server.url) as run:
-        with sqlite_server.client() as http:
-            wait_for(lambda: http.get(f"/api/v1/runs/{run.id}").status_code == 200, what="the run registered")
-        watcher = _watch(sqlite_server.url, run.id)
-        _train(run, range(20))
-    out, err = watcher.communicate(timeout=60)
-    assert watcher.returncode == 0, (out, err)
+        loop = Loop(run)
+        loop.steps(range(5))
+        watch = _watching(sqlite_server, run, wait_for)
+        loop.steps(range(5, 20))
+    code, out, err = watch.result()
+    assert code == 0, (out, err)
     assert "step 19 " in out and out.rstrip().endswith("run finished")
 
 
