@@ -101,7 +101,7 @@ def _client_commands(commands: argparse._SubParsersAction) -> None:
     output.add_argument("--csv", action="store_true", help="CSV: step, then one column per series")
     output.add_argument("--json", action="store_true", help="the API's {name: {steps, values}} document")
     series.add_argument("--max-points", type=int, metavar="N",
-                        help="downsample to about N points per series, keeping spikes and non-finite values")  # fmt: skip
+                        help="about N points per series, keeping spikes and non-finite values")  # fmt: skip
 
     alerts = commands.add_parser("alerts", help="list alerts, newest first")
     alerts.add_argument("--run", metavar="ID", help="only this run's alerts")

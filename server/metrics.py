@@ -56,8 +56,8 @@ class Metrics:
         )
         self.latency = Histogram("ampwatch_ingest_batch_seconds", "Time to store one agent batch and answer.",
                                  buckets=_BATCH_SECONDS, registry=self.registry)  # fmt: skip
-        self.streams = Gauge("ampwatch_streams_open", "Live update streams (SSE) open on this process: "
-                             "stream=run (a run page) or runs (the runs list).", ["stream"], registry=self.registry)  # fmt: skip
+        self.streams = Gauge("ampwatch_streams_open", "Live update streams (SSE) open on this process: stream=run "
+                             "(a run page) or runs (the runs list).", ["stream"], registry=self.registry)  # fmt: skip
         for outcome in ("stored", "duplicate", "rejected"):
             self.batches.labels(outcome)
         for stream in ("run", "runs"):
@@ -101,8 +101,9 @@ def _deliveries(session: Session) -> Iterator[Metric]:
     for status in ("queued", "sending"):
         queue.add_metric([status], counts.get(status, 0))
     yield queue
-    done = CounterMetricFamily("ampwatch_alert_deliveries", "Alert delivery attempts finished, by outcome: delivered, "
-                               "retried (a temporary failure, tried again), failed, superseded.", labels=["outcome"])  # fmt: skip
+    done = CounterMetricFamily("ampwatch_alert_deliveries", "Alert delivery attempts finished, by outcome: "
+                               "delivered, retried (failed for now, tried again), failed, superseded.",
+                               labels=["outcome"])  # fmt: skip
     for outcome in ("delivered", "retried", "failed", "superseded"):
         done.add_metric([outcome], counts.get(outcome, 0))
     yield done

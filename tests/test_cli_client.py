@@ -289,7 +289,8 @@ class StandIn:
             return self.reply(request, 200, {"runs": runs, "deleted": not body["dry_run"]})
         pages = {  # page 1 names page 2 by a cursor header, page 2 names page 3 by a Link header
             "/api/v1/runs?project=p": ({"X-Next-Cursor": "c2"}, [{**self.RUN, "id": "a"}]),
-            "/api/v1/runs?project=p&cursor=c2": ({"Link": '</api/v1/runs?after=b>; rel="next"'}, [{**self.RUN, "id": "b"}]),
+            "/api/v1/runs?project=p&cursor=c2": ({"Link": '</api/v1/runs?after=b>; rel="next"'},
+                                                 [{**self.RUN, "id": "b"}]),
             "/api/v1/runs?after=b": ({}, [{**self.RUN, "id": "c"}]),
         }  # fmt: skip
         if method == "GET" and request.path in pages:
