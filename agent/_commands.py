@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import http.client
 import json
 import os
 import queue
@@ -28,6 +29,7 @@ DEFAULT_URL = "http://127.0.0.1:8600"
 CRITICAL_EXIT = 3
 CRASHED_EXIT = 4
 ALERT_POLL_S = 0.5  # `watch` looks at the run's firing alerts this often (alerts are not in the run's stream)
+RECONNECT_S = 0.5  # after a dropped stream
 FINISH_GRACE_S = 3.0  # alerts are evaluated in the background: after the run ends, `watch` waits this long for them
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -291,28 +293,38 @@ def stream_messages(client: Client, run_id: str, start: dict[str, Any]) -> Itera
     """The run's SSE messages as (event, decoded data) from `start` (the stream's query), forever: the server ends
     each stream after a while and this reconnects from the last id it saw (`Last-Event-ID`), as a browser does."""
     last_id: str | None = None
+    ids: list[str] = []
     while True:
         headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last_id} if last_id else {})}
         path = f"/api/v1/runs/{_quoted(run_id)}/stream"
         with client.open("GET", path, None if last_id else start, headers=headers, timeout_s=90) as response:
-            event, data = "message", list[str]()
-            for raw in response:
-                line = raw.decode("utf-8").rstrip("\r\n")
-                if not line:
-                    if data:
-                        yield event, json.loads("\n".join(data))
-                    event, data = "message", []
-                elif line.startswith(":"):
-                    continue
-                else:
-                    name, _, value = line.partition(":")
-                    value = value[1:] if value.startswith(" ") else value
-                    if name == "event":
-                        event = value
-                    elif name == "data":
-                        data.append(value)
-                    elif name == "id":
-                        last_id = value
+            try:
+                yield from _events_of(response, ids)
+            except (OSError, http.client.HTTPException):  # a dropped connection: reconnect from the last id
+                time.sleep(RECONNECT_S)
+        last_id = ids[-1] if ids else last_id
+
+
+def _events_of(response: Any, ids: list[str]) -> Iterator[tuple[str, Any]]:
+    """The SSE messages of one response; `ids` keeps the last `id:` seen."""
+    event, data = "message", list[str]()
+    for raw in response:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if not line:
+            if data:
+                yield event, json.loads("\n".join(data))
+            event, data = "message", []
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "event":
+                event = value
+            elif name == "data":
+                data.append(value)
+            elif name == "id":
+                ids[:] = [value]
 
 
 def _watch(client: Client, args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from conftest import free_port
 import ampwatch
 from ampwatch import _cli
 from ampwatch.server import auth
+from ampwatch.server.routers import stream
 
 
 class Loop:
@@ -229,12 +230,15 @@ def test_watch_follows_a_run_and_exits_3_when_a_critical_alert_fires(sqlite_serv
     assert "a critical alert fired" in err
 
 
-def test_watch_exits_0_when_the_run_finishes(sqlite_server, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_watch_exits_0_when_the_run_finishes_across_stream_reconnections(sqlite_server, wait_for, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(stream, "LIFETIME_S", 0.2)  # (the server runs in this process) watch reconnects all the time
     with ampwatch.init("cli", name="healthy", url=sqlite_server.url) as run:
         loop = Loop(run)
         loop.steps(range(5))
         watch = _watching(sqlite_server, run, wait_for)
-        loop.steps(range(5, 20))
+        loop.steps(range(5, 10))
+        wait_for(lambda: watch.printed("step 9 "), what="watch showed step 9")
+        loop.steps(range(10, 20))
     code, out, err = watch.result()
     assert code == 0, (out, err)
     assert "step 19 " in out and out.rstrip().endswith("run finished")

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -202,3 +203,14 @@ def test_a_grouped_notice_posts_one_alert_each_with_its_origin() -> None:
         False,
     )
     assert alertmanager_url("http://am:9093/") == alertmanager_url("http://am:9093/api/v2/alerts")
+
+
+def test_the_documented_config_file_example_makes_an_alertmanager_channel(alert_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    page = (Path(__file__).parents[2] / "docs" / "prometheus.md").read_text()
+    example = re.search(r"<!-- alertmanager-config -->\s*```yaml\n(.+?)\n```", page, re.S)
+    assert example, "docs/prometheus.md marks its config example"
+    (tmp_path / "alerts.yaml").write_text(example.group(1))
+    server = alert_server(alert_webhook_url="", alert_rules_file=str(tmp_path / "alerts.yaml"))
+    with server.client() as http:
+        [channel] = http.get("/api/v1/alert-channels").json()
+    assert (channel["name"], channel["kind"], channel["min_severity"]) == ("alertmanager", "alertmanager", "warning")
