@@ -1,5 +1,6 @@
-"""`GET /metrics`: the Prometheus text format read with prometheus-client's own parser, from a real server fed by a
-real watched torch loop; per-run gauges only while the run runs; open streams; the read-token rule."""
+"""`GET /metrics`: the Prometheus text format read with prometheus-client's own parser, from a real server (SQLite,
+then Postgres) fed by a real watched torch loop; per-run gauges only while the run runs; open streams; the
+read-token rule."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ def _run_value(samples: dict[Any, float], metric: str, run_id: str, **extra: str
     return None
 
 
-def test_metrics_show_ingest_health_and_gauges_of_running_runs_only(sqlite_server, wait_for) -> None:  # type: ignore[no-untyped-def]
-    http = sqlite_server.client()
-    run = ampwatch.init("vision", name="resnet", url=sqlite_server.url)
+def test_metrics_show_ingest_health_and_gauges_of_running_runs_only(live_server, wait_for) -> None:  # type: ignore[no-untyped-def]
+    http = live_server.client()
+    run = ampwatch.init("vision", name="resnet", url=live_server.url)
     Loop(run).steps(range(30), nan_at=29)  # the last loss is NaN
     wait_for(lambda: http.get(f"/api/v1/runs/{run.id}").json()["last_step"] == 29, what="every step stored")
     wait_for(lambda: http.get("/api/v1/alerts", params={"state": "firing"}).json(), what="the NaN alert")
