@@ -346,7 +346,9 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
 
     threading.Thread(target=follow, name="ampwatch-watch", daemon=True).start()
     watcher = _Watcher(client, found["id"])
-    status, ended_at = found["status"], None
+    status = found["status"]
+    # A run that had ended already: no alerts are on their way, one look at them is enough.
+    ended_at = time.monotonic() - FINISH_GRACE_S if status in _ENDED else None
     while True:
         if (code := watcher.check_alerts()) is not None:
             _drain(messages, watcher, ALERT_POLL_S)  # the events behind the alert are usually a stream poll away
@@ -384,7 +386,7 @@ class _Watcher:
     def __init__(self, client: Client, run_id: str) -> None:
         self.client, self.run_id = client, run_id
         self.alerts: set[int] = set()
-        self.polled_at = -ALERT_POLL_S
+        self.polled_at: float | None = None
 
     def show(self, update: dict[str, Any]) -> str | None:
         """Print one stream update; the run's status."""
@@ -401,9 +403,9 @@ class _Watcher:
     def check_alerts(self) -> int | None:
         """Print alerts that fired since the last look (at most once per ALERT_POLL_S); CRITICAL_EXIT once a
         critical one has fired. All states are read: an alert may fire and resolve between two looks."""
-        if time.monotonic() - self.polled_at < ALERT_POLL_S:
+        if self.polled_at is not None and time.monotonic() - self.polled_at < ALERT_POLL_S:
             return None
-        first, self.polled_at = self.polled_at < 0, time.monotonic()
+        first, self.polled_at = self.polled_at is None, time.monotonic()
         alerts = self.client.get("/api/v1/alerts", run_id=self.run_id)
         fired = [a for a in alerts if a["id"] not in self.alerts and not (first and a["state"] == "resolved")]
         self.alerts.update(a["id"] for a in alerts)  # (resolved before `watch` started: history, not news)

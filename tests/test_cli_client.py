@@ -367,3 +367,9 @@ def test_the_documented_examples_run(filled, capsys, monkeypatch) -> None:  # ty
             _strict(out)
         else:
             assert len(out.splitlines()) >= 2, line  # a header and at least one row
+
+
+def test_watch_of_an_ended_run_says_at_once_whether_a_critical_alert_is_firing(filled, capsys) -> None:  # type: ignore[no-untyped-def]
+    server, run_id = filled
+    code, out, err = _cli_run(capsys, "watch", run_id, "--url", server.url)
+    assert code == 3 and "ALERT [critical] nonfinite_loss" in out and "a critical alert fired" in err
