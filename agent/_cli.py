@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-CLIENT_COMMANDS = ("runs", "run", "events", "series", "alerts", "watch")
+CLIENT_COMMANDS = ("runs", "run", "events", "series", "alerts", "watch", "plan")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,7 +112,16 @@ def _client_commands(commands: argparse._SubParsersAction) -> None:
         "watch", help="follow a run live; exit 3 when a critical alert fires, 0 when the run finishes"
     )
     watch.add_argument("id", help="the run's id")
-    for sub in (runs, delete, prune, one, events, series, alerts, watch):
+
+    plan = commands.add_parser("plan", help="the rollback plan: the checkpoint to restore and the steps to skip")
+    plan.add_argument("id", help="the run's id")
+    plan_output = plan.add_mutually_exclusive_group()
+    plan_output.add_argument("--format", choices=("json", "lightning", "megatron"),
+                             help="json: the plan; lightning: skip_batches.json; megatron: the --iterations-to-skip "
+                                  "list (default: a summary for people)")  # fmt: skip
+    plan_output.add_argument("--json", action="store_true", help="the plan as one JSON document (--format json)")
+    plan.add_argument("--output", "-o", metavar="FILE", help="write it to FILE instead of stdout")
+    for sub in (runs, delete, prune, one, events, series, alerts, watch, plan):
         add_connection_flags(sub)
 
 

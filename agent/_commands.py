@@ -1,4 +1,4 @@
-"""The read commands (`ampwatch runs`, `run`, `events`, `series`, `alerts`, `watch`, `runs delete|prune`): an
+"""The read commands (`ampwatch runs`, `run`, `events`, `series`, `alerts`, `watch`, `plan`, `runs delete|prune`): an
 HTTP client of the server's API, standard library only, so `pip install ampwatch` alone runs them.
 
 People get aligned tables, programs get `--json` (one document; non-finite values spelled "NaN", "Infinity" as
@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     """Run one parsed client command; failures are one line on stderr and the exit code."""
     commands: dict[str, Callable[[Client, argparse.Namespace], int]] = {
         "runs": _runs, "run": _run, "events": _events, "series": _series, "alerts": _alerts, "watch": _watch,
+        "plan": _plan,
     }  # fmt: skip
     try:
         return commands[args.command](client_of(args), args)
@@ -287,6 +288,41 @@ def _prune(client: Client, args: argparse.Namespace) -> int:
     verb = "deleted" if result.get("deleted") else "would delete (dry run)" if args.dry_run else "matched"
     print(f"{verb} {len(runs)} run{'s' if len(runs) != 1 else ''}", file=sys.stderr)
     return 0
+
+
+def _plan(client: Client, args: argparse.Namespace) -> int:
+    """The rollback plan as a summary, the JSON document, or the file a trainer takes (`--format`)."""
+    fmt = "json" if args.json else args.format
+    path = f"/api/v1/runs/{_quoted(args.id)}/plan"
+    if fmt in ("lightning", "megatron"):
+        with client.open("GET", path, {"format": fmt}) as response:
+            text = response.read().decode()
+    else:
+        doc = client.get(path)
+        text = json.dumps(doc, indent=2, allow_nan=False) + "\n" if fmt == "json" else _plan_text(doc)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.output, "w", encoding="utf-8") as file:
+            file.write(text)
+    except OSError as error:
+        raise CommandError(f"cannot write {args.output}: {error.strerror or error}") from None
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _plan_text(doc: dict[str, Any]) -> str:
+    trouble, checkpoint, skip = doc["trouble"], doc["checkpoint"], doc["skip"]
+    if trouble is None:
+        return doc["summary"] + "\n"
+    critical = ", ".join(f"{e['type']} at step {e['step']}" for e in trouble["critical"])
+    restore = "-" if checkpoint is None else f"step {checkpoint['step']}" + (
+        f" ({checkpoint['path']})" if checkpoint["path"] else "")  # fmt: skip
+    fields = [["trouble began", f"step {trouble['first_step']} ({trouble['first_sign']['type']})"],
+              ["critical", critical], ["restore", restore if checkpoint else "none before the trouble: start over"],
+              ["skip steps", f"{skip['from']}-{skip['to']} ({len(skip['steps'])} steps)"]]  # fmt: skip
+    return doc["summary"] + "\n\n" + table(["PLAN", "VALUE"], fields) + "\n"
 
 
 def stream_messages(client: Client, run_id: str, start: dict[str, Any]) -> Iterator[tuple[str, Any]]:
