@@ -65,6 +65,7 @@ def test_the_plan_restores_the_last_checkpoint_before_the_first_sign_and_skips_t
         lightning = http.get(f"/api/v1/runs/{run_id}/plan", params={"format": "lightning"})
         megatron = http.get(f"/api/v1/runs/{run_id}/plan", params={"format": "megatron"})
         assert http.get(f"/api/v1/runs/{run_id}/plan", params={"format": "csv"}).status_code == 422
+        page = http.get(f"/runs/{run_id}", headers={"Accept": "text/html"}).text
 
     checkpoints = [e["step"] for e in events if e["type"] == "checkpoint"]
     assert checkpoints == list(range(EVERY, 101, EVERY))
@@ -94,6 +95,13 @@ def test_the_plan_restores_the_last_checkpoint_before_the_first_sign_and_skips_t
     assert megatron_args.parse_args(["--iterations-to-skip", *megatron.text.split()]).iterations_to_skip == steps
     assert megatron.text == " ".join(map(str, steps)) + "\n"
 
+    # The run page shows the plan, with a link to each file.
+    section = page[page.index('id="run-plan"') : page.index('id="run-alerts"')]
+    assert '<td id="plan-checkpoint">step 60 <code>ckpt/step-60.pt</code></td>' in section
+    assert f'<td id="plan-skip">{SPIKE}–{last_critical + plan.MARGIN} ({len(steps)} steps)</td>' in section
+    for kind in ("lightning", "megatron"):
+        assert f'href="/api/v1/runs/{run_id}/plan?format={kind}"' in section
+
     code, out, err = _cli_run(capsys, "plan", run_id, "--url", live_server.url)
     assert (code, err) == (0, "")
     assert out.startswith(doc["summary"]) and "step 60 (ckpt/step-60.pt)" in out
@@ -115,7 +123,9 @@ def test_a_healthy_run_has_no_trouble_and_empty_files(sqlite_server, capsys) -> 
         doc = http.get(f"/api/v1/runs/{run_id}/plan").json()
         lightning = http.get(f"/api/v1/runs/{run_id}/plan", params={"format": "lightning"}).text
         megatron = http.get(f"/api/v1/runs/{run_id}/plan", params={"format": "megatron"}).text
+        page = http.get(f"/runs/{run_id}", headers={"Accept": "text/html"}).text
     assert (doc["trouble"], doc["checkpoint"], doc["skip"]) == (None, None, None)
+    assert 'id="run-alerts"' in page and 'id="run-plan"' not in page
     assert (json.loads(lightning), megatron) == ([], "")
     code, out, err = _cli_run(capsys, "plan", run_id, "--url", sqlite_server.url)
     assert (code, out, err) == (0, doc["summary"] + "\n", "")
