@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 import ampwatch
 from ampwatch import _cli
-from ampwatch.server import plan
+from ampwatch.server import models, plan
 
 EVERY = 10  # steps between checkpoints
 SPIKE = 65  # the batch whose target is far off: a gradient and loss spike, the first sign
@@ -159,3 +160,74 @@ def test_plan_of_an_unknown_run_is_a_404_and_exit_1(sqlite_server, capsys) -> No
     assert (code, out) == (1, "") and err.startswith("ampwatch plan: no run with id 'nope'")
     code, _, err = _cli_run(capsys, "plan", "nope", "--json", "--format", "megatron")
     assert code == 2 and "not allowed with" in err
+
+
+def test_a_grad_spike_before_nonfinite_parameters_is_where_trouble_began(
+    sqlite_server, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Without a scaler (bf16) nothing skips a bad step: a gradient spike at 45, then parameters gone non-finite."""
+    monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "1")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampwatch.init("plan", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer)
+        for step in range(70):
+            x = torch.randn(16, 8) * (float("inf") if step == 55 else 1.0)
+            target = torch.full((16, 1), 300.0 if step == 45 else 0.0)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if (step + 1) % EVERY == 0:
+                run.checkpoint(step=step + 1, path=f"ckpt/{step + 1}")
+    with sqlite_server.client() as http:
+        doc = http.get(f"/api/v1/runs/{run.id}/plan").json()
+    trouble = doc["trouble"]
+    assert (trouble["first_step"], trouble["first_sign"]["type"]) == (45, "grad_spike")
+    assert trouble["critical_step"] == 55 and ("nonfinite_param", 55) in [
+        (e["type"], e["step"]) for e in trouble["critical"]
+    ]
+    assert doc["checkpoint"]["step"] == 40  # not 50, the last before the non-finite parameters
+    assert doc["skip"]["from"] == 45 and doc["skip"]["to"] == trouble["critical"][-1]["step"] + plan.MARGIN
+
+
+def _event(step: int, type_: str, severity: str, path: str | None = None) -> models.Event:
+    details = {"path": path} if type_ == "checkpoint" else {}
+    now = datetime.now(timezone.utc)
+    return models.Event(id=step, run_id="r", step=step, rank=0, type=type_, severity=severity, message="",
+                        details=details, time=now)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("signs", "checkpoints", "expected"),
+    [
+        # An earlier, separate episode (more than EPISODE_GAP steps before) is not where this trouble began.
+        ([(100, "loss_spike", "warning"), (400, "grad_spike", "warning"), (450, "scale_collapse", "critical")],
+         [350, 420], (400, 350, 400, 455)),
+        # A checkpoint saved at the first sign's own step is not trusted; none before it: start over.
+        ([(30, "skipped_step", "warning"), (31, "nonfinite_param", "critical")], [30], (30, None, 30, 36)),
+        # The criticals that follow within the gap belong to the episode: the skip runs past the last one.
+        ([(10, "nonfinite_loss", "critical"), (60, "scale_collapse", "critical"), (300, "nonfinite_param", "critical")],
+         [5], (10, 5, 10, 65)),
+        # A skip range never lists more than MAX_SKIP steps.
+        ([(i * 100, "skipped_step", "warning") for i in range(200)] + [(20_000, "scale_collapse", "critical")],
+         [], (0, None, 0, plan.MAX_SKIP - 1)),
+    ],
+)  # fmt: skip
+def test_episodes_checkpoints_and_skips(
+    signs: list[tuple[int, str, str]], checkpoints: list[int], expected: tuple[int, int | None, int, int]
+) -> None:
+    doc = plan.compute(
+        "r", [_event(*s) for s in signs], [_event(c, "checkpoint", "info", f"c{c}") for c in checkpoints]
+    )
+    restored = doc["checkpoint"]["step"] if doc["checkpoint"] else None
+    assert (doc["trouble"]["first_step"], restored, doc["skip"]["from"], doc["skip"]["to"]) == expected
+    assert doc["skip"]["steps"] == list(range(expected[2], expected[3] + 1))
+    assert ("restart from the beginning" in doc["summary"]) == (restored is None)
+
+
+def test_warnings_without_a_critical_event_are_no_trouble() -> None:
+    doc = plan.compute("r", [_event(5, "grad_spike", "warning"), _event(9, "skipped_step", "warning")], [])
+    assert (doc["trouble"], doc["skip"], plan.lightning_file(doc), plan.megatron_file(doc)) == (None, None, "[]", "")
