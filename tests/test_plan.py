@@ -15,7 +15,7 @@ import torch
 
 import ampwatch
 from ampwatch import _cli
-from ampwatch.server import models, plan
+from ampwatch.server import auth, models, plan
 
 EVERY = 10  # steps between checkpoints
 SPIKE = 65  # the batch whose target is far off: a gradient and loss spike, the first sign
@@ -231,3 +231,23 @@ def test_episodes_checkpoints_and_skips(
 def test_warnings_without_a_critical_event_are_no_trouble() -> None:
     doc = plan.compute("r", [_event(5, "grad_spike", "warning"), _event(9, "skipped_step", "warning")], [])
     assert (doc["trouble"], doc["skip"], plan.lightning_file(doc), plan.megatron_file(doc)) == (None, None, "[]", "")
+
+
+def test_the_plan_is_a_read_route(sqlite_server, capsys, monkeypatch, wait_for) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(auth, "REFRESH_S", 0.05)  # the server runs in this process: a new token counts at once
+    with sqlite_server.app.state.sessions() as session:
+        read = auth.create_token(session, name="cli", role="read")
+        ingest = auth.create_token(session, name="agent", role="ingest")
+    with sqlite_server.client() as http:
+        reader = {"Authorization": f"Bearer {read}"}
+        wait_for(lambda: http.get("/api/v1/runs", headers=reader).status_code == 200, what="the tokens")
+        with ampwatch.init("plan", url=sqlite_server.url, token=ingest) as run:
+            run.checkpoint(step=3)
+        path = f"/api/v1/runs/{run.id}/plan"
+        assert http.get(path, headers=reader).status_code == 200
+        assert http.get(path).status_code == 401
+        assert http.get(path, headers={"Authorization": f"Bearer {ingest}"}).status_code == 403
+    code, out, _ = _cli_run(capsys, "plan", run.id, "--url", sqlite_server.url, "--token", read, "--json")
+    assert code == 0 and json.loads(out)["trouble"] is None
+    code, out, err = _cli_run(capsys, "plan", run.id, "--url", sqlite_server.url)
+    assert (code, out) == (1, "") and "this server needs a token" in err and "AMPWATCH_TOKEN" in err
