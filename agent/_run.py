@@ -185,14 +185,14 @@ class Run:
             self._recorder.user_logged(step, tuple(names))
 
     def _checkpoint(self, step: Any, path: Any) -> None:
-        if step is not None and (not isinstance(step, numbers.Integral) or not 0 <= step < MAX_STEP):
+        at = self._recorder.step if step is None else int(step) if isinstance(step, numbers.Integral) else -1
+        if not 0 <= at < MAX_STEP:
             warn_once("checkpoint-step", "ampwatch: checkpoint()'s step must be an integer in [0, 2**63), got %r", step)
             return
-        step = self._recorder.step if step is None else int(step)
         where = None if path is None else str(path).replace("\x00", "\ufffd")[:4000]
-        message = f"Checkpoint saved at step {step}" + (f" to {where}" if where else "") + "."
-        self._record((EVENT, step, {"step": step, "rank": self.rank, "type": "checkpoint", "severity": "info",
-                                    "message": message, "details": {"path": where}, "time": time.time()}))  # fmt: skip
+        message = f"Checkpoint saved at step {at}" + (f" to {where}" if where else "") + "."
+        self._record((EVENT, at, {"step": at, "rank": self.rank, "type": "checkpoint", "severity": "info",
+                                  "message": message, "details": {"path": where}, "time": time.time()}))  # fmt: skip
 
     def _finish(self, status: str, exc: BaseException | None) -> None:
         if self._finished:
