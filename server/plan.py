@@ -1,12 +1,13 @@
 """The rollback plan: from a run's stored events, the checkpoint to restore and the steps to skip.
 
-A critical numerics event (non-finite parameters, a loss-scale collapse, a non-finite loss or gradients the
-scaler cannot skip past, a divergence told as a critical spike) is the end of an *episode*: the leading signs
-before it (gradient or loss spikes, warned skipped steps, non-finite values), each within `EPISODE_GAP` steps of
-the next, are where the trouble began. The plan restores the last checkpoint saved strictly before the
-episode's first sign and skips every step from that first sign to the episode's last critical step plus
-`MARGIN`. Steps are the agent's step numbers: a checkpoint's step is the number of steps its state has
-completed (the next step to run), a skipped step is the index of the step (batch) not to run.
+A critical event the run cannot train past (`TRIGGERS`: non-finite parameters, a loss-scale collapse, a
+divergence told as a critical spike) is part of an *episode*: the leading signs before it (gradient or loss spikes,
+warned skipped steps, non-finite values), each within `EPISODE_GAP` steps of the next, are where the trouble
+began. (A NaN loss or gradients that a GradScaler skipped are signs, not triggers: the run went on unharmed.)
+The plan restores the last checkpoint saved strictly before the episode's first sign and skips every step from
+that first sign to the episode's last critical step plus `MARGIN`. Steps are the agent's step numbers: a
+checkpoint's step is the number of steps its state has completed (the next step to run), a skipped step is the
+index of the step (batch) not to run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SIGN_TYPES = (
     "grad_spike", "loss_spike", "skipped_step", "nonfinite_loss", "nonfinite_grad", "nonfinite_param",
     "scale_collapse",
 )  # fmt: skip
+TRIGGERS = ("nonfinite_param", "scale_collapse", "grad_spike", "loss_spike")  # when critical
 EPISODE_GAP = 100  # signs further apart than this are separate troubles
 MARGIN = 5  # steps skipped after the last critical one: the batches right after a blow-up are suspect too
 MAX_SKIP = 10_000  # a plan never lists more steps than this (its range says where it ends)
@@ -58,18 +60,18 @@ def load(session: Session, run_id: str) -> tuple[list[models.Event], list[models
 
 
 def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[models.Event]) -> dict[str, Any]:
-    """The plan for the run's first critical episode; `trouble` is None when there is none."""
+    """The plan for the run's first episode with a trigger; `trouble` is None when there is none."""
     plan: dict[str, Any] = {
         "run_id": run_id, "trouble": None, "checkpoint": None, "skip": None, "margin": MARGIN,
         "episode_gap": EPISODE_GAP, "summary": "No critical numerics event: nothing to roll back.",
     }  # fmt: skip
-    first_critical = next((i for i, e in enumerate(signs) if e.severity == "critical"), None)
-    if first_critical is None:
+    trigger = next((i for i, e in enumerate(signs) if e.severity == "critical" and e.type in TRIGGERS), None)
+    if trigger is None:
         return plan
-    start = first_critical
+    start = trigger
     while start > 0 and signs[start].step - signs[start - 1].step <= EPISODE_GAP:
         start -= 1
-    end = first_critical
+    end = trigger
     while end + 1 < len(signs) and signs[end + 1].step - signs[end].step <= EPISODE_GAP:
         end += 1
     episode = signs[start : end + 1]
@@ -79,7 +81,7 @@ def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[mo
     checkpoint = before[-1] if before else None
     to = min(last_critical + MARGIN, first_step + MAX_SKIP - 1)
     plan["trouble"] = {
-        "first_step": first_step, "first_sign": event_json(episode[0]), "critical_step": critical[0].step,
+        "first_step": first_step, "first_sign": event_json(episode[0]), "critical_step": signs[trigger].step,
         "critical": [event_json(e) for e in critical], "signs": len(episode),
     }  # fmt: skip
     plan["checkpoint"] = (
@@ -95,8 +97,8 @@ def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[mo
         + (f" ({plan['checkpoint']['path']})" if plan["checkpoint"]["path"] else "")
     )
     plan["summary"] = (
-        f"Trouble began at step {first_step} ({episode[0].type}) before the {critical[0].type} at step "
-        f"{critical[0].step}: {restore}, then skip steps {first_step}-{to}."
+        f"Trouble began at step {first_step} ({episode[0].type}) before the {signs[trigger].type} at step "
+        f"{signs[trigger].step}: {restore}, then skip steps {first_step}-{to}."
     )
     return plan
 

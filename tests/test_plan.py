@@ -75,9 +75,10 @@ def test_the_plan_restores_the_last_checkpoint_before_the_first_sign_and_skips_t
     assert trouble["first_sign"]["severity"] == "warning"
     critical = trouble["critical"]
     assert {e["severity"] for e in critical} == {"critical"} and "scale_collapse" in {e["type"] for e in critical}
-    assert trouble["critical_step"] == critical[0]["step"] >= COLLAPSE_FROM
+    assert trouble["critical_step"] == next(e["step"] for e in critical if e["type"] == "scale_collapse")
+    assert critical[0]["step"] >= COLLAPSE_FROM
     # Checkpoint 70 was saved before the first critical event, but after the trouble began: not the one to restore.
-    assert 70 < trouble["critical_step"]
+    assert 70 < critical[0]["step"]
     assert doc["checkpoint"] == {"step": 60, "rank": 0, "path": "ckpt/step-60.pt"}
     last_critical = critical[-1]["step"]
     steps = list(range(SPIKE, last_critical + plan.MARGIN + 1))
@@ -211,6 +212,9 @@ def _event(step: int, type_: str, severity: str, path: str | None = None) -> mod
         # The criticals that follow within the gap belong to the episode: the skip runs past the last one.
         ([(10, "nonfinite_loss", "critical"), (60, "scale_collapse", "critical"), (300, "nonfinite_param", "critical")],
          [5], (10, 5, 10, 65)),
+        # A NaN loss the scaler skipped is a sign, not a trigger: the plan is about the collapse after it.
+        ([(10, "nonfinite_loss", "critical"), (300, "nonfinite_loss", "critical"), (350, "scale_collapse", "critical")],
+         [5, 250, 320], (300, 250, 300, 355)),
         # A skip range never lists more than MAX_SKIP steps.
         ([(i * 100, "skipped_step", "warning") for i in range(200)] + [(20_000, "scale_collapse", "critical")],
          [], (0, None, 0, plan.MAX_SKIP - 1)),
@@ -228,8 +232,13 @@ def test_episodes_checkpoints_and_skips(
     assert ("restart from the beginning" in doc["summary"]) == (restored is None)
 
 
-def test_warnings_without_a_critical_event_are_no_trouble() -> None:
-    doc = plan.compute("r", [_event(5, "grad_spike", "warning"), _event(9, "skipped_step", "warning")], [])
+def test_warnings_and_skipped_nans_without_a_trigger_are_no_trouble() -> None:
+    signs = [
+        _event(5, "grad_spike", "warning"),
+        _event(9, "skipped_step", "warning"),
+        _event(9, "nonfinite_loss", "critical"),
+    ]
+    doc = plan.compute("r", signs, [])
     assert (doc["trouble"], doc["skip"], plan.lightning_file(doc), plan.megatron_file(doc)) == (None, None, "[]", "")
 
 
