@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server import models
 from ampwatch.server.db import utc
+from ampwatch.server.schemas import EventOut
 
 SIGN_TYPES = (
     "grad_spike", "loss_spike", "skipped_step", "nonfinite_loss", "nonfinite_grad", "nonfinite_param",
@@ -34,11 +35,11 @@ FORMATS = ("json", "lightning", "megatron")
 
 
 def event_json(event: models.Event) -> dict[str, Any]:
-    """An event as the read API shows it."""
-    return {
-        "id": event.id, "step": event.step, "rank": event.rank, "type": event.type, "severity": event.severity,
-        "message": event.message, "details": event.details, "time": utc(event.time).isoformat(),
-    }  # fmt: skip
+    """An event as the read API shows it (`GET /api/v1/runs/{id}/events`)."""
+    return EventOut(
+        id=event.id, step=event.step, rank=event.rank, type=event.type, severity=event.severity,
+        message=event.message, details=event.details, time=utc(event.time),
+    ).model_dump(mode="json")  # fmt: skip
 
 
 def load(session: Session, run_id: str) -> tuple[list[models.Event], list[models.Event]]:

@@ -73,6 +73,7 @@ def test_the_plan_restores_the_last_checkpoint_before_the_first_sign_and_skips_t
     trouble = doc["trouble"]
     assert trouble["first_step"] == SPIKE and trouble["first_sign"]["type"] in ("loss_spike", "grad_spike")
     assert trouble["first_sign"]["severity"] == "warning"
+    assert trouble["first_sign"] == next(e for e in events if e["id"] == trouble["first_sign"]["id"])  # as listed
     critical = trouble["critical"]
     assert {e["severity"] for e in critical} == {"critical"} and "scale_collapse" in {e["type"] for e in critical}
     assert trouble["critical_step"] == next(e["step"] for e in critical if e["type"] == "scale_collapse")
