@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+CLIENT_COMMANDS = ("runs", "run", "events", "series", "alerts", "watch", "plan")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampwatch", description="Watch the numerics of PyTorch training.")
@@ -62,7 +64,65 @@ def _parser() -> argparse.ArgumentParser:
     sync.add_argument("--token", help="ingest token (default AMPWATCH_TOKEN)")
 
     commands.add_parser("version", help="print the version")
+    _client_commands(commands)
     return parser
+
+
+def _client_commands(commands: argparse._SubParsersAction) -> None:
+    """The commands that read (and prune) the server's runs over HTTP: standard library only."""
+    from ampwatch._commands import add_connection_flags, duration_s
+
+    runs = commands.add_parser("runs", help="list runs (or delete and prune them)")
+    runs.add_argument("--project", help="only this project's runs")
+    runs.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+    runs_commands = runs.add_subparsers(dest="runs_command", metavar="RUNS_COMMAND")
+    delete = runs_commands.add_parser("delete", help="delete a run and all its data (admin token)")
+    delete.add_argument("id", help="the run's id")
+    delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    prune = runs_commands.add_parser("prune", help="delete runs created longer ago than a duration (admin token)")
+    prune.add_argument("--older-than", type=duration_s, required=True, metavar="DURATION",
+                       help="age such as 90d, 12h, 30m (s, m, h, d, w)")  # fmt: skip
+    prune.add_argument("--project", help="only this project's runs")
+    prune.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    prune.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+
+    one = commands.add_parser("run", help="show one run")
+    one.add_argument("id", help="the run's id")
+    one.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+
+    events = commands.add_parser("events", help="list a run's events (the newest 1000, in step order)")
+    events.add_argument("id", help="the run's id")
+    events.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+
+    series = commands.add_parser("series", help="print series of a run, one row per step")
+    series.add_argument("id", help="the run's id")
+    series.add_argument("names", nargs="+", metavar="NAME", help="series names, e.g. loss scale grad_norm")
+    output = series.add_mutually_exclusive_group()
+    output.add_argument("--csv", action="store_true", help="CSV: step, then one column per series")
+    output.add_argument("--json", action="store_true", help="the API's {name: {steps, values}} document")
+    series.add_argument("--max-points", type=int, metavar="N",
+                        help="about N points per series, keeping spikes and non-finite values")  # fmt: skip
+
+    alerts = commands.add_parser("alerts", help="list alerts, newest first")
+    alerts.add_argument("--run", metavar="ID", help="only this run's alerts")
+    alerts.add_argument("--state", choices=("firing", "resolved"), help="only alerts in this state")
+    alerts.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+
+    watch = commands.add_parser(
+        "watch", help="follow a run live; exit 3 when a critical alert fires, 0 when the run finishes"
+    )
+    watch.add_argument("id", help="the run's id")
+
+    plan = commands.add_parser("plan", help="the rollback plan: the checkpoint to restore and the steps to skip")
+    plan.add_argument("id", help="the run's id")
+    plan_output = plan.add_mutually_exclusive_group()
+    plan_output.add_argument("--format", choices=("json", "lightning", "megatron"),
+                             help="json: the plan; lightning: skip_batches.json; megatron: the --iterations-to-skip "
+                                  "list (default: a summary for people)")  # fmt: skip
+    plan_output.add_argument("--json", action="store_true", help="the plan as one JSON document (--format json)")
+    plan.add_argument("--output", "-o", metavar="FILE", help="write it to FILE instead of stdout")
+    for sub in (runs, delete, prune, one, events, series, alerts, watch, plan):
+        add_connection_flags(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         return sync(
             Path(args.dir) if args.dir else default_root(), args.url, args.token or os.environ.get("AMPWATCH_TOKEN")
         )
+    if args.command in CLIENT_COMMANDS:
+        from ampwatch import _commands
+
+        return _commands.run(args)
     if args.command == "version":
         from ampwatch import __version__
 

@@ -106,6 +106,11 @@ class Run:
         """Record values at the current step (or `step`); 0-d tensors are read later, off this thread."""
         guarded(self._log, metrics, step)
 
+    def checkpoint(self, step: int | None = None, path: Any = None) -> None:
+        """Say that healthy state was saved (at the current step, or `step`; to `path` if given): a `checkpoint`
+        event, which the server's rollback plan (`GET /api/v1/runs/{id}/plan`) restores from."""
+        guarded(self._checkpoint, step, path)
+
     def finish(self) -> None:
         """Mark the run finished and deliver what is left (waits at most `AMPWATCH_FINISH_TIMEOUT_S`)."""
         guarded(self._finish, "finished", None)
@@ -184,6 +189,16 @@ class Run:
         if names:
             self._record((VALUES, step, tuple(names), tuple(floats)))
             self._recorder.user_logged(step, tuple(names))
+
+    def _checkpoint(self, step: Any, path: Any) -> None:
+        at = self._recorder.step if step is None else int(step) if isinstance(step, numbers.Integral) else -1
+        if not 0 <= at < MAX_STEP:
+            warn_once("checkpoint-step", "ampwatch: checkpoint()'s step must be an integer in [0, 2**63), got %r", step)
+            return
+        where = None if path is None else str(path).replace("\x00", "\ufffd")[:4000]
+        message = f"Checkpoint saved at step {at}" + (f" to {where}" if where else "") + "."
+        self._record((EVENT, at, {"step": at, "rank": self.rank, "type": "checkpoint", "severity": "info",
+                                  "message": message, "details": {"path": where}, "time": time.time()}))  # fmt: skip
 
     def _finish(self, status: str, exc: BaseException | None) -> None:
         if self._finished:

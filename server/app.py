@@ -12,11 +12,12 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 from ampwatch import __version__
-from ampwatch.server import alerts, auth, db
+from ampwatch.server import alerts, auth, db, metrics
 from ampwatch.server.errors import database_unavailable, validation_error
 from ampwatch.server.limits import BodyLimit
 from ampwatch.server.routers import alerts as alerts_api
 from ampwatch.server.routers import ingest, read, stream
+from ampwatch.server.routers import plan as plan_api
 from ampwatch.server.settings import Settings
 
 
@@ -54,9 +55,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(read.router)
     app.include_router(stream.router)
     app.include_router(alerts_api.router)
+    app.include_router(plan_api.router)
     app.include_router(auth.router)
     app.include_router(alerts_pages.router)  # before web.router: its /static/{name} would shadow /static/alerts.js
     app.include_router(web.router)
+    metrics.install(app, sessions)  # GET /metrics, and its middleware innermost: counts what passed the guard
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(
         auth.Guard, tokens=app.state.tokens, settings=settings

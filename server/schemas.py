@@ -14,11 +14,11 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 EVENT_TYPES = (
     "skipped_step", "scale_collapse", "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_spike",
-    "loss_spike", "scaler_misuse", "amp_config", "run_crashed", "run_stalled",
+    "loss_spike", "scaler_misuse", "amp_config", "run_crashed", "run_stalled", "checkpoint",
 )  # fmt: skip
 EventType = Literal[
     "skipped_step", "scale_collapse", "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_spike",
-    "loss_spike", "scaler_misuse", "amp_config", "run_crashed", "run_stalled",
+    "loss_spike", "scaler_misuse", "amp_config", "run_crashed", "run_stalled", "checkpoint",
 ]  # fmt: skip
 Severity = Literal["info", "warning", "critical"]
 RunStatus = Literal["running", "finished", "crashed", "stalled"]

@@ -26,6 +26,7 @@ RUNS = {
     "alert_latency": (["--backend", "sqlite", "--trials", "2", "--healthy-steps", "20"], ["target p95 < 2 s"]),
     "ingest": (["--backends", "sqlite", "--batch-sizes", "500", "--clients", "1", "--points", "5000"], [" ok\n"]),
     "load": (["--backends", "sqlite", "--agents", "2", "--steps", "50", "--procs", "1"], ["every point once"]),
+    "metrics_scrape": (["--backends", "sqlite", "--runs", "3", "--steps", "50", "--scrapes", "2"], ["\nsqlite "]),
     "series_query": (["--backends", "sqlite", "--repeat", "1", "--sends", "1"], ["1M-point SQLite series"]),
 }  # fmt: skip
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 
-from ampwatch.server import store
+from ampwatch.server import plan, store
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.schemas import MAX_INT
 from ampwatch.web import formats
@@ -88,6 +88,7 @@ def run_page(
         "feed": store.feed_position(session, run_id=run_id), "last_event_id": store.last_event_id(session, run_id=run_id),
         "rank": rank, "ranks": sorted(set(store.run_ranks(session, run_id=run_id)) | {rank}),
         "alerts": store.list_alerts(session, run_id=run_id)[:RUN_ALERTS],
+        "plan": plan.compute(run_id, *plan.load(session, run_id)),
     }  # fmt: skip
     return templates.TemplateResponse(request, "run.html", context)
 

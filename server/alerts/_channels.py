@@ -1,4 +1,4 @@
-"""Sending one notification to one channel: webhook and Slack over HTTP (httpx), e-mail over SMTP (smtplib).
+"""Sending one notification to one channel: webhook, Slack and Alertmanager over HTTP (httpx), e-mail over SMTP.
 
 One predicate decides temporary (retry with backoff) versus permanent (give up and say why), as
 healthchecks' transports do. Errors are returned, never raised, and never contain the SMTP password."""
@@ -13,16 +13,18 @@ import ssl
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
 from ampwatch import __version__
 from ampwatch.server import models
+from ampwatch.server.alerts._alertmanager import alertmanager_body, alertmanager_url
 from ampwatch.server.alerts._messages import Notice, email_message, slack_body, webhook_body
 from ampwatch.server.alerts._targets import TargetError, check_url, mask_url, resolve
 
-KINDS = ("webhook", "slack", "email")
+KINDS = ("webhook", "slack", "email", "alertmanager")
 _TEMPORARY_HTTP = {408, 425, 429}
 _MAX_RETRY_AFTER_S = 3600.0
 
@@ -65,6 +67,9 @@ def send(
     try:
         if channel.kind == "email":
             outcome = _email(channel, notice, timeout_s, scope)
+        elif channel.kind == "alertmanager":
+            with httpx.Client() if http is None else nullcontext(http) as client:
+                outcome = _post(client, alertmanager_url(channel.target), alertmanager_body(notice), timeout_s, scope)
         else:
             body = slack_body(notice) if channel.kind == "slack" else webhook_body(notice)
             with httpx.Client() if http is None else nullcontext(http) as client:
@@ -88,7 +93,7 @@ def redact(text: str, channel: models.AlertChannel) -> str:
     return text
 
 
-def _post(http: httpx.Client, url: str, body: dict, timeout_s: float, scope: str, key: str | None = None) -> Outcome:
+def _post(http: httpx.Client, url: str, body: Any, timeout_s: float, scope: str, key: str | None = None) -> Outcome:
     target = httpx.URL(check_url(url))
     headers = {"User-Agent": f"ampwatch/{__version__}", "Host": target.netloc.decode("ascii")}
     if key is not None:

@@ -163,10 +163,10 @@ class ChannelFields(BaseModel):
 
 
 class ChannelIn(ChannelFields):
-    """A new channel: `webhook` and `slack` need `url`; `email` needs `to` and `smtp`."""
+    """A new channel: `webhook`, `slack` and `alertmanager` (its base URL) need `url`; `email` needs `to` and `smtp`."""
 
     name: RuleName
-    kind: Literal["webhook", "slack", "email"]
+    kind: Literal["webhook", "slack", "email", "alertmanager"]
 
     @model_validator(mode="after")
     def _complete(self) -> ChannelIn:

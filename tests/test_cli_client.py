@@ -1,0 +1,375 @@
+"""The read commands (`ampwatch runs`, `run`, `events`, `series`, `alerts`, `watch`) against a real server filled
+by a real watched torch loop; their exit codes when the server is down, the token is refused or the run is missing;
+`runs delete`/`runs prune` and the runs list's paging against a stand-in of routes another branch adds."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _runs import clipped_step
+from conftest import free_port
+
+import ampwatch
+from ampwatch import _cli
+from ampwatch.server import auth
+from ampwatch.server.routers import stream
+
+
+class Loop:
+    """A watched fp16 loop on the CPU; each step also logs `probe` (Inf at step 3, else the step)."""
+
+    def __init__(self, run: ampwatch.Run) -> None:
+        torch.manual_seed(0)
+        self.run = run
+        self.model = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.scaler = torch.amp.GradScaler("cpu")
+        run.watch(model=self.model, optimizer=self.optimizer, scaler=self.scaler)
+
+    def steps(self, steps: range, nan_at: int | None = None) -> None:
+        """Train these steps; the batch at step `nan_at` holds a NaN (a critical `nonfinite_loss`)."""
+        for step in steps:
+            x = torch.randn(8, 4)
+            if step == nan_at:
+                x[0, 0] = float("nan")
+            clipped_step(self.model, self.optimizer, self.scaler, x)
+            self.run.log({"probe": float("inf") if step == 3 else float(step)}, step=step)
+
+
+def _cli_run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """`ampwatch ARGV` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        code = _cli.main(list(argv))
+    except SystemExit as exit_:  # argparse's usage errors
+        code = int(exit_.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _strict(text: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise AssertionError(f"bare {constant} in the JSON output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture
+def filled(sqlite_server, wait_for) -> tuple[Any, str]:  # type: ignore[no-untyped-def]
+    """A real server holding one finished run with a NaN batch at step 20 and `probe` = Inf at 3; its alert stays
+    firing (9 finite losses follow the NaN, one short of what clears a `nonfinite_loss` alert)."""
+    with ampwatch.init("cli", name="tiny", url=sqlite_server.url) as run:
+        Loop(run).steps(range(30), nan_at=20)
+    with sqlite_server.client() as http:
+        wait_for(lambda: http.get("/api/v1/alerts", params={"run_id": run.id, "state": "firing"}).json(), what="alert")
+    return sqlite_server, run.id
+
+
+def test_read_commands_print_tables_for_people_and_one_json_document_for_programs(filled, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    server, run_id = filled
+    monkeypatch.setenv("AMPWATCH_URL", server.url)
+
+    code, out, _ = _cli_run(capsys, "runs")
+    assert code == 0
+    header, row = out.splitlines()
+    assert header.split() == ["ID", "PROJECT", "NAME", "STATUS", "HEALTH", "STEP", "LAST", "SEEN", "(UTC)"]
+    assert row.split()[:6] == [run_id, "cli", "tiny", "finished", "critical", "29"]
+    assert header.index("STATUS") == row.index("finished")  # aligned columns
+    code, out, _ = _cli_run(capsys, "runs", "--project", "cli", "--json")
+    assert code == 0 and [r["id"] for r in _strict(out)] == [run_id]
+    assert _strict(_cli_run(capsys, "runs", "--project", "other", "--json")[1]) == []
+
+    code, out, _ = _cli_run(capsys, "run", run_id)
+    assert code == 0 and "finished" in out and f"/runs/{run_id}" in out and "probe" in out
+    doc = _strict(_cli_run(capsys, "run", run_id, "--json")[1])
+    assert (doc["id"], doc["status"], doc["last_step"], doc["ranks"]) == (run_id, "finished", 29, [0])
+
+    code, out, _ = _cli_run(capsys, "events", run_id)
+    assert code == 0 and any(line.split()[:4] == ["20", "0", "critical", "nonfinite_loss"] for line in out.splitlines())
+    events = _strict(_cli_run(capsys, "events", run_id, "--json")[1])
+    assert ("nonfinite_loss", 20, "critical") in [(e["type"], e["step"], e["severity"]) for e in events]
+
+    code, out, _ = _cli_run(capsys, "alerts", "--run", run_id, "--state", "firing")
+    assert code == 0 and "nonfinite_loss" in out and "critical" in out
+    alerts = _strict(_cli_run(capsys, "alerts", "--json")[1])
+    assert [(a["run_id"], a["rule"], a["state"]) for a in alerts] == [(run_id, "nonfinite_loss", "firing")]
+    assert _strict(_cli_run(capsys, "alerts", "--state", "resolved", "--json")[1]) == []
+
+
+def test_series_prints_exact_values_as_csv_json_or_a_table(filled, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    server, run_id = filled
+    monkeypatch.setenv("AMPWATCH_URL", server.url)
+    code, out, _ = _cli_run(capsys, "series", run_id, "probe", "loss", "--json")
+    data = _strict(out)
+    assert code == 0 and data["probe"]["steps"] == list(range(30))
+    assert data["probe"]["values"][3] == "Infinity" and data["probe"]["values"][4] == 4.0
+    assert data["loss"]["values"][20] == "NaN"  # the NaN batch's loss, spelled as the API spells it
+
+    code, out, _ = _cli_run(capsys, "series", run_id, "probe", "loss", "--csv")
+    rows = list(csv.reader(io.StringIO(out)))
+    assert code == 0 and rows[0] == ["step", "probe", "loss"] and len(rows) == 31
+    assert rows[4][:2] == ["3", "Infinity"] and rows[21][0] == "20" and rows[21][2] == "NaN"
+
+    code, out, _ = _cli_run(capsys, "series", run_id, "probe", "--max-points", "4", "--json")
+    thin = _strict(out)["probe"]
+    assert code == 0 and len(thin["steps"]) < 30 and "Infinity" in thin["values"]  # downsampling keeps non-finite
+
+    code, out, _ = _cli_run(capsys, "series", run_id, "probe")
+    assert (
+        code == 0
+        and out.splitlines()[0].split() == ["STEP", "PROBE"]
+        and out.splitlines()[4].split() == ["3", "Infinity"]
+    )
+    code, _, err = _cli_run(capsys, "series", run_id, "probe", "nosuch", "--csv")
+    assert code == 1 and "no series nosuch" in err
+
+
+def test_failures_are_one_line_on_stderr_with_a_nonzero_exit(sqlite_server, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code, out, err = _cli_run(capsys, "runs", "--url", closed)
+    assert (code, out) == (1, "") and "cannot reach the ampwatch server" in err and err.count("\n") == 1
+    monkeypatch.setenv("AMPWATCH_URL", closed)
+    assert _cli_run(capsys, "alerts", "--json")[0] == 1  # the URL from the environment
+
+    code, _, err = _cli_run(capsys, "run", "no-such-run", "--url", sqlite_server.url)
+    assert code == 1 and "no run with id 'no-such-run'" in err
+    assert _cli_run(capsys, "events", "no-such-run", "--url", sqlite_server.url)[0] == 1
+    assert _cli_run(capsys, "series", "no-such-run", "loss", "--url", sqlite_server.url)[0] == 1
+
+    assert _cli_run(capsys, "series", "some-run", "--url", sqlite_server.url)[0] == 2  # no series named
+    code, _, err = _cli_run(capsys, "runs", "prune", "--older-than", "ninety days")
+    assert code == 2 and "not a duration" in err
+    assert _cli_run(capsys, "alerts", "--state", "pending")[0] == 2
+
+
+def test_a_refused_token_says_which_variable_to_set(sqlite_server, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(auth, "REFRESH_S", 0.05)  # the server runs in this process: a new token counts at once
+    with sqlite_server.app.state.sessions() as session:
+        read = auth.create_token(session, name="cli", role="read")
+        ingest = auth.create_token(session, name="agent", role="ingest")
+    time.sleep(2 * auth.REFRESH_S)  # the server re-reads its tokens every REFRESH_S
+    monkeypatch.setenv("AMPWATCH_URL", sqlite_server.url)
+    code, _, err = _cli_run(capsys, "runs")
+    assert code == 1 and "this server needs a token" in err and "AMPWATCH_TOKEN" in err
+    code, _, err = _cli_run(capsys, "runs", "--token", "amw_1_" + "x" * 43)
+    assert code == 1 and "the token was refused" in err and "AMPWATCH_TOKEN" in err
+    code, _, err = _cli_run(capsys, "alerts", "--token", ingest)
+    assert code == 1 and "forbidden" in err and "AMPWATCH_TOKEN" in err
+    monkeypatch.setenv("AMPWATCH_TOKEN", read)
+    code, out, _ = _cli_run(capsys, "runs", "--json")
+    assert (code, _strict(out)) == (0, [])
+
+
+def test_the_client_commands_need_no_server_dependency(filled) -> None:  # type: ignore[no-untyped-def]
+    server, run_id = filled
+    blocked = ("fastapi", "starlette", "sqlalchemy", "pydantic", "httpx", "uvicorn", "torch", "ampwatch.server")
+    script = (
+        f"import sys; sys.modules.update(dict.fromkeys({blocked!r}))\n"  # importing any of these now fails
+        "from ampwatch._cli import main\n"
+        f"sys.exit(main(['run', {run_id!r}, '--json', '--url', {server.url!r}]))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert _strict(done.stdout)["id"] == run_id
+
+
+class Watch:
+    """`ampwatch watch` as a real process, its stdout collected line by line."""
+
+    def __init__(self, url: str, run_id: str) -> None:
+        command = [sys.executable, "-m", "ampwatch._cli", "watch", run_id, "--url", url]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout or ()), daemon=True)
+        self.reader.start()
+
+    def printed(self, prefix: str) -> bool:
+        return any(line.startswith(prefix) for line in list(self.lines))
+
+    def result(self) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) once it exits."""
+        code = self.process.wait(timeout=60)
+        self.reader.join(timeout=10)
+        return code, "".join(self.lines), self.process.stderr.read() if self.process.stderr else ""
+
+
+def _watching(server, run: ampwatch.Run, wait_for) -> Watch:  # type: ignore[no-untyped-def]
+    with server.client() as http:
+        wait_for(lambda: http.get(f"/api/v1/runs/{run.id}").status_code == 200, what="the run registered")
+    watch = Watch(server.url, run.id)
+    wait_for(lambda: watch.printed(f"watching run {run.id}"), timeout_s=30, what="watch started")
+    return watch
+
+
+def test_watch_follows_a_run_and_exits_3_when_a_critical_alert_fires(sqlite_server, wait_for) -> None:  # type: ignore[no-untyped-def]
+    with ampwatch.init("cli", name="doomed", url=sqlite_server.url) as run:
+        loop = Loop(run)
+        loop.steps(range(5))
+        watch = _watching(sqlite_server, run, wait_for)
+        loop.steps(range(5, 15))
+        wait_for(lambda: watch.printed("step 14 "), what="watch showed step 14")
+        loop.steps(range(15, 40), nan_at=25)
+        code, out, err = watch.result()
+    assert code == 3, (out, err)
+    assert "ALERT [critical] nonfinite_loss" in out and "event [critical] step 25 nonfinite_loss" in out
+    assert "loss=" in next(line for line in out.splitlines() if line.startswith("step 14 "))
+    assert "a critical alert fired" in err
+
+
+def test_watch_exits_0_when_the_run_finishes_across_stream_reconnections(sqlite_server, wait_for, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(stream, "LIFETIME_S", 0.2)  # (the server runs in this process) watch reconnects all the time
+    with ampwatch.init("cli", name="healthy", url=sqlite_server.url) as run:
+        loop = Loop(run)
+        loop.steps(range(5))
+        watch = _watching(sqlite_server, run, wait_for)
+        loop.steps(range(5, 10))
+        wait_for(lambda: watch.printed("step 9 "), what="watch showed step 9")
+        loop.steps(range(10, 20))
+    code, out, err = watch.result()
+    assert code == 0, (out, err)
+    assert "step 19 " in out and out.rstrip().endswith("run finished")
+
+
+class StandIn:
+    """A stand-in for `DELETE /api/v1/runs/{id}`, `POST /api/v1/runs/prune` and a paginated `GET /api/v1/runs`:
+    routes the server branch adds in parallel with exactly these contracts (the lead switches this to the real
+    server after merging). It answers only requests with the right method, path, body and token."""
+
+    TOKEN = "amw_7_" + "a" * 43
+    RUN = {"id": "r1", "project": "p", "name": "old", "created_at": "2026-01-01T00:00:00Z", "status": "finished"}
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, Any]] = []
+        self.deleted: list[str] = []
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                stand_in.handle(self, "GET")
+
+            def do_DELETE(self) -> None:  # noqa: N802
+                stand_in.handle(self, "DELETE")
+
+            def do_POST(self) -> None:  # noqa: N802
+                stand_in.handle(self, "POST")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
+        raw = request.rfile.read(int(request.headers.get("content-length") or 0))
+        body = json.loads(raw) if raw else None
+        self.requests.append((method, request.path, body))
+        if request.headers.get("authorization") != f"Bearer {self.TOKEN}":
+            return self.reply(request, 401, {"detail": "this server needs a token"})
+        route = (method, request.path)
+        if route == ("GET", "/api/v1/runs/r1"):
+            return self.reply(request, 200, self.RUN)
+        if route == ("DELETE", "/api/v1/runs/r1"):
+            self.deleted.append("r1")
+            return self.reply(request, 204, None)
+        if method == "POST" and request.path == "/api/v1/runs/prune":
+            assert request.headers.get("content-type") == "application/json"
+            assert set(body) == {"older_than_s", "project", "dry_run"} and isinstance(body["older_than_s"], float)
+            runs = [{k: self.RUN[k] for k in ("id", "project", "name", "created_at")}]
+            return self.reply(request, 200, {"runs": runs, "deleted": not body["dry_run"]})
+        pages = {  # page 1 names page 2 by a cursor header, page 2 names page 3 by a Link header
+            "/api/v1/runs?project=p": ({"X-Next-Cursor": "c2"}, [{**self.RUN, "id": "a"}]),
+            "/api/v1/runs?project=p&cursor=c2": ({"Link": '</api/v1/runs?after=b>; rel="next"'},
+                                                 [{**self.RUN, "id": "b"}]),
+            "/api/v1/runs?after=b": ({}, [{**self.RUN, "id": "c"}]),
+        }  # fmt: skip
+        if method == "GET" and request.path in pages:
+            headers, page = pages[request.path]
+            return self.reply(request, 200, page, headers)
+        return self.reply(request, 404, {"detail": f"no route {method} {request.path}"})
+
+    def reply(
+        self, request: BaseHTTPRequestHandler, status: int, body: Any, headers: dict[str, str] | None = None
+    ) -> None:
+        data = b"" if body is None else json.dumps(body).encode()
+        request.send_response(status)
+        for name, value in (headers or {}).items():
+            request.send_header(name, value)
+        request.send_header("content-type", "application/json")
+        request.send_header("content-length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stand_in() -> Iterator[StandIn]:
+    server = StandIn()
+    yield server
+    server.close()
+
+
+def test_runs_delete_and_prune_send_the_agreed_requests(stand_in, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_URL", stand_in.url)
+    monkeypatch.setenv("AMPWATCH_TOKEN", StandIn.TOKEN)
+    code, _, err = _cli_run(capsys, "runs", "delete", "r1")  # stdin is not a terminal here: no one to ask
+    assert code == 2 and "--yes" in err and stand_in.deleted == []
+    code, out, _ = _cli_run(capsys, "runs", "delete", "r1", "--yes")
+    assert code == 0 and "deleted run r1 (p/old" in out and stand_in.deleted == ["r1"]
+    code, _, err = _cli_run(capsys, "runs", "delete", "r2", "--yes")
+    assert code == 1 and "no route GET /api/v1/runs/r2" in err
+
+    code, out, err = _cli_run(capsys, "runs", "prune", "--older-than", "90d", "--project", "p", "--dry-run")
+    assert code == 0 and "r1" in out and "would delete (dry run) 1 run" in err
+    assert stand_in.requests[-1] == (
+        "POST", "/api/v1/runs/prune", {"older_than_s": 90 * 86400.0, "project": "p", "dry_run": True}
+    )  # fmt: skip
+    code, out, _ = _cli_run(capsys, "runs", "prune", "--older-than", "12h", "--json")
+    assert code == 0 and _strict(out)["deleted"] is True
+    assert stand_in.requests[-1][2] == {"older_than_s": 43200.0, "project": None, "dry_run": False}
+    assert _cli_run(capsys, "runs", "prune", "--older-than", "30m", "--token", "amw_1_" + "b" * 43)[0] == 1
+
+
+def test_runs_follows_the_next_page_cursor_or_link(stand_in, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_TOKEN", StandIn.TOKEN)
+    code, out, _ = _cli_run(capsys, "runs", "--project", "p", "--json", "--url", stand_in.url)
+    assert code == 0 and [r["id"] for r in _strict(out)] == ["a", "b", "c"]
+
+
+def test_the_documented_examples_run(filled, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    server, run_id = filled
+    monkeypatch.setenv("AMPWATCH_URL", server.url)
+    page = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    block = re.search(r"<!-- cli-examples -->\s*```bash\n(.+?)\n```", page, re.S)
+    assert block, "docs/cli.md marks its examples"
+    for line in block.group(1).splitlines():
+        program, *argv = shlex.split(line.replace("$RUN", run_id))
+        code, out, err = _cli_run(capsys, *argv)
+        assert (program, code, err) == ("ampwatch", 0, ""), line
+        if "--json" in argv:
+            _strict(out)
+        else:
+            assert len(out.splitlines()) >= 2, line  # a header and at least one row
+
+
+def test_watch_of_an_ended_run_says_at_once_whether_a_critical_alert_is_firing(filled, capsys) -> None:  # type: ignore[no-untyped-def]
+    server, run_id = filled
+    code, out, err = _cli_run(capsys, "watch", run_id, "--url", server.url)
+    assert code == 3 and "ALERT [critical] nonfinite_loss" in out and "a critical alert fired" in err
