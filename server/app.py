@@ -16,7 +16,7 @@ from ampwatch.server import alerts, auth, db
 from ampwatch.server.errors import database_unavailable, validation_error
 from ampwatch.server.limits import BodyLimit
 from ampwatch.server.routers import alerts as alerts_api
-from ampwatch.server.routers import ingest, read, stream
+from ampwatch.server.routers import ingest, read, runs_admin, stream
 from ampwatch.server.settings import Settings
 
 
@@ -52,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.tokens = auth.Tokens(sessions)
     app.include_router(ingest.router)
     app.include_router(read.router)
+    app.include_router(runs_admin.router)
     app.include_router(stream.router)
     app.include_router(alerts_api.router)
     app.include_router(auth.router)

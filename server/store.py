@@ -5,17 +5,14 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import case, func, select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from ampwatch.server import alerts, models, rollups, series
+from ampwatch.server import alerts, models, rollups, series, vitals
 from ampwatch.server.db import IDS_PER_QUERY, now
 from ampwatch.server.db import insert as _insert
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
-from ampwatch.server.values import to_db, to_json
-
-_SEVERITY_RANK = {"ok": 0, "info": 0, "warning": 1, "critical": 2}
-_HEALTH = {0: "ok", 1: "warning", 2: "critical"}
+from ampwatch.server.values import to_db
 
 
 class UnknownRun(LookupError):
@@ -72,8 +69,8 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     steps = [max(s.steps) for s in batch.points.values() if s.steps] + [e.step for e in batch.events]
     if steps:
         run.last_step = max(steps + ([run.last_step] if run.last_step is not None else []))
-    worst = max((_SEVERITY_RANK[e.severity] for e in batch.events), default=0)
-    run.health = _HEALTH[max(worst, _SEVERITY_RANK[run.health])]
+    run.health = vitals.worse_health(run.health, [e.severity for e in batch.events])
+    vitals.on_points(session, run, rank=batch.rank, points=batch.points, series_ids=series_ids)
     run.last_seen_at = stamp
     if batch.status is not None:
         run.status = batch.status
@@ -199,23 +196,14 @@ def _store_events(session: Session, run_id: str, batch: BatchIn, stamp: datetime
     return rows
 
 
-RUN_SORTS = {
-    "started": models.Run.created_at, "seen": models.Run.last_seen_at, "step": models.Run.last_step,
-    "name": models.Run.name, "status": models.Run.status,
-    "health": case({h: rank for rank, h in _HEALTH.items()}, value=models.Run.health),  # by severity, not spelling
-}  # fmt: skip
-
-
 def list_runs(
     session: Session, *, project: str | None = None, status: str | None = None, search: str | None = None,
-    sort: str = "started", descending: bool = True, seen_after: datetime | None = None,
+    seen_after: datetime | None = None,
 ) -> list[tuple[models.Run, str]]:  # fmt: skip
-    """Runs with their project's name, newest first unless `sort` (a RUN_SORTS key) says otherwise (runs with
-    no value for it, no step yet, last either way); `search` matches part of the run's name, `seen_after` keeps
-    runs heard from since then."""
-    column = RUN_SORTS.get(sort, models.Run.created_at)
-    order = (column.desc() if descending else column.asc()).nulls_last()  # (SQLite and Postgres differ by default)
-    query = select(models.Run, models.Project.name).join(models.Project).order_by(order, models.Run.id)
+    """Every matching run with its project's name, newest first (the runs stream's look; pages use
+    `ampwatch.server.runlist`); `search` matches part of the run's name, `seen_after` keeps runs heard from since."""
+    query = select(models.Run, models.Project.name).join(models.Project)
+    query = query.order_by(models.Run.created_at.desc(), models.Run.id.desc())
     if project is not None:
         query = query.where(models.Project.name == project)
     if status is not None:
@@ -232,42 +220,24 @@ def project_names(session: Session) -> list[str]:
     return list(session.scalars(select(models.Project.name).order_by(models.Project.name)))
 
 
-def run_vitals(session: Session, *, run_ids: list[str], window_steps: int = 1000) -> dict[str, dict[str, Any]]:
-    """Per run: the last loss scale (rank 0; 'NaN', 'Infinity' or '-Infinity' when not finite), the share of skipped steps among its last `window_steps`
-    steps, and how many alerts are firing. Index seeks only, whatever the length of the runs."""
-    if not run_ids:
-        return {}
-    out: dict[str, dict[str, Any]] = {r: {"scale": None, "skip_rate": None, "firing": 0} for r in run_ids}
-    for run_id, name, sid in session.execute(select(models.Series.run_id, models.Series.name, models.Series.id).where(
-        models.Series.run_id.in_(run_ids), models.Series.name.in_(["scale", "skipped"])
-    )):  # fmt: skip
-        span = series.bounds(session, series_id=sid, rank=0)
-        if span is None:
-            continue
-        first = span[1] if name == "scale" else max(span[0], span[1] - window_steps + 1)
-        steps, values = series.read_range(session, series_id=sid, rank=0, lo=first, hi=span[1])
-        if name == "scale":
-            out[run_id]["scale"] = to_json(values[-1:])[0]  # (a stored NaN is None: spelled, not taken for "no scale")
-        else:
-            out[run_id]["skip_rate"] = sum(1 for v in values if v) / len(steps)
-    for run_id, count in firing_counts(session, run_ids=run_ids).items():
-        out[run_id]["firing"] = count
-    return out
-
-
-def firing_counts(session: Session, *, run_ids: list[str] | None = None) -> dict[str, int]:
-    """How many alerts are firing, per run that has any."""
-    query = select(models.Alert.run_id, func.count()).where(models.Alert.state == "firing")
-    if run_ids is not None:
-        query = query.where(models.Alert.run_id.in_(run_ids))
-    return dict(session.execute(query.group_by(models.Alert.run_id)).all())  # type: ignore[arg-type]
-
-
 def get_run(session: Session, *, run_id: str) -> tuple[models.Run, str] | None:
     """One run and its project's name, or None."""
     query = select(models.Run, models.Project.name).join(models.Project).where(models.Run.id == run_id)
     row = session.execute(query).first()
     return (row[0], row[1]) if row else None
+
+
+def get_runs(session: Session, *, run_ids: list[str]) -> list[tuple[models.Run, str]]:
+    """The runs of `run_ids` that exist, with their project's name, in the order asked; one statement."""
+    query = select(models.Run, models.Project.name).join(models.Project).where(models.Run.id.in_(run_ids))
+    found = {run.id: (run, name) for run, name in session.execute(query)}
+    return [found[r] for r in run_ids if r in found]
+
+
+def series_names_of(session: Session, *, run_ids: list[str]) -> list[str]:
+    """The names of the series any of these runs has, sorted, once each; one statement."""
+    query = select(models.Series.name).where(models.Series.run_id.in_(run_ids)).distinct()
+    return sorted(session.scalars(query))
 
 
 def series_names(session: Session, *, run_id: str) -> list[str]:

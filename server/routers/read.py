@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from ampwatch.server import models, store
+from ampwatch.server import models, runlist, store, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, AlertOut, EventOut, RunOut
@@ -20,14 +20,18 @@ _SERIES_EXAMPLE = {"loss": {"steps": [0, 1, 2], "values": [2.31, "NaN", "Infinit
 
 
 def run_out(
-    run: models.Run, project: str, settings: Settings, series: list[str] | None = None, ranks: list[int] | None = None
-) -> RunOut:
-    """A run as the API shows it."""
+    run: models.Run, project: str, settings: Settings, series: list[str] | None = None, ranks: list[int] | None = None,
+    firing: dict[str, int] | None = None,
+) -> RunOut:  # fmt: skip
+    """A run as the API shows it; with `firing` (by severity), its firing alerts too."""
+    counts = vitals.of(run, firing) if firing is not None else {"firing": None, "firing_by_severity": None}
     return RunOut(
         id=run.id, project=project, name=run.name, status=run.status, health=run.health,
         created_at=utc(run.created_at), last_seen_at=utc(run.last_seen_at),
         finished_at=utc(run.finished_at) if run.finished_at else None, last_step=run.last_step,
         config=run.config, environment=run.environment, url=f"{settings.base_url}/runs/{run.id}", series=series or [], ranks=ranks or [],
+        skip_rate=run.skip_rate, scale=vitals.scale_json(run), firing=counts["firing"],
+        firing_by_severity=counts["firing_by_severity"],
     )  # fmt: skip
 
 
@@ -38,10 +42,32 @@ def _get_run(session: SessionDep, run_id: str) -> tuple[models.Run, str]:
     return found
 
 
+Text = Annotated[str | None, Query(max_length=200)]
+
+
 @router.get("/runs", response_model=list[RunOut])
-def list_runs(session: SessionDep, settings: SettingsDep, project: str | None = None) -> list[RunOut]:
-    """Runs, newest first; `project` filters."""
-    return [run_out(run, name, settings) for run, name in store.list_runs(session, project=project)]
+def list_runs(
+    request: Request, response: Response, session: SessionDep, settings: SettingsDep, project: Text = None,
+    status: Annotated[str | None, Query(pattern="^(running|finished|crashed|stalled)$")] = None,
+    q: Annotated[str | None, Query(max_length=200, description="Part of the run's name.")] = None,
+    sort: Annotated[str, Query(pattern=f"^({'|'.join(runlist.SORTS)})$")] = "started",
+    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+    limit: Annotated[int, Query(ge=1, le=runlist.MAX_LIMIT)] = runlist.DEFAULT_LIMIT,
+    cursor: Annotated[str | None, Query(max_length=1000, description="The `X-Next-Cursor` of the page before.")] = None,
+) -> list[RunOut]:  # fmt: skip
+    """One page of runs, newest first unless `sort`/`order` say otherwise; `project`, `status`, `q` filter. When
+    more runs follow, the `X-Next-Cursor` header holds the next page's `cursor` and `Link: <...>; rel="next"` its
+    URL. Without `cursor`, the first `limit` runs (100 by default)."""
+    where = runlist.RunFilter(project=project, status=status, search=q, sort=sort, descending=order == "desc")
+    try:
+        rows, after = runlist.page(session, where, after=cursor, limit=limit)
+    except runlist.BadCursor as error:
+        raise HTTPException(400, str(error)) from error
+    if after is not None:
+        response.headers["x-next-cursor"] = after
+        response.headers["link"] = f'<{request.url.include_query_params(cursor=after)}>; rel="next"'
+    firing = vitals.firing(session, [run.id for run, _ in rows])
+    return [run_out(run, name, settings, firing=firing[run.id]) for run, name in rows]
 
 
 @router.get("/runs/{run_id}", response_model=RunOut)

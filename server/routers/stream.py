@@ -29,7 +29,7 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server import models, series, store
+from ampwatch.server import models, series, store, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, EventOut
@@ -292,11 +292,12 @@ def _poll_runs(
     run under `status=running`: `in_filter` false); on the first call, those seen after `since`."""
     with sessions() as session:
         rows = store.list_runs(session, **filters)
-        firing = store.firing_counts(session)
+        firing = vitals.firing(session, [run.id for run, _ in rows])
         now = {
-            run.id: (run.status, run.health, run.last_step, utc(run.last_seen_at), firing.get(run.id, 0))
+            run.id: (run.status, run.health, run.last_step, utc(run.last_seen_at), run.skip_rate, run.scale,
+                     run.scale_step, tuple(sorted(firing[run.id].items())))
             for run, _ in rows
-        }
+        }  # fmt: skip
         if snapshot is None:
             changed = [(r, p) for r, p in rows if since is not None and now[r.id][3] > since]
             # (a run may have left the filters while the browser reconnected; a run never leaves its project)
@@ -305,9 +306,9 @@ def _poll_runs(
         else:
             changed = [(r, p) for r, p in rows if snapshot.get(r.id) != now[r.id]]
             left = [row for run_id in snapshot.keys() - now.keys() if (row := store.get_run(session, run_id=run_id))]
-        vitals = store.run_vitals(session, run_ids=[r.id for r, _ in changed + left])
+        counts = {**firing, **vitals.firing(session, [r.id for r, _ in left])}
         out = [
-            {**run_out(r, p, settings).model_dump(mode="json"), **vitals[r.id], "in_filter": r.id in now}
+            {**run_out(r, p, settings).model_dump(mode="json"), **vitals.of(r, counts[r.id]), "in_filter": r.id in now}
             for r, p in changed + left
         ]
     newest = max((now[r.id][3] for r, _ in changed), default=None)
