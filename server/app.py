@@ -12,7 +12,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 from ampwatch import __version__
-from ampwatch.server import alerts, auth, db
+from ampwatch.server import alerts, auth, db, fanout
 from ampwatch.server.errors import database_unavailable, validation_error
 from ampwatch.server.limits import BodyLimit
 from ampwatch.server.routers import alerts as alerts_api
@@ -33,14 +33,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         alerts.prepare(session, settings)
     service = alerts.AlertService(settings, sessions)
     event.listen(sessions, "after_commit", service.after_commit)
+    streams = fanout.Hub(queue=settings.stream_queue)
+    fanout.wire(sessions, streams)  # a commit of this process wakes its live streams
+    listener = fanout.PgListener(engine, streams) if engine.dialect.name == "postgresql" else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         service.start()  # background evaluation and delivery: never on the request path
+        if listener is not None:
+            listener.start()  # other replicas' commits wake this one's live streams
         try:
             yield
         finally:
             await anyio.to_thread.run_sync(service.stop)
+            if listener is not None:
+                await anyio.to_thread.run_sync(listener.stop)
 
     app = FastAPI(
         title="ampwatch", version=__version__, description="Mixed-precision training telemetry.", lifespan=lifespan
@@ -49,7 +56,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessions = sessions
     app.state.alerts = service
-    app.state.tokens = auth.Tokens(sessions)
+    app.state.streams = streams
+    app.state.tokens = auth.Tokens(sessions, settings.token_refresh_s)
     app.include_router(ingest.router)
     app.include_router(read.router)
     app.include_router(runs_admin.router)

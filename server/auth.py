@@ -42,7 +42,6 @@ from ampwatch.server.settings import Settings
 log = logging.getLogger("ampwatch.server")
 ROLES = ("ingest", "read", "admin")
 COOKIE = "ampwatch_token"
-REFRESH_S = 5.0  # tokens are re-read this often: a new or revoked token takes effect within it
 _TOKEN = re.compile(r"amw_([0-9]{1,12})_([A-Za-z0-9_-]{43})")
 _INGEST = re.compile(r"/api/v1/runs/[A-Za-z0-9_-]{1,64}(/batches)?")
 _PUBLIC = ("/healthz", "/login", "/logout")
@@ -107,17 +106,18 @@ def revoke_token(session: Session, token_id: int) -> bool:
 
 
 class Tokens:
-    """The tokens, cached in memory and re-read every `REFRESH_S` seconds."""
+    """The tokens, cached in memory and re-read every `refresh_s` seconds (`Settings.token_refresh_s`)."""
 
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, sessions: sessionmaker[Session], refresh_s: float) -> None:
         self._sessions = sessions
+        self.refresh_s = refresh_s
         self._rows: dict[int, Any] | None = None  # None: never read (then nobody is let in, not everybody)
-        self._read_at = -REFRESH_S
+        self._read_at = -refresh_s
         self._lock = threading.Lock()
 
     @property
     def stale(self) -> bool:
-        return time.monotonic() - self._read_at >= REFRESH_S
+        return time.monotonic() - self._read_at >= self.refresh_s
 
     def refresh(self) -> None:
         """Re-read the table; on a database error keep what was read last (and say so)."""
@@ -132,7 +132,7 @@ class Tokens:
                         select(table.id, table.role, table.project, table.secret_sha256, table.revoked_at)
                     )
                     self._rows = {row.id: row for row in rows}
-            except Exception as error:  # the database is away: keep the last list, retry after REFRESH_S
+            except Exception as error:  # the database is away: keep the last list, retry after refresh_s
                 log.warning("could not read the token list (%s); using the last one read", error)
 
     @property

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from ampwatch.server import alerts, models, rollups, series, vitals
+from ampwatch.server import alerts, fanout, models, rollups, series, vitals
 from ampwatch.server.db import IDS_PER_QUERY, now
 from ampwatch.server.db import insert as _insert
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
@@ -39,6 +39,7 @@ def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
         if created.first() is not None:
             run = session.get(models.Run, run_id)
             alerts.on_batch(session, run=run, events=[], new_step=None, status=None, stamp=stamp)  # its liveness row
+            fanout.ingested(session, run_id)
             session.commit()
             return run  # type: ignore[return-value]
         run = session.get(models.Run, run_id)
@@ -86,6 +87,7 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     alerts.on_batch(
         session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp
     )
+    fanout.ingested(session, run_id)
     session.commit()
     return BatchOut(stored=True, points=count)
 

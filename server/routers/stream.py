@@ -1,4 +1,5 @@
-"""Live updates over Server-Sent Events, polled from the database (replicas share nothing else).
+"""Live updates over Server-Sent Events, polled from the database (replicas share nothing else) by one
+poller per topic in each process, shared by every open stream of it (see `ampwatch.server.fanout`).
 
 Points follow the run's point feed (`point_feed`): every stored batch with points gets the run's next
 position, taken under the run row's lock just before commit, so positions become visible in order and a
@@ -29,16 +30,15 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server import models, series, store, vitals
+from ampwatch.server import fanout, models, series, store, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, EventOut
+from ampwatch.server.settings import Settings
 from ampwatch.server.values import to_json
 
 router = APIRouter(prefix="/api/v1", tags=["stream"])
 
-POLL_S = 0.2  # how often a stream looks at the database: most of the send-to-screen latency
-LIFETIME_S = 30.0  # then the stream ends and the browser reconnects from its Last-Event-ID (shutdown never waits long)
 RESET_STEPS = 20_000  # more steps than this to send at once, the client re-reads the downsampled series instead
 MAX_ROWS = 50_000  # more points than this to send at once: the same
 RESCAN_S = 10.0  # event ids are looked at again for this long: a transaction commits well within it
@@ -110,19 +110,52 @@ async def stream_run(
     """`update` events `{run, points, events, reset}`: the run's state, new (or late) points as
     `{name: {steps, values}}` (non-finite spelled out), new events. Resumes from `Last-Event-ID`."""
     sessions: sessionmaker[Session] = request.app.state.sessions
-    resumed = _parse_id(last_event_id)
-    if resumed is not None:
-        cursor = RunCursor(position=resumed[0], event_floor=resumed[1])
-    else:
-        cursor = await _run_sync(partial(_start, sessions, run, after_position, after_step, after_event))
+    settings: Settings = request.app.state.settings
+    hub: fanout.Hub = request.app.state.streams
+
+    async def start() -> fanout.Poll:  # the topic's poller: from the feed position when it starts
+        shared = await _run_sync(partial(_start, sessions, run, None, None, None))
+
+        async def poll() -> tuple[list[tuple[int, dict[str, Any], ServerSentEvent]], bool]:
+            update, more = await _run_sync(partial(_poll_run, sessions, run.id, rank, shared))
+            return ([] if update is None else [(shared.position, update, _update(update, shared.id))]), more
+
+        return poll
+
     yield ServerSentEvent(comment="ampwatch run stream", retry=RETRY_MS)
-    deadline = time.monotonic() + LIFETIME_S
-    while time.monotonic() < deadline:
-        update, more = await _run_sync(partial(_poll_run, sessions, run.id, rank, cursor))
-        if update is not None:
-            yield ServerSentEvent(event="update", raw_data=json.dumps(update, separators=(",", ":")), id=cursor.id)
-        if not more:
-            await anyio.sleep(POLL_S)
+    deadline = time.monotonic() + settings.stream_lifetime_s
+    async with hub.subscribe(("run", run.id, rank), run.id, start, settings.stream_poll_s) as subscription:
+        resumed = _parse_id(last_event_id)
+        if resumed is not None:
+            cursor = RunCursor(position=resumed[0], event_floor=resumed[1])
+        else:
+            cursor = await _run_sync(partial(_start, sessions, run, after_position, after_step, after_event))
+        more, sent = True, set[int]()
+        while more:  # this client's own catch-up, to where the shared poller takes over
+            update, more = await _run_sync(partial(_poll_run, sessions, run.id, rank, cursor))
+            if update is not None:
+                sent.update(e["id"] for e in update["events"])
+                yield _update(update, cursor.id)
+        async for position, update, message in _shared(subscription, deadline):
+            repeated = (
+                position <= cursor.position and update["points"] or any(e["id"] in sent for e in update["events"])
+            )
+            if repeated:  # (sent by the catch-up already: right after it, the poller may send them again)
+                events = [e for e in update["events"] if e["id"] not in sent]
+                points = {} if position <= cursor.position else update["points"]
+                message = _update({**update, "points": points, "events": events}, message.id or "")
+            yield message
+
+
+def _update(update: dict[str, Any], cursor_id: str) -> ServerSentEvent:
+    return ServerSentEvent(event="update", raw_data=json.dumps(update, separators=(",", ":")), id=cursor_id)
+
+
+async def _shared(subscription: fanout.Subscription, deadline: float) -> AsyncIterator[Any]:
+    """The topic's messages until the stream's deadline, or until it falls too far behind (dropped)."""
+    while not subscription.dropped and (left := deadline - time.monotonic()) > 0:
+        for message in await subscription.get(min(left, 1.0)):
+            yield message
 
 
 async def _run_sync(fn: Callable[[], Any]) -> Any:
@@ -243,9 +276,6 @@ def _event(e: models.Event) -> dict[str, Any]:
     return out.model_dump(mode="json")
 
 
-RUNS_POLL_S = 0.5
-
-
 @router.get("/stream/runs", response_class=EventSourceResponse)
 async def stream_runs(
     request: Request,
@@ -259,22 +289,40 @@ async def stream_runs(
     changed since the last message, a run that no longer matches the filters once with `in_filter` false; the
     first message has those heard from after `since` (or `Last-Event-ID`)."""
     sessions: sessionmaker[Session] = request.app.state.sessions
-    settings = request.app.state.settings
+    settings: Settings = request.app.state.settings
+    hub: fanout.Hub = request.app.state.streams
     resume = _parse_time(last_event_id) or (utc(since) if since else None)
     filters = {"project": project, "status": status, "search": q}
-    snapshot: dict[str, tuple[Any, ...]] | None = None
-    yield ServerSentEvent(comment="ampwatch runs stream", retry=RETRY_MS)
-    deadline = time.monotonic() + LIFETIME_S
-    while time.monotonic() < deadline:
-        changed, snapshot, newest = await _run_sync(partial(_poll_runs, sessions, settings, filters, snapshot, resume))
-        resume = max(resume, newest) if resume and newest else (newest or resume)
-        if changed:
-            yield ServerSentEvent(
-                event="runs",
-                raw_data=json.dumps(changed, separators=(",", ":")),
-                id=resume.isoformat() if resume else None,
+
+    async def start() -> fanout.Poll:  # the topic's poller: changes after its first look
+        state: dict[str, Any] = {"resume": None}
+        state["snapshot"] = (await _run_sync(partial(_poll_runs, sessions, settings, filters, None, None)))[1]
+
+        async def poll() -> tuple[list[ServerSentEvent], bool]:
+            changed, state["snapshot"], newest = await _run_sync(
+                partial(_poll_runs, sessions, settings, filters, state["snapshot"], None)
             )
-        await anyio.sleep(RUNS_POLL_S)
+            state["resume"] = max(state["resume"], newest) if state["resume"] and newest else newest or state["resume"]
+            return ([_runs(changed, state["resume"])] if changed else []), False
+
+        return poll
+
+    yield ServerSentEvent(comment="ampwatch runs stream", retry=RETRY_MS)
+    deadline = time.monotonic() + settings.stream_lifetime_s
+    key = ("runs", project, status, q)
+    async with hub.subscribe(key, None, start, settings.stream_runs_poll_s) as subscription:
+        if resume is not None:  # this client's own first message: what it missed since
+            changed, _, newest = await _run_sync(partial(_poll_runs, sessions, settings, filters, None, resume))
+            if changed:
+                yield _runs(changed, max(resume, newest) if newest else resume)
+        async for message in _shared(subscription, deadline):
+            yield message
+
+
+def _runs(changed: list[dict[str, Any]], resume: datetime | None) -> ServerSentEvent:
+    return ServerSentEvent(
+        event="runs", raw_data=json.dumps(changed, separators=(",", ":")), id=resume.isoformat() if resume else None
+    )
 
 
 def _parse_time(value: str | None) -> datetime | None:
