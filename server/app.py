@@ -58,6 +58,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.alerts = service
     app.state.streams = streams
     app.state.tokens = auth.Tokens(sessions, settings.token_refresh_s)
+    # -- routers: the one place they are included. Each route declares the role it needs with
+    # `dependencies=[auth.requires(...)]`; tests/test_roles.py lists them and fails on one that declares none.
     app.include_router(ingest.router)
     app.include_router(read.router)
     app.include_router(runs_admin.router)
@@ -68,7 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(web.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(
-        auth.Guard, tokens=app.state.tokens, settings=settings
+        auth.Guard, tokens=app.state.tokens, settings=settings, routes=app.router.routes
     )  # outermost: refuse before reading bodies
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(
@@ -76,7 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )  # a lost connection or held lock: 503, agents retry
     auth.document(app)
 
-    @app.get("/healthz", tags=["health"])
+    @app.get("/healthz", tags=["health"], dependencies=[auth.requires(None)])
     def healthz() -> dict[str, str]:
         """Liveness and database reachability."""
         with engine.connect() as connection:

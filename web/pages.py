@@ -19,7 +19,7 @@ from ampwatch.server.deps import SessionDep
 from ampwatch.server.schemas import MAX_INT
 from ampwatch.web import formats
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, dependencies=[auth.requires("read")])
 _HERE = resources.files("ampwatch.web")
 templates = Jinja2Templates(directory=str(_HERE / "templates"))
 templates.env.filters.update(
@@ -106,10 +106,9 @@ def run_page(
     return templates.TemplateResponse(request, "run.html", context)
 
 
-@router.post("/runs/{run_id}/delete")
+@router.post("/runs/{run_id}/delete", dependencies=[auth.requires("admin")])
 async def delete_run_form(request: Request, run_id: str) -> RedirectResponse:
-    """The run page's "Delete run" (admins; the guard requires the role for any POST of a page, and refuses
-    cross-site ones): the run goes as with `DELETE /api/v1/runs/{id}`, then back to the runs list."""
+    """The run page's "Delete run" (admins; the guard refuses cross-site posts): the run goes as with `DELETE /api/v1/runs/{id}`, then back to the runs list."""
     sessions = request.app.state.sessions
     with sessions() as session:
         found = store.get_run(session, run_id=run_id)
@@ -136,7 +135,7 @@ def compare_page(
     return templates.TemplateResponse(request, "compare.html", context)
 
 
-@router.get("/static/{name}")
+@router.get("/static/{name}", dependencies=[auth.requires(None)])
 def static(name: str) -> FileResponse:
     """The dashboard's own scripts and style, and Plotly.js from the installed package (no CDN)."""
     if name not in _STATIC:

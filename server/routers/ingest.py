@@ -13,7 +13,7 @@ from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn, RunOut
 
-router = APIRouter(prefix="/api/v1", tags=["ingest"])
+router = APIRouter(prefix="/api/v1", tags=["ingest"], dependencies=[auth.requires("ingest")])
 RunId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Chosen by the agent.")]
 
 

@@ -7,14 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from ampwatch.server import models, runlist, store, vitals
+from ampwatch.server import auth, models, runlist, store, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, AlertOut, EventOut, RunOut
 from ampwatch.server.settings import Settings
 from ampwatch.server.values import to_json
 
-router = APIRouter(prefix="/api/v1", tags=["read"])
+router = APIRouter(prefix="/api/v1", tags=["read"], dependencies=[auth.requires("read")])
 
 _SERIES_EXAMPLE = {"loss": {"steps": [0, 1, 2], "values": [2.31, "NaN", "Infinity"]}}
 

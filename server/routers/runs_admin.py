@@ -1,5 +1,4 @@
-"""Growth managed: delete a run, prune runs by age (admin tokens only; the guard requires the admin role for
-these methods)."""
+"""Growth managed: delete a run, prune runs by age (admin tokens only)."""
 
 from __future__ import annotations
 
@@ -8,10 +7,10 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, HTTPException, Path, Request
 
-from ampwatch.server import retention, store
+from ampwatch.server import auth, retention, store
 from ampwatch.server.schemas import PruneIn, RunsRemoved
 
-router = APIRouter(prefix="/api/v1", tags=["admin"])
+router = APIRouter(prefix="/api/v1", tags=["admin"], dependencies=[auth.requires("admin")])
 RunId = Annotated[str, Path(max_length=64)]
 
 

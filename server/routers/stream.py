@@ -30,14 +30,14 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server import fanout, models, series, store, vitals
+from ampwatch.server import auth, fanout, models, series, store, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, EventOut
 from ampwatch.server.settings import Settings
 from ampwatch.server.values import to_json
 
-router = APIRouter(prefix="/api/v1", tags=["stream"])
+router = APIRouter(prefix="/api/v1", tags=["stream"], dependencies=[auth.requires("read")])
 
 RESET_STEPS = 20_000  # more steps than this to send at once, the client re-reads the downsampled series instead
 MAX_ROWS = 50_000  # more points than this to send at once: the same
