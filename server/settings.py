@@ -34,6 +34,7 @@ class Settings(BaseSettings):
     stream_runs_poll_s: float = 0.5  # the runs list's poller
     stream_lifetime_s: float = 30.0  # then a stream ends and its browser reconnects from its Last-Event-ID
     stream_queue: int = 64  # messages a slow client may lag behind before it is dropped (and resumes)
+    delete_chunk_rows: int = 20_000  # rows a transaction of deleting or pruning runs removes at most (about)
     token_refresh_s: float = 5.0  # tokens are re-read this often: a new or revoked token counts within it
 
     @property

@@ -27,6 +27,7 @@ RUNS = {
     "ingest": (["--backends", "sqlite", "--batch-sizes", "500", "--clients", "1", "--points", "5000"], [" ok\n"]),
     "load": (["--backends", "sqlite", "--agents", "2", "--steps", "50", "--procs", "1"], ["every point once"]),
     "series_query": (["--backends", "sqlite", "--repeat", "1", "--sends", "1"], ["1M-point SQLite series"]),
+    "scale": (["--backends", "sqlite", "--runs", "10", "--repeat", "1"], ["| sqlite |     10 | `/api/v1/runs` |"]),
 }  # fmt: skip
 
 

@@ -104,7 +104,8 @@ def test_three_replicas_behind_nginx_lose_nothing_when_one_is_killed_and_share_s
         with ampwatch.init("scale", "through-nginx", url=url) as run:
             run.watch(model=model, optimizer=optimizer, scaler=scaler)
             wait_for(lambda: httpx.get(f"{watcher.url}/api/v1/runs/{run.id}").status_code == 200, what="the run")
-            with sse(httpx.Client(base_url=watcher.url), f"/api/v1/runs/{run.id}/stream", params={"after_step": -1}) as stream:  # fmt: skip
+            everything = {"after_step": -1}  # (what was stored before the stream opened, too)
+            with sse(httpx.Client(base_url=watcher.url), f"/api/v1/runs/{run.id}/stream", params=everything) as stream:
                 for step in range(STEPS):
                     if step == KILL_STEP:
                         replicas[0].kill()  # SIGKILL: whatever it was storing dies with it

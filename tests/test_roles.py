@@ -52,7 +52,8 @@ def test_every_route_declares_its_role_and_this_is_the_list(tmp_path: Path) -> N
     assert auth.undeclared(app) == [], "declare them with dependencies=[auth.requires(...)]"
     declared = {
         (method, route.path): auth.route_role(route)
-        for route in auth.flat_routes(app.routes) for method in sorted(getattr(route, "methods", None) or ["GET"]) if method != "HEAD"
+        for route in auth.flat_routes(app.routes)
+        for method in sorted(getattr(route, "methods", None) or ["GET"]) if method != "HEAD"
     }  # fmt: skip
     for key in sorted(declared.keys() - EXPECTED.keys()):  # a new route: its role, to add above
         print(f"{key}: {declared[key]!r},")

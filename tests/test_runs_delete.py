@@ -10,7 +10,7 @@ import pytest
 from conftest import LiveServer, start_server
 from sqlalchemy import text
 
-from ampwatch.server import auth, db, retention
+from ampwatch.server import auth, db
 from ampwatch.server.settings import Settings
 
 OWNED = {  # every table holding rows of a run, and how to count them
@@ -35,7 +35,7 @@ def guarded(db_url: str) -> Iterator[tuple[LiveServer, dict[str, str]]]:
     with db.session_factory(engine)() as session:
         tokens = {role: auth.create_token(session, name=role, role=role) for role in auth.ROLES}
     engine.dispose()
-    server = start_server(Settings(database_url=db_url))
+    server = start_server(Settings(database_url=db_url, delete_chunk_rows=300))  # (a run goes in many transactions)
     yield server, tokens
     server.stop()
 
@@ -66,10 +66,9 @@ def _owned(server: LiveServer, run_id: str) -> dict[str, int]:
 
 
 def test_an_admin_deletes_a_run_and_all_it_has_in_chunks_and_other_runs_stay(
-    guarded: tuple[LiveServer, dict[str, str]], monkeypatch: pytest.MonkeyPatch, wait_for
+    guarded: tuple[LiveServer, dict[str, str]], wait_for
 ) -> None:  # type: ignore[no-untyped-def]
     server, tokens = guarded
-    monkeypatch.setattr(retention, "CHUNK_ROWS", 300)  # a 2 000-point series goes in several transactions
     with _client(server, tokens["ingest"]) as agent:
         _send(agent, "doomed", "p", 2000)
         _send(agent, "kept", "p", 600)

@@ -11,7 +11,7 @@ import pytest
 from conftest import LiveServer, start_server
 from sqlalchemy import event
 
-from ampwatch.server import store
+from ampwatch.server import ingestion
 from ampwatch.server.schemas import BatchIn, RunIn
 from ampwatch.server.settings import Settings
 
@@ -23,16 +23,17 @@ def _fill(server: LiveServer, first: int, count: int) -> None:
     with server.app.state.sessions() as session:
         for i in range(first, first + count):
             run_id = f"run-{i:04d}"
-            store.register_run(session, run_id=run_id, body=RunIn(project=f"p{i % 3}", name=f"exp-{i}"))
+            ingestion.register_run(session, run_id=run_id, body=RunIn(project=f"p{i % 3}", name=f"exp-{i}"))
             steps = list(range(10))
             batch = BatchIn(
                 seq=1,
-                points={"loss": {"steps": steps, "values": [1.0] * 10}, "scale": {"steps": steps, "values": [2.0**16] * 10},
+                points={"loss": {"steps": steps, "values": [1.0] * 10},
+                        "scale": {"steps": steps, "values": [2.0**16] * 10},
                         "skipped": {"steps": steps, "values": [float(s % 5 == 0) for s in steps]}},
                 events=[{"step": 3, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss"}
                         if i % 4 == 0 else {"step": 3, "type": "grad_spike", "severity": "warning", "message": "x"}],
             )  # fmt: skip
-            store.ingest_batch(session, run_id=run_id, batch=batch)
+            ingestion.ingest_batch(session, run_id=run_id, batch=batch)
 
 
 @contextmanager
@@ -116,11 +117,11 @@ def test_the_list_shows_the_vitals_kept_at_ingest(quiet_server: LiveServer) -> N
     _fill(quiet_server, 0, 1)
     with quiet_server.app.state.sessions() as session:  # a later batch: a NaN scale, and steps 10..1509 skipped 1 in 10
         steps = list(range(10, 1510))
-        batch = BatchIn(seq=2, points={"scale": {"steps": [10], "values": ["NaN"]},
-                                       "skipped": {"steps": steps, "values": [float(s % 10 == 0) for s in steps]}})  # fmt: skip
-        store.ingest_batch(session, run_id="run-0000", batch=batch)
+        skipped = {"steps": steps, "values": [float(s % 10 == 0) for s in steps]}
+        batch = BatchIn(seq=2, points={"scale": {"steps": [10], "values": ["NaN"]}, "skipped": skipped})
+        ingestion.ingest_batch(session, run_id="run-0000", batch=batch)
         late = BatchIn(seq=3, points={"scale": {"steps": [5], "values": [1.0]}})  # an older step: not the latest
-        store.ingest_batch(session, run_id="run-0000", batch=late)
+        ingestion.ingest_batch(session, run_id="run-0000", batch=late)
     with quiet_server.client() as client:
         (run,) = client.get("/api/v1/runs").json()
         page = client.get("/").text

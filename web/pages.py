@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
-from ampwatch.server import auth, retention, runlist, store, vitals
+from ampwatch.server import auth, queries, retention, runlist, vitals
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.schemas import MAX_INT
 from ampwatch.web import formats
@@ -67,9 +67,9 @@ def runs_page(
     paging = {"sort": sort, "order": "desc" if descending else "asc"}
     context = {
         "runs": runs, "vitals": {r.id: vitals.of(r, firing[r.id]) for r, _ in runs},
-        "projects": store.project_names(session), "statuses": STATUSES, "columns": COLUMNS,
+        "projects": queries.project_names(session), "statuses": STATUSES, "columns": COLUMNS,
         "filters": {"project": project, "status": status, "q": q}, "sort": sort, "descending": descending,
-        "since": store.now().isoformat(), "nav": "runs", "sort_links": _sort_links(kept, sort, descending),
+        "since": queries.now().isoformat(), "nav": "runs", "sort_links": _sort_links(kept, sort, descending),
         "next_link": "?" + urlencode({**kept, **paging, "cursor": after}) if after else None,
         "first_link": "?" + urlencode({**kept, **paging}) if cursor else None, "msg": msg,
     }  # fmt: skip
@@ -89,18 +89,18 @@ def run_page(
     request: Request, run_id: str, session: SessionDep, rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0
 ) -> Any:
     """One run: header, runtime, charts of one rank (drawn by run.js), the event timeline, alerts, configuration, environment."""
-    found = store.get_run(session, run_id=run_id)
+    found = queries.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
     run, project = found
-    events = store.list_events(session, run_id=run_id, limit=500)
+    events = queries.list_events(session, run_id=run_id, limit=500)
     context = {
-        "run": run, "project": project, "events": events, "counts": store.count_events(session, run_id=run_id),
-        "series": store.series_names(session, run_id=run_id), "runtime": formats.runtime(run.environment, run.config),
+        "run": run, "project": project, "events": events, "counts": queries.count_events(session, run_id=run_id),
+        "series": queries.series_names(session, run_id=run_id), "runtime": formats.runtime(run.environment, run.config),
         # Read before run.js reads the series: the stream sends every batch stored after this, none is missed.
-        "feed": store.feed_position(session, run_id=run_id), "last_event_id": store.last_event_id(session, run_id=run_id),
-        "rank": rank, "ranks": sorted(set(store.run_ranks(session, run_id=run_id)) | {rank}),
-        "alerts": store.list_alerts(session, run_id=run_id)[:RUN_ALERTS],
+        "feed": queries.feed_position(session, run_id=run_id), "last_event_id": queries.last_event_id(session, run_id=run_id),
+        "rank": rank, "ranks": sorted(set(queries.run_ranks(session, run_id=run_id)) | {rank}),
+        "alerts": queries.list_alerts(session, run_id=run_id)[:RUN_ALERTS],
         "can_delete": auth.principal_of(request).role in DELETERS,
     }  # fmt: skip
     return templates.TemplateResponse(request, "run.html", context)
@@ -108,13 +108,14 @@ def run_page(
 
 @router.post("/runs/{run_id}/delete", dependencies=[auth.requires("admin")])
 async def delete_run_form(request: Request, run_id: str) -> RedirectResponse:
-    """The run page's "Delete run" (admins; the guard refuses cross-site posts): the run goes as with `DELETE /api/v1/runs/{id}`, then back to the runs list."""
+    """The run page's "Delete run" (admins; the guard refuses cross-site posts): the run goes as with
+    `DELETE /api/v1/runs/{id}`, then back to the runs list."""
     sessions = request.app.state.sessions
     with sessions() as session:
-        found = store.get_run(session, run_id=run_id)
+        found = queries.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
-    await anyio.to_thread.run_sync(retention.delete_run, sessions, run_id)
+    await anyio.to_thread.run_sync(retention.delete_run, sessions, run_id, request.app.state.settings.delete_chunk_rows)
     run, project = found
     message = f"deleted run {run.name} ({run.id}) of {project}"
     return RedirectResponse("/?" + urlencode({"project": project, "msg": message}), status_code=303)
@@ -125,8 +126,8 @@ def compare_page(
     request: Request, session: SessionDep, run: Annotated[list[str] | None, Query()] = None, series: Text = None
 ) -> Any:
     """One series of several runs on one chart; the form picks the runs and the series."""
-    chosen = store.get_runs(session, run_ids=list(dict.fromkeys(run or []))[:COMPARE_RUNS])
-    names = store.series_names_of(session, run_ids=[r.id for r, _ in chosen])
+    chosen = queries.get_runs(session, run_ids=list(dict.fromkeys(run or []))[:COMPARE_RUNS])
+    names = queries.series_names_of(session, run_ids=[r.id for r, _ in chosen])
     recent, _ = runlist.page(session, runlist.RunFilter(), limit=COMPARE_PICK)
     context = {
         "runs": recent, "chosen": chosen, "chosen_ids": {r.id for r, _ in chosen},

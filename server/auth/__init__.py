@@ -32,6 +32,7 @@ from ampwatch.server.auth.tokens import OPEN, ROLES, Principal, Tokens, create_t
 
 __all__ = [
     "COOKIE", "OPEN", "PUBLIC", "ROLES", "Guard", "Principal", "Tokens", "create_token", "document",
-    "exposure_problem", "flat_routes", "is_loopback", "list_tokens", "principal_of", "requires", "revoke_token", "route_role",
+    "exposure_problem", "flat_routes", "is_loopback", "list_tokens", "principal_of", "requires", "revoke_token",
+    "route_role",
     "router", "undeclared",
 ]  # fmt: skip

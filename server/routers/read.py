@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from ampwatch.server import auth, models, runlist, store, vitals
+from ampwatch.server import auth, models, queries, runlist, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, AlertOut, EventOut, RunOut
@@ -29,14 +29,14 @@ def run_out(
         id=run.id, project=project, name=run.name, status=run.status, health=run.health,
         created_at=utc(run.created_at), last_seen_at=utc(run.last_seen_at),
         finished_at=utc(run.finished_at) if run.finished_at else None, last_step=run.last_step,
-        config=run.config, environment=run.environment, url=f"{settings.base_url}/runs/{run.id}", series=series or [], ranks=ranks or [],
-        skip_rate=run.skip_rate, scale=vitals.scale_json(run), firing=counts["firing"],
-        firing_by_severity=counts["firing_by_severity"],
+        config=run.config, environment=run.environment, url=f"{settings.base_url}/runs/{run.id}",
+        series=series or [], ranks=ranks or [], skip_rate=run.skip_rate, scale=vitals.scale_json(run),
+        firing=counts["firing"], firing_by_severity=counts["firing_by_severity"],
     )  # fmt: skip
 
 
 def _get_run(session: SessionDep, run_id: str) -> tuple[models.Run, str]:
-    found = store.get_run(session, run_id=run_id)
+    found = queries.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
     return found
@@ -75,7 +75,7 @@ def get_run(run_id: str, session: SessionDep, settings: SettingsDep) -> RunOut:
     """One run, with the names of its series and the ranks it has heard from."""
     run, project = _get_run(session, run_id)
     return run_out(
-        run, project, settings, store.series_names(session, run_id=run_id), store.run_ranks(session, run_id=run_id)
+        run, project, settings, queries.series_names(session, run_id=run_id), queries.run_ranks(session, run_id=run_id)
     )
 
 
@@ -98,8 +98,8 @@ def get_series(
     With `max_points`, downsampled keeping spikes (per-bucket min and max) and every non-finite point;
     `start_step`/`end_step` narrow the range, so a zoomed chart gets full resolution."""
     _get_run(session, run_id)
-    names = name or store.series_names(session, run_id=run_id)
-    data = store.read_series(
+    names = name or queries.series_names(session, run_id=run_id)
+    data = queries.read_series(
         session, run_id=run_id, names=names, rank=rank, max_points=max_points, start=start_step, end=end_step
     )
     body = {n: {"steps": steps, "values": to_json(values)} for n, (steps, values) in data.items()}
@@ -119,7 +119,7 @@ def get_heatmap(
     """Per-layer series (`grad_norm/<module>`) as a grid: `{layers, steps, width, values}`, `values[layer][bucket]`
     the bucket's largest value, or "NaN"/"Infinity"/"-Infinity" when it holds one, null when empty."""
     _get_run(session, run_id)
-    grid = store.layer_heatmap(
+    grid = queries.layer_heatmap(
         session, run_id=run_id, prefix=prefix, rank=rank, columns=columns, start=start_step, end=end_step
     )
     return Response(json.dumps(grid, separators=(",", ":")), media_type="application/json")
@@ -154,7 +154,7 @@ def get_events(
             details=e.details,
             time=utc(e.time),
         )  # fmt: skip
-        for e in store.list_events(session, run_id=run_id, limit=limit, after_id=after_id)
+        for e in queries.list_events(session, run_id=run_id, limit=limit, after_id=after_id)
     ]
 
 
@@ -176,5 +176,5 @@ def list_alerts(
             resolved_at=utc(a.resolved_at) if a.resolved_at else None,
             summary=a.summary,
         )  # fmt: skip
-        for a in store.list_alerts(session, run_id=run_id, state=state)
+        for a in queries.list_alerts(session, run_id=run_id, state=state)
     ]

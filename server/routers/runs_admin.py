@@ -7,7 +7,7 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, HTTPException, Path, Request
 
-from ampwatch.server import auth, retention, store
+from ampwatch.server import auth, queries, retention
 from ampwatch.server.schemas import PruneIn, RunsRemoved
 
 router = APIRouter(prefix="/api/v1", tags=["admin"], dependencies=[auth.requires("admin")])
@@ -20,10 +20,10 @@ async def delete_run(run_id: RunId, request: Request) -> RunsRemoved:
     (ingest of other runs goes on meanwhile). `{"runs": [the run], "deleted": true}`; 404 if there is none."""
     sessions = request.app.state.sessions
     with sessions() as session:
-        found = store.get_run(session, run_id=run_id)
+        found = queries.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
-    await anyio.to_thread.run_sync(retention.delete_run, sessions, run_id)
+    await anyio.to_thread.run_sync(retention.delete_run, sessions, run_id, request.app.state.settings.delete_chunk_rows)
     return RunsRemoved.model_validate({"runs": [retention.describe(*found)], "deleted": True})
 
 
@@ -36,5 +36,7 @@ async def prune_runs(body: PruneIn, request: Request) -> RunsRemoved:
         runs = retention.stale_runs(session, older_than_s=body.older_than_s, project=body.project)
     if not body.dry_run:
         for run, _ in runs:
-            await anyio.to_thread.run_sync(retention.delete_run, sessions, run.id)
+            await anyio.to_thread.run_sync(
+                retention.delete_run, sessions, run.id, request.app.state.settings.delete_chunk_rows
+            )
     return RunsRemoved.model_validate({"runs": [retention.describe(*r) for r in runs], "deleted": not body.dry_run})

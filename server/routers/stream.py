@@ -30,7 +30,7 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server import auth, fanout, models, series, store, vitals
+from ampwatch.server import auth, fanout, models, queries, series, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, EventOut
@@ -67,7 +67,7 @@ def _existing_run(run_id: str, request: Request) -> models.Run:
     # A short session of its own: a request-scoped one would hold a pooled connection for the stream's
     # whole life, and a few open pages would starve ingest.
     with request.app.state.sessions() as session:
-        found = store.get_run(session, run_id=run_id)
+        found = queries.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
     return found[0]
@@ -167,8 +167,8 @@ def _start(
 ) -> RunCursor:  # fmt: skip
     """A new stream's cursor: the feed position (now, unless given) and the steps after `after_step` stored so far."""
     with sessions() as session:
-        position = after_position if after_position is not None else store.feed_position(session, run_id=run.id)
-        event_floor = after_event if after_event is not None else store.last_event_id(session, run_id=run.id)
+        position = after_position if after_position is not None else queries.feed_position(session, run_id=run.id)
+        event_floor = after_event if after_event is not None else queries.last_event_id(session, run_id=run.id)
         # Read after the position (not the run loaded with the request): a batch committed in between is then
         # in this range, or after the position, never in neither.
         last_step = session.scalar(select(models.Run.last_step).where(models.Run.id == run.id))
@@ -208,7 +208,9 @@ def _poll_run(
 
 def _new_events(session: Session, run_id: str, cursor: RunCursor) -> list[models.Event]:
     """Events above the floor not sent yet; the floor rises to what was seen RESCAN_S ago."""
-    found = store.list_events(session, run_id=run_id, after_id=cursor.event_floor, limit=len(cursor.events_sent) + 1000)
+    found = queries.list_events(
+        session, run_id=run_id, after_id=cursor.event_floor, limit=len(cursor.events_sent) + 1000
+    )
     new = [e for e in found if e.id not in cursor.events_sent]
     cursor.events_sent.update(e.id for e in new)
     now = time.monotonic()
@@ -339,7 +341,7 @@ def _poll_runs(
     """Runs whose row (or firing-alert count) differs from `snapshot`, and runs that left the filters (a finished
     run under `status=running`: `in_filter` false); on the first call, those seen after `since`."""
     with sessions() as session:
-        rows = store.list_runs(session, **filters)
+        rows = queries.list_runs(session, **filters)
         firing = vitals.firing(session, [run.id for run, _ in rows])
         now = {
             run.id: (run.status, run.health, run.last_step, utc(run.last_seen_at), run.skip_rate, run.scale,
@@ -349,11 +351,13 @@ def _poll_runs(
         if snapshot is None:
             changed = [(r, p) for r, p in rows if since is not None and now[r.id][3] > since]
             # (a run may have left the filters while the browser reconnected; a run never leaves its project)
-            heard = store.list_runs(session, project=filters["project"], seen_after=since) if since is not None else []
+            heard = (
+                queries.list_runs(session, project=filters["project"], seen_after=since) if since is not None else []
+            )
             left = [(r, p) for r, p in heard if r.id not in now]
         else:
             changed = [(r, p) for r, p in rows if snapshot.get(r.id) != now[r.id]]
-            left = [row for run_id in snapshot.keys() - now.keys() if (row := store.get_run(session, run_id=run_id))]
+            left = [row for run_id in snapshot.keys() - now.keys() if (row := queries.get_run(session, run_id=run_id))]
         counts = {**firing, **vitals.firing(session, [r.id for r, _ in left])}
         out = [
             {**run_out(r, p, settings).model_dump(mode="json"), **vitals.of(r, counts[r.id]), "in_filter": r.id in now}
