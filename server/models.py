@@ -151,6 +151,7 @@ class Alert(Base):
     __tablename__ = "alerts"
     __table_args__ = (
         Index("ix_alerts_run_state", "run_id", "state"),
+        Index("ix_alerts_updated_at", "updated_at"),  # the runs stream looks for alerts changed lately
         # At most one active alert per (rule, run, rank), whichever process tries to open it.
         Index(
             "ux_alerts_active",

@@ -46,6 +46,12 @@ def list_runs(
     return [(run, name) for run, name in session.execute(query)]
 
 
+def runs_alerted_after(session: Session, *, after: datetime) -> list[str]:
+    """The runs with an alert that changed after `after` (by the `updated_at` index)."""
+    query = select(models.Alert.run_id).where(models.Alert.updated_at > after).distinct()
+    return list(session.scalars(query))
+
+
 def project_names(session: Session) -> list[str]:
     """Every project's name, sorted."""
     return list(session.scalars(select(models.Project.name).order_by(models.Project.name)))

@@ -1,5 +1,6 @@
 """run vitals kept at ingest in the run's row (skip rate over the last 1000 steps and latest loss scale, both of
-rank 0), backfilled from existing points; an index on last_seen_at for the runs list sorted by it
+rank 0), backfilled from existing points; indexes on runs.last_seen_at (the runs list sorted by it, the runs
+stream's recent changes) and alerts.updated_at (the runs stream's alert changes)
 
 Revision ID: 0006
 Revises: 0005
@@ -32,11 +33,13 @@ def upgrade() -> None:
         batch.add_column(sa.Column("scale", sa.Double(), nullable=True))
         batch.add_column(sa.Column("scale_step", sa.BigInteger(), nullable=True))
     op.create_index("ix_runs_last_seen_at", "runs", ["last_seen_at"])
+    op.create_index("ix_alerts_updated_at", "alerts", ["updated_at"])
     for statement in _BACKFILL:
         op.execute(sa.text(statement))
 
 
 def downgrade() -> None:
+    op.drop_index("ix_alerts_updated_at", "alerts")
     op.drop_index("ix_runs_last_seen_at", "runs")
     with op.batch_alter_table("runs") as batch:
         batch.drop_column("scale_step")

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Annotated, Any
 
@@ -297,15 +297,13 @@ async def stream_runs(
     filters = {"project": project, "status": status, "search": q}
 
     async def start() -> fanout.Poll:  # the topic's poller: changes after its first look
-        state: dict[str, Any] = {"resume": None}
-        state["snapshot"] = (await _run_sync(partial(_poll_runs, sessions, settings, filters, None, None)))[1]
+        recent = RecentRuns(filters)
+        await _run_sync(partial(recent.look, sessions, settings))  # (what was there already is not news)
 
         async def poll() -> tuple[list[ServerSentEvent], bool]:
-            changed, state["snapshot"], newest = await _run_sync(
-                partial(_poll_runs, sessions, settings, filters, state["snapshot"], None)
-            )
-            state["resume"] = max(state["resume"], newest) if state["resume"] and newest else newest or state["resume"]
-            return ([_runs(changed, state["resume"])] if changed else []), False
+            changed, newest = await _run_sync(partial(recent.look, sessions, settings))
+            recent.resume = max(recent.resume, newest) if recent.resume and newest else newest or recent.resume
+            return ([_runs(changed, recent.resume)] if changed else []), False
 
         return poll
 
@@ -314,7 +312,7 @@ async def stream_runs(
     key = ("runs", project, status, q)
     async with hub.subscribe(key, None, start, settings.stream_runs_poll_s) as subscription:
         if resume is not None:  # this client's own first message: what it missed since
-            changed, _, newest = await _run_sync(partial(_poll_runs, sessions, settings, filters, None, resume))
+            changed, newest = await _run_sync(partial(_missed_runs, sessions, settings, filters, resume))
             if changed:
                 yield _runs(changed, max(resume, newest) if newest else resume)
         async for message in _shared(subscription, deadline):
@@ -334,34 +332,64 @@ def _parse_time(value: str | None) -> datetime | None:
         return None
 
 
-def _poll_runs(
-    sessions: sessionmaker[Session], settings: Any, filters: dict[str, Any],
-    snapshot: dict[str, tuple[Any, ...]] | None, since: datetime | None,
-) -> tuple[list[dict[str, Any]], dict[str, tuple[Any, ...]], datetime | None]:  # fmt: skip
-    """Runs whose row (or firing-alert count) differs from `snapshot`, and runs that left the filters (a finished
-    run under `status=running`: `in_filter` false); on the first call, those seen after `since`."""
+class RecentRuns:
+    """The runs list topic's view: it looks only at runs heard from, or whose alerts changed, in the last
+    RESCAN_S seconds before its previous look (by two indexes), so a look costs what changed, not every run."""
+
+    def __init__(self, filters: dict[str, Any]) -> None:
+        self.filters = filters
+        self.known: dict[str, tuple[tuple[Any, ...], bool]] = {}  # run id -> (its state, whether in the filters)
+        self.since: datetime | None = None
+        self.resume: datetime | None = None
+
+    def look(self, sessions: sessionmaker[Session], settings: Settings) -> tuple[list[dict[str, Any]], Any]:
+        """(runs that changed since the last look, as `GET /runs` shows them with their vitals and `in_filter`,
+        the newest `last_seen_at` among them); the first look only learns what is there."""
+        started, first = queries.now(), self.since is None
+        after = (self.since or started) - timedelta(seconds=RESCAN_S)
+        with sessions() as session:
+            project = self.filters["project"]
+            rows = queries.list_runs(session, project=project, seen_after=after)
+            more = set(queries.runs_alerted_after(session, after=after)) - {r.id for r, _ in rows}
+            rows += [(r, p) for r, p in queries.get_runs(session, run_ids=sorted(more)) if project in (None, p)]
+            firing = vitals.firing(session, [r.id for r, _ in rows])
+            out, newest = [], None
+            for run, name in rows:
+                state = (run.status, run.health, run.last_step, utc(run.last_seen_at), run.skip_rate, run.scale,
+                         run.scale_step, tuple(sorted(firing[run.id].items())))  # fmt: skip
+                matches = self._matches(run)
+                before = self.known.get(run.id)
+                if before == (state, matches):
+                    continue
+                self.known[run.id] = (state, matches)
+                if not first and (matches or before is None or before[1]):  # (changed, or it left the filters)
+                    out.append({**run_out(run, name, settings).model_dump(mode="json"),
+                                **vitals.of(run, firing[run.id]), "in_filter": matches})  # fmt: skip
+                    newest = max(newest, state[3]) if newest else state[3]
+        self.since = started
+        return out, newest
+
+    def _matches(self, run: models.Run) -> bool:
+        status, search = self.filters["status"], self.filters["search"]
+        return (status is None or run.status == status) and (not search or search in run.name)
+
+
+def _missed_runs(
+    sessions: sessionmaker[Session], settings: Any, filters: dict[str, Any], since: datetime
+) -> tuple[list[dict[str, Any]], datetime | None]:
+    """A stream's own first message: the runs heard from after `since` (what its page, or its browser before it
+    reconnected, has not seen), and those that left the filters meanwhile (`in_filter` false); by the
+    `last_seen_at` index."""
     with sessions() as session:
-        rows = queries.list_runs(session, **filters)
-        firing = vitals.firing(session, [run.id for run, _ in rows])
-        now = {
-            run.id: (run.status, run.health, run.last_step, utc(run.last_seen_at), run.skip_rate, run.scale,
-                     run.scale_step, tuple(sorted(firing[run.id].items())))
-            for run, _ in rows
-        }  # fmt: skip
-        if snapshot is None:
-            changed = [(r, p) for r, p in rows if since is not None and now[r.id][3] > since]
-            # (a run may have left the filters while the browser reconnected; a run never leaves its project)
-            heard = (
-                queries.list_runs(session, project=filters["project"], seen_after=since) if since is not None else []
-            )
-            left = [(r, p) for r, p in heard if r.id not in now]
-        else:
-            changed = [(r, p) for r, p in rows if snapshot.get(r.id) != now[r.id]]
-            left = [row for run_id in snapshot.keys() - now.keys() if (row := queries.get_run(session, run_id=run_id))]
-        counts = {**firing, **vitals.firing(session, [r.id for r, _ in left])}
+        rows = queries.list_runs(session, **filters, seen_after=since)
+        matching = {run.id for run, _ in rows}
+        # (a run may have left the filters while the browser reconnected; a run never leaves its project)
+        heard = queries.list_runs(session, project=filters["project"], seen_after=since)
+        rows += [(r, p) for r, p in heard if r.id not in matching]
+        firing = vitals.firing(session, [r.id for r, _ in rows])
         out = [
-            {**run_out(r, p, settings).model_dump(mode="json"), **vitals.of(r, counts[r.id]), "in_filter": r.id in now}
-            for r, p in changed + left
-        ]
-    newest = max((now[r.id][3] for r, _ in changed), default=None)
-    return out, now, newest
+            {**run_out(r, p, settings).model_dump(mode="json"), **vitals.of(r, firing[r.id]),
+             "in_filter": r.id in matching}
+            for r, p in rows
+        ]  # fmt: skip
+    return out, max((utc(r.last_seen_at) for r, _ in rows), default=None)
