@@ -10,6 +10,12 @@ alert threads and the access-token cache.
 
     python bench/scale.py                      # both backends, 100 / 1 000 / 10 000 runs
     python bench/scale.py --backends sqlite --runs 100 1000 --repeat 9
+    python bench/scale.py --tabs 1 50 200      # open tabs on one run instead (a real `ampwatch server`, SQLite)
+
+Tabs: N live streams of one run (the run page's), held by one asyncio client process, and a real
+`ampwatch server` process; one single-step batch every 0.25 s. Server CPU is the server process's user+system
+time over the sending window divided by its length; point-to-screen latency is from the start of the POST to
+the moment a stream has parsed the update holding that step, over every stream and step.
 
 Target: the runs page and the first page of /api/v1/runs at 10 000 runs, p50 < 100 ms on both backends, with
 statements per request independent of the number of runs.
@@ -18,15 +24,27 @@ statements per request independent of the number of runs.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
+import json
+import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_PG_ADMIN_URL, postgres_problem, scratch_database  # noqa: E402  (after the path insert)
+import httpx  # noqa: E402
+from _common import (  # noqa: E402  (after the path insert)
+    DEFAULT_PG_ADMIN_URL,
+    Server,
+    percentile,
+    postgres_problem,
+    scratch_database,
+)
 from sqlalchemy import event, insert  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
@@ -100,13 +118,78 @@ def run(backend: str, sizes: list[int], repeat: int, pg_admin: str) -> None:
         app.state.engine.dispose()
 
 
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _tabs_round(url: str, pid: int, tabs: int, first_step: int, sends: int) -> tuple[float, list[float], int]:
+    """(server CPU share, latencies in s, updates missing) of one round of `tabs` open streams."""
+    arrived: dict[int, list[float]] = collections.defaultdict(list)
+    connected = 0
+    limits = httpx.Limits(max_connections=tabs + 10, max_keepalive_connections=tabs + 10)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+
+        async def tab() -> None:
+            nonlocal connected
+            async with client.stream("GET", "/api/v1/runs/tabs/stream") as reply:
+                connected += 1
+                async for line in reply.aiter_lines():
+                    if line.startswith("data:"):
+                        now = time.perf_counter()
+                        for step in json.loads(line[5:])["points"].get("loss", {}).get("steps", []):
+                            arrived[step].append(now)
+
+        tasks = [asyncio.create_task(tab()) for _ in range(tabs)]
+        while connected < tabs:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # (every stream past its own catch-up)
+        sent: dict[int, float] = {}
+        cpu, wall = _cpu_s(pid), time.perf_counter()
+        for step in range(first_step, first_step + sends):
+            sent[step] = time.perf_counter()
+            body = {"seq": step + 1, "points": {"loss": {"steps": [step], "values": [1.0]}}}
+            (await client.post("/api/v1/runs/tabs/batches", json=body)).raise_for_status()
+            await asyncio.sleep(0.25)
+        share = (_cpu_s(pid) - cpu) / (time.perf_counter() - wall)
+        deadline = time.monotonic() + 10
+        while sum(len(arrived[s]) for s in sent) < tabs * sends and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    latencies = [at - sent[step] for step in sent for at in arrived[step]]
+    return share, latencies, tabs * sends - len(latencies)
+
+
+def tabs_benchmark(counts: list[int], sends: int) -> None:
+    print("| open tabs | server CPU (share of one core) | latency p50 | latency p95 | updates missing |")
+    print("|---|---|---|---|---|")
+    with scratch_database("sqlite") as db_url, tempfile.TemporaryDirectory() as tmp:
+        server = Server(db_url, Path(tmp) / "server.log")
+        try:
+            server.wait_ready()
+            httpx.put(f"{server.url}/api/v1/runs/tabs", json={"project": "bench", "name": "tabs"}).raise_for_status()
+            for i, tabs in enumerate(counts):
+                share, latencies, missing = asyncio.run(_tabs_round(server.url, server.pid, tabs, i * sends, sends))
+                p50, p95 = percentile(latencies, 50) * 1000, percentile(latencies, 95) * 1000
+                print(f"| {tabs} | {share:.2f} | {p50:.0f} ms | {p95:.0f} ms | {missing} |", flush=True)
+        finally:
+            server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", nargs="+", default=["sqlite", "postgres"], choices=["sqlite", "postgres"])
     parser.add_argument("--runs", nargs="+", type=int, default=[100, 1000, 10000])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--pg-admin-url", default=DEFAULT_PG_ADMIN_URL)
+    parser.add_argument("--tabs", nargs="+", type=int, help="measure this many open tabs on one run instead")
+    parser.add_argument("--sends", type=int, default=20, help="batches sent per round of --tabs")
     args = parser.parse_args()
+    if args.tabs:
+        tabs_benchmark(args.tabs, args.sends)
+        return
     print("| backend | runs | request | p50 server time | SQL statements |")
     print("|---|---|---|---|---|")
     for backend in args.backends:
