@@ -184,7 +184,7 @@ class AlertOut(BaseModel):
 class PruneIn(BaseModel):
     """Which runs `POST /api/v1/runs/prune` removes: those not heard from for `older_than_s` seconds."""
 
-    older_than_s: float = Field(ge=0, le=1e11, description="Runs last heard from longer ago than this (seconds).")
+    older_than_s: float = Field(ge=0, le=1e10, description="Runs last heard from longer ago than this (seconds).")
     project: Name | None = Field(None, description="Only runs of this project; every project when null.")
     dry_run: bool = Field(False, description="List the runs that would go, remove nothing.")
 
