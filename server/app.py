@@ -12,11 +12,11 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 from ampwatch import __version__
-from ampwatch.server import alerts, auth, db, metrics
+from ampwatch.server import alerts, auth, db, fanout, metrics
 from ampwatch.server.errors import database_unavailable, validation_error
 from ampwatch.server.limits import BodyLimit
 from ampwatch.server.routers import alerts as alerts_api
-from ampwatch.server.routers import ingest, read, stream
+from ampwatch.server.routers import ingest, read, runs_admin, stream
 from ampwatch.server.routers import plan as plan_api
 from ampwatch.server.settings import Settings
 
@@ -34,14 +34,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         alerts.prepare(session, settings)
     service = alerts.AlertService(settings, sessions)
     event.listen(sessions, "after_commit", service.after_commit)
+    streams = fanout.Hub(queue=settings.stream_queue)
+    fanout.wire(sessions, streams)  # a commit of this process wakes its live streams
+    listener = fanout.PgListener(engine, streams) if engine.dialect.name == "postgresql" else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         service.start()  # background evaluation and delivery: never on the request path
+        if listener is not None:
+            listener.start()  # other replicas' commits wake this one's live streams
         try:
             yield
         finally:
             await anyio.to_thread.run_sync(service.stop)
+            if listener is not None:
+                await anyio.to_thread.run_sync(listener.stop)
 
     app = FastAPI(
         title="ampwatch", version=__version__, description="Mixed-precision training telemetry.", lifespan=lifespan
@@ -50,9 +57,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessions = sessions
     app.state.alerts = service
-    app.state.tokens = auth.Tokens(sessions)
+    app.state.streams = streams
+    app.state.tokens = auth.Tokens(sessions, settings.token_refresh_s)
+    # -- routers: the one place they are included. Each route declares the role it needs with
+    # `dependencies=[auth.requires(...)]`; tests/test_roles.py lists them and fails on one that declares none.
     app.include_router(ingest.router)
     app.include_router(read.router)
+    app.include_router(runs_admin.router)
     app.include_router(stream.router)
     app.include_router(alerts_api.router)
     app.include_router(plan_api.router)
@@ -62,7 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics.install(app, sessions)  # GET /metrics, and its middleware innermost: counts what passed the guard
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(
-        auth.Guard, tokens=app.state.tokens, settings=settings
+        auth.Guard, tokens=app.state.tokens, settings=settings, routes=app.router.routes
     )  # outermost: refuse before reading bodies
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(
@@ -70,7 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )  # a lost connection or held lock: 503, agents retry
     auth.document(app)
 
-    @app.get("/healthz", tags=["health"])
+    @app.get("/healthz", tags=["health"], dependencies=[auth.requires(None)])
     def healthz() -> dict[str, str]:
         """Liveness and database reachability."""
         with engine.connect() as connection:

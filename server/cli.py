@@ -79,7 +79,7 @@ def _token(args: argparse.Namespace, settings: Settings) -> int:
             return 0
         if args.token_command == "revoke":
             if auth.revoke_token(session, args.id):
-                print(f"token {args.id} revoked (servers stop accepting it within {auth.REFRESH_S:g} s)")
+                print(f"token {args.id} revoked (servers stop accepting it within {Settings().token_refresh_s:g} s)")
                 return 0
             print(f"ampwatch token revoke: no active token with id {args.id}", file=sys.stderr)
             return 1

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ampwatch.server import auth
 from ampwatch.server import models
 
 MAX_RUNS = 200  # per-run gauges for at most this many running runs
@@ -225,7 +226,7 @@ def install(app: FastAPI, sessions: sessionmaker[Session]) -> None:
     metrics = Metrics(sessions)
     app.state.metrics = metrics
 
-    @app.get("/metrics", tags=["health"], response_class=Response)
+    @app.get("/metrics", tags=["health"], response_class=Response, dependencies=[auth.requires("read")])
     def prometheus_metrics(request: Request) -> Response:
         """The Prometheus text exposition format: this process's ingest and streams, and running runs' gauges."""
         return request.app.state.metrics.exposition()

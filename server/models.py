@@ -47,9 +47,13 @@ class Run(Base):
     config: Mapped[dict[str, Any]]
     environment: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = mapped_column(index=True)
-    last_seen_at: Mapped[datetime]
+    last_seen_at: Mapped[datetime] = mapped_column(index=True)
     finished_at: Mapped[datetime | None]
     last_step: Mapped[int | None] = mapped_column(BigInteger)
+    # Vitals kept at ingest (see ampwatch.server.vitals): rank 0's skip rate over its last steps, latest scale.
+    skip_rate: Mapped[float | None] = mapped_column(Double)
+    scale: Mapped[float | None] = mapped_column(Double)  # NULL with a scale_step: the scale is NaN
+    scale_step: Mapped[int | None] = mapped_column(BigInteger)  # NULL: no scale yet
 
 
 class Series(Base):
@@ -147,6 +151,7 @@ class Alert(Base):
     __tablename__ = "alerts"
     __table_args__ = (
         Index("ix_alerts_run_state", "run_id", "state"),
+        Index("ix_alerts_updated_at", "updated_at"),  # the runs stream looks for alerts changed lately
         # At most one active alert per (rule, run, rank), whichever process tries to open it.
         Index(
             "ux_alerts_active",

@@ -154,6 +154,12 @@ class RunOut(BaseModel):
     stored_steps: dict[str, int] = Field(
         {}, description="The last step stored per rank (PUT /runs/{id} only): a relaunch that does not resume sees it."
     )
+    skip_rate: float | None = Field(None, description="Share of skipped steps among rank 0's last 1000 steps.")
+    scale: float | Literal["NaN", "Infinity", "-Infinity"] | None = Field(None, description="The latest loss scale.")
+    firing: int | None = Field(None, description="How many alerts are firing (`GET /runs` only).")
+    firing_by_severity: dict[str, int] | None = Field(
+        None, description="Firing alerts by severity: critical, warning, info (`GET /runs` only)."
+    )
 
 
 class EventOut(BaseModel):
@@ -176,3 +182,23 @@ class AlertOut(BaseModel):
     started_at: datetime
     resolved_at: datetime | None
     summary: str
+
+
+class PruneIn(BaseModel):
+    """Which runs `POST /api/v1/runs/prune` removes: those not heard from for `older_than_s` seconds."""
+
+    older_than_s: float = Field(ge=0, le=1e10, description="Runs last heard from longer ago than this (seconds).")
+    project: Name | None = Field(None, description="Only runs of this project; every project when null.")
+    dry_run: bool = Field(False, description="List the runs that would go, remove nothing.")
+
+
+class RemovedRun(BaseModel):
+    id: str
+    project: str
+    name: str
+    created_at: datetime
+
+
+class RunsRemoved(BaseModel):
+    runs: list[RemovedRun]
+    deleted: bool = Field(description="False on a dry run: the runs are still there.")

@@ -29,6 +29,13 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = 60.0
     stall_min_s: float = 300.0
     stall_factor: float = 20.0
+    # Live streams (see ampwatch.server.fanout) and the access-token cache.
+    stream_poll_s: float = 0.2  # a run's poller looks this often when not woken by a commit
+    stream_runs_poll_s: float = 0.5  # the runs list's poller
+    stream_lifetime_s: float = 30.0  # then a stream ends and its browser reconnects from its Last-Event-ID
+    stream_queue: int = 64  # messages a slow client may lag behind before it is dropped (and resumes)
+    delete_chunk_rows: int = 20_000  # rows a transaction of deleting or pruning runs removes at most (about)
+    token_refresh_s: float = 5.0  # tokens are re-read this often: a new or revoked token counts within it
 
     @property
     def base_url(self) -> str:

@@ -28,6 +28,7 @@ RUNS = {
     "load": (["--backends", "sqlite", "--agents", "2", "--steps", "50", "--procs", "1"], ["every point once"]),
     "metrics_scrape": (["--backends", "sqlite", "--runs", "3", "--steps", "50", "--scrapes", "2"], ["\nsqlite "]),
     "series_query": (["--backends", "sqlite", "--repeat", "1", "--sends", "1"], ["1M-point SQLite series"]),
+    "scale": (["--backends", "sqlite", "--runs", "10", "--repeat", "1"], ["| sqlite |     10 | `/api/v1/runs` |"]),
 }  # fmt: skip
 
 

@@ -206,6 +206,19 @@ def test_server_links_name_the_published_address() -> None:
     assert overridden["AMPWATCH_PUBLIC_URL"] == "https://amp.example.org"
 
 
+def test_the_scale_profile_puts_nginx_on_loopback_in_front_of_the_replicas_with_streams_unbuffered() -> None:
+    compose = _compose()
+    nginx = compose["services"]["nginx"]
+    assert nginx["profiles"] == ["scale"] and "profiles" not in compose["services"]["server"]
+    assert all(str(mapping).startswith("127.0.0.1:") for mapping in nginx["ports"])
+    assert nginx["depends_on"] == {"server": {"condition": "service_healthy"}}
+    mounted = {volume.split(":")[1]: ROOT / volume.split(":")[0] for volume in nginx["volumes"]}
+    assert all(path.is_file() for path in mounted.values()), mounted
+    config = mounted["/etc/nginx/nginx.conf"].read_text()
+    assert "server server:8600" in config and "include /etc/nginx/ampwatch-locations.conf;" in config
+    assert "proxy_buffering off;" in mounted["/etc/nginx/ampwatch-locations.conf"].read_text()
+
+
 # --- the Dockerfile, and its agreement with compose ----------------------------------------------------
 
 
@@ -225,7 +238,9 @@ def test_compose_publishes_the_exposed_port_and_checks_health_like_the_image() -
     port = _flag(_server_command(_compose()), "--port")
     assert _instructions("EXPOSE") == [port]
     # Loopback only: an open (token-less, AMPWATCH_INSECURE) server must not be published to the network.
-    assert f"127.0.0.1:{SERVER_PORT}:{port}" in [str(mapping) for mapping in server["ports"]]
+    # (a range from SERVER_PORT, so that `--scale server=3` replicas each find a host port)
+    published = [re.fullmatch(rf"127\.0\.0\.1:{SERVER_PORT}(-\d+)?:{port}", str(m)) for m in server["ports"]]
+    assert any(published), server["ports"]
     image_check, compose_check = _image_healthcheck(), server["healthcheck"]["test"]
     assert compose_check == ["CMD", *image_check]
     assert image_check[0] == "python" and f"127.0.0.1:{port}/healthz" in image_check[-1]

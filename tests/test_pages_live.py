@@ -330,15 +330,15 @@ def test_runs_page_shows_a_non_finite_scale_live_and_after_reload(sqlite_server:
 
 
 def test_run_page_goes_live_again_after_an_answer_that_is_not_a_stream(
-    sqlite_server: Any, page: Any, monkeypatch: Any
+    sqlite_url: str, live_server_factory: Any, page: Any
 ) -> None:
     # A browser gives up on an EventSource for good after a 502 (a proxy during a deploy) or the server's 503: the
     # page stayed "reconnecting" until reloaded. And a page opened while the server called the run crashed never
     # went live, though a crashed run comes back when it reports again.
-    from ampwatch.server.routers import stream
+    from ampwatch.server.settings import Settings
 
-    monkeypatch.setattr(stream, "LIFETIME_S", 1.0)  # streams end (and the browser reconnects) every second
-    url = sqlite_server.url
+    # Streams end (and the browser reconnects) every second.
+    url = live_server_factory(Settings(database_url=sqlite_url, stream_lifetime_s=1.0)).url
     ui.register(url, "bumpy", "live", "bumpy")
     ui.post(url, "bumpy", 1, {"loss": {"steps": [0, 1], "values": [1.0, 1.0]}}, status="crashed")
     refused: list[str] = []

@@ -96,3 +96,30 @@ def test_a_database_out_of_reach_or_a_broken_rules_file_is_one_line_and_exit_2(t
                           capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert f"AMPWATCH_ALERT_RULES_FILE: {rules}" in done.stderr and "keep firing for" in done.stderr
+
+
+def test_upgrading_to_0006_fills_the_run_vitals_from_existing_points(db_url: str) -> None:
+    from sqlalchemy import text
+
+    engine = db.make_engine(db_url)
+    db.upgrade(engine, "0005")
+    skipped = [{"s": s, "v": float(s % 10 == 0)} for s in range(1500)]  # the last 1000 steps: 1 in 10 skipped
+    scale = [{"s": s, "v": v} for s, v in enumerate([65536.0, 32768.0, None])]  # the latest is NaN (NULL)
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', CURRENT_TIMESTAMP)"))
+        for run in ("r", "empty"):
+            connection.execute(text(
+                "INSERT INTO runs (id, project_id, name, status, health, config, environment, created_at, last_seen_at)"
+                " VALUES (:r, 1, 'n', 'running', 'ok', '{}', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+            ), {"r": run})  # fmt: skip
+        connection.execute(text("INSERT INTO series (id, run_id, name) VALUES (1, 'r', 'skipped'), (2, 'r', 'scale')"))
+        connection.execute(text("INSERT INTO points VALUES (1, 0, :s, :v)"), skipped)
+        connection.execute(text("INSERT INTO points VALUES (1, 1, :s, 1.0)"), skipped)  # rank 1 does not count
+        connection.execute(text("INSERT INTO points VALUES (2, 0, :s, :v)"), scale)
+    db.upgrade(engine)
+    with engine.connect() as connection:
+        found = connection.execute(text("SELECT id, skip_rate, scale, scale_step FROM runs")).all()
+    rows = {r[0]: tuple(r[1:]) for r in found}
+    engine.dispose()
+    assert rows["empty"] == (None, None, None)
+    assert rows["r"][0] == 0.1 and rows["r"][1:] == (None, 2)  # 100 of 1000; a NaN scale at step 2

@@ -19,9 +19,12 @@ from ampwatch.server import Settings, auth
 SILENCE = {"project": "p", "duration_s": 60, "comment": "test"}
 
 
+REFRESH_S = 0.05
+
+
 @pytest.fixture(autouse=True)
 def _fast_token_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(auth, "REFRESH_S", 0.05)  # servers here run in this process: new tokens count at once
+    monkeypatch.setenv("AMPWATCH_TOKEN_REFRESH_S", str(REFRESH_S))  # servers started here: new tokens count at once
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,7 +37,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def _token(server, role: str, project: str | None = None) -> str:  # type: ignore[no-untyped-def]
     with server.app.state.sessions() as session:
         token = auth.create_token(session, name=f"test {role}", role=role, project=project)
-    time.sleep(2 * auth.REFRESH_S)  # the server re-reads its tokens every REFRESH_S
+    time.sleep(2 * REFRESH_S)  # the server re-reads its tokens every REFRESH_S
     return token
 
 
@@ -164,7 +167,7 @@ def test_revoked_token_stops_working_and_only_hashes_are_stored(sqlite_url: str,
     with server.client() as client:
         assert client.get("/api/v1/runs", headers=_bearer(token)).status_code == 200
         assert _cli("token", "revoke", token.split("_")[1], "--db", sqlite_url).returncode == 0
-        time.sleep(2 * auth.REFRESH_S)
+        time.sleep(2 * REFRESH_S)
         assert client.get("/api/v1/runs", headers=_bearer(token)).status_code == 401
         assert client.get("/api/v1/runs").status_code == 401  # revoking the last token does not reopen the server
     assert _cli("token", "create", "--role", "read", "--project", "p", "--db", sqlite_url).returncode == 2
@@ -180,7 +183,7 @@ def test_server_refuses_a_public_address_without_tokens(sqlite_url: str, tmp_pat
     from ampwatch.server import db
 
     engine = db.make_engine(sqlite_url)
-    tokens = auth.Tokens(db.session_factory(engine))
+    tokens = auth.Tokens(db.session_factory(engine), refresh_s=5.0)
     public = Settings(database_url=sqlite_url, host="0.0.0.0")
     assert auth.exposure_problem(public, tokens) is not None
     assert auth.exposure_problem(public.model_copy(update={"insecure": True}), tokens) is None

@@ -220,10 +220,10 @@ def test_points_written_far_behind_the_stream_arrive_live(http) -> None:  # type
 def test_a_batch_committing_late_is_streamed_and_numbered_after_the_one_before_it(live_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import threading
 
-    from ampwatch.server import store
+    from ampwatch.server import ingestion
 
     held, release = threading.Event(), threading.Event()
-    on_batch = store.alerts.on_batch
+    on_batch = ingestion.alerts.on_batch
 
     def slow_on_batch(session, **kwargs):  # type: ignore[no-untyped-def]
         if kwargs.get("new_step") == 50:  # batch A stalls before its commit, holding its feed position
@@ -231,7 +231,7 @@ def test_a_batch_committing_late_is_streamed_and_numbered_after_the_one_before_i
             release.wait(10)
         return on_batch(session, **kwargs)
 
-    monkeypatch.setattr(store.alerts, "on_batch", slow_on_batch)  # the server runs in this process
+    monkeypatch.setattr(ingestion.alerts, "on_batch", slow_on_batch)  # the server runs in this process
     with live_server.client() as http:
         http.put("/api/v1/runs/r1", json={"project": "p", "name": "race"})
         with sse(http, "/api/v1/runs/r1/stream", params={"after_step": -1}) as stream:
@@ -292,18 +292,18 @@ def test_an_event_committed_after_a_newer_one_is_still_streamed(pg_url: str, liv
 def test_a_batch_stored_while_a_stream_opens_is_not_missed(live_server, http, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The request loads the run (last step 99); batch 2 commits before the stream reads its feed position.
     Its steps must be in the stream's catch-up range or after its position, not fall between the two."""
-    from ampwatch.server import store
+    from ampwatch.server import queries
 
     _post(http, 1, {"loss": {"steps": list(range(100)), "values": [1.0] * 100}})
-    feed_position = store.feed_position
+    feed_position = queries.feed_position
 
     def batch_lands_first(session, **kwargs):  # type: ignore[no-untyped-def]
-        monkeypatch.setattr(store, "feed_position", feed_position)  # once
+        monkeypatch.setattr(queries, "feed_position", feed_position)  # once
         with live_server.client() as other:  # the server runs in this process: this is another request
             _post(other, 2, {"loss": {"steps": [100, 101], "values": [0.9, 0.8]}})
         return feed_position(session, **kwargs)
 
-    monkeypatch.setattr(store, "feed_position", batch_lands_first)
+    monkeypatch.setattr(queries, "feed_position", batch_lands_first)
     with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 99}) as stream:
         seen = stream.until(lambda d: 101 in d["points"].get("loss", {}).get("steps", []), timeout_s=8)
     assert _merged(seen, "loss") == {100: 0.9, 101: 0.8}

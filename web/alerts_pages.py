@@ -16,19 +16,17 @@ from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 
-from ampwatch.server import models
-from ampwatch.server.alerts import _admin, _board
-from ampwatch.server.alerts._db import now
-from ampwatch.server.alerts._deliver import send_test
-from ampwatch.server.alerts._targets import TargetError, scope_of
+from ampwatch.server import alerts, auth, models
 from ampwatch.server.alerts.schemas import Aggregation, ChannelIn, Op, RuleIn, SilenceIn, explain
+from ampwatch.server.db import now
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import MAX_INT, EventType
 from ampwatch.web.pages import templates
 
 RowId = Annotated[int, PathParam(ge=1, le=MAX_INT)]  # larger ids cannot exist: 404 without a query
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, dependencies=[auth.requires("read")])
+ADMIN = [auth.requires("admin")]  # the forms that change rules, channels and silences
 _SCRIPT = Path(str(resources.files("ampwatch.web") / "static" / "alerts.js"))
 
 
@@ -51,14 +49,14 @@ def _back(path: str, message: str) -> RedirectResponse:
 def alerts_page(request: Request, session: SessionDep, msg: str | None = None) -> Any:
     """Open alerts (most severe first) with where their notifications went, recent resolutions, silences."""
     context = {
-        "open": _board.alert_rows(session, active=True), "resolved": _board.alert_rows(session, active=False, limit=50),
-        "silences": _admin.list_silences(session, active=True), "now": now(), "since": _board.since, "msg": msg,
+        "open": alerts.alert_rows(session, active=True), "resolved": alerts.alert_rows(session, active=False, limit=50),
+        "silences": alerts.list_silences(session, active=True), "now": now(), "since": alerts.since, "msg": msg,
         "nav": "alerts",
     }  # fmt: skip
     return templates.TemplateResponse(request, "alerts.html", context)
 
 
-@router.post("/alerts/silences")
+@router.post("/alerts/silences", dependencies=ADMIN)
 def silence_form(session: SessionDep, form: Fields) -> RedirectResponse:
     """Silence a run or a project for some hours."""
     try:
@@ -68,15 +66,15 @@ def silence_form(session: SessionDep, form: Fields) -> RedirectResponse:
     except (ValueError, ValidationError) as error:
         reason = error.errors()[0]["msg"] if isinstance(error, ValidationError) else "hours must be a number"
         return _back("/alerts", f"not silenced: {reason}")
-    silence = _admin.create_silence(session, body=body)
+    silence = alerts.create_silence(session, body=body)
     return _back("/alerts", f"silenced {body.run_id or body.project} for {hours:g} h (silence #{silence.id})")
 
 
-@router.post("/alerts/silences/{silence_id}/end")
+@router.post("/alerts/silences/{silence_id}/end", dependencies=ADMIN)
 def end_silence_form(silence_id: RowId, session: SessionDep) -> RedirectResponse:
     """End a silence now."""
     silence = _get(session, models.AlertSilence, silence_id)
-    _admin.expire_silence(session, silence=silence)
+    alerts.expire_silence(session, silence=silence)
     return _back("/alerts", f"silence #{silence_id} ended")
 
 
@@ -96,8 +94,8 @@ def _rules_page(request: Request, session: Any, *, msg: str | None = None, faile
                 typed: dict[str, str] | None = None, error: str | None = None) -> Any:  # fmt: skip
     forms = {**_BLANK, **({failed: typed or {}} if failed else {})}
     context = {
-        "rules": [(r, _board.condition(r)) for r in _admin.list_rules(session)],
-        "channels": [_admin.channel_out(session, c) for c in _admin.list_channels(session)],
+        "rules": [(r, alerts.condition(r)) for r in alerts.list_rules(session)],
+        "channels": [alerts.channel_out(session, c) for c in alerts.list_channels(session)],
         "msg": msg, "forms": forms, "failed": failed, "error": error, "nav": "alerts",
         "event_types": get_args(EventType), "aggregations": get_args(Aggregation), "ops": get_args(Op),
     }  # fmt: skip
@@ -110,7 +108,7 @@ def rules_page(request: Request, session: SessionDep, msg: str | None = None) ->
     return _rules_page(request, session, msg=msg)
 
 
-@router.post("/alerts/rules")
+@router.post("/alerts/rules", dependencies=ADMIN)
 def add_rule_form(request: Request, session: SessionDep, form: Fields) -> Any:
     """Add a series-threshold or event-rate rule; a refused one comes back filled in, with the reason."""
     kind = form.get("kind", "")
@@ -119,15 +117,15 @@ def add_rule_form(request: Request, session: SessionDep, form: Fields) -> Any:
     wanted = ("name", "severity", "project", "for", *_RULE_FIELDS[kind])
     data: dict[str, Any] = {k: form[k].strip() for k in wanted if form.get(k, "").strip()}
     try:
-        rule = _admin.save_rule(
+        rule = alerts.save_rule(
             session, body=RuleIn.model_validate({**data, "kind": kind, "per_rank": "per_rank" in form})
         )
-    except (ValidationError, _admin.Conflict) as error:
+    except (ValidationError, alerts.Conflict) as error:
         return _rules_page(request, session, failed=kind, typed=form, error=f"Rule not added. {explain(error)}")
-    return _back("/alerts/rules", f"rule {rule.name} added: {_board.condition(rule)}")
+    return _back("/alerts/rules", f"rule {rule.name} added: {alerts.condition(rule)}")
 
 
-@router.post("/alerts/rules/{rule_id}/toggle")
+@router.post("/alerts/rules/{rule_id}/toggle", dependencies=ADMIN)
 def toggle_rule_form(rule_id: RowId, session: SessionDep) -> RedirectResponse:
     """Enable a disabled rule, disable an enabled one."""
     return _toggle(session, _get(session, models.AlertRule, rule_id), "rule")
@@ -140,18 +138,18 @@ def _toggle(session: Any, row: models.AlertRule | models.AlertChannel, what: str
     return _back("/alerts/rules", f"{what} {row.name} {'enabled' if row.enabled else 'disabled'}")
 
 
-@router.post("/alerts/rules/{rule_id}/delete")
+@router.post("/alerts/rules/{rule_id}/delete", dependencies=ADMIN)
 def delete_rule_form(rule_id: RowId, session: SessionDep) -> RedirectResponse:
     """Delete a user rule; built-in rules can only be disabled."""
     rule = _get(session, models.AlertRule, rule_id)
     try:
-        _admin.delete_rule(session, rule=rule)
-    except _admin.Conflict:
+        alerts.delete_rule(session, rule=rule)
+    except alerts.Conflict:
         return _back("/alerts/rules", f"rule {rule.name} is built in: it can be disabled, not deleted")
     return _back("/alerts/rules", f"rule {rule.name} deleted")
 
 
-@router.post("/alerts/channels")
+@router.post("/alerts/channels", dependencies=ADMIN)
 def add_channel_form(request: Request, session: SessionDep, settings: SettingsDep, form: Fields) -> Any:
     """Add a webhook, Slack or e-mail channel; a refused one comes back filled in (but for the password)."""
     which = "email" if form.get("kind") == "email" else "hook"
@@ -177,9 +175,9 @@ def add_channel_form(request: Request, session: SessionDep, settings: SettingsDe
         data = {**common, "kind": form.get("kind", ""), "url": form.get("url", "").strip()}
     try:
         body = ChannelIn.model_validate(data)
-        _admin.check_destination(body, scope_of(settings))
-        channel = _admin.save_channel(session, body=body)
-    except (ValidationError, TargetError, _admin.Conflict) as error:
+        alerts.check_destination(body, alerts.scope_of(settings))
+        channel = alerts.save_channel(session, body=body)
+    except (ValidationError, alerts.TargetError, alerts.Conflict) as error:
         typed = {k: v for k, v in form.items() if k != "smtp_password"}
         again = " (enter the password again)" if form.get("smtp_password") else ""
         return _rules_page(
@@ -188,13 +186,13 @@ def add_channel_form(request: Request, session: SessionDep, settings: SettingsDe
     return _back("/alerts/rules", f"channel {channel.name} added")
 
 
-@router.post("/alerts/channels/{channel_id}/toggle")
+@router.post("/alerts/channels/{channel_id}/toggle", dependencies=ADMIN)
 def toggle_channel_form(channel_id: RowId, session: SessionDep) -> RedirectResponse:
     """Disable a channel (it gets no notifications, nothing queued for it is sent), or enable it again."""
     return _toggle(session, _get(session, models.AlertChannel, channel_id), "channel")
 
 
-@router.post("/alerts/channels/{channel_id}/delete")
+@router.post("/alerts/channels/{channel_id}/delete", dependencies=ADMIN)
 def delete_channel_form(channel_id: RowId, session: SessionDep) -> RedirectResponse:
     """Delete a channel and its delivery history."""
     channel = _get(session, models.AlertChannel, channel_id)
@@ -204,12 +202,12 @@ def delete_channel_form(channel_id: RowId, session: SessionDep) -> RedirectRespo
     return _back("/alerts/rules", f"channel {name} deleted")
 
 
-@router.post("/alerts/channels/{channel_id}/test")
+@router.post("/alerts/channels/{channel_id}/test", dependencies=ADMIN)
 def test_channel_form(channel_id: RowId, session: SessionDep, settings: SettingsDep) -> RedirectResponse:
     """Send a test notification and say how it went."""
     channel = _get(session, models.AlertChannel, channel_id)
-    delivery, _ = send_test(session, channel, base_url=settings.base_url, timeout_s=settings.alert_delivery_timeout_s,
-                            scope=scope_of(settings))  # fmt: skip
+    delivery, _ = alerts.send_test(session, channel, base_url=settings.base_url, timeout_s=settings.alert_delivery_timeout_s,
+                            scope=alerts.scope_of(settings))  # fmt: skip
     outcome = "delivered" if delivery.status == "delivered" else f"failed: {delivery.error}"
     return _back("/alerts/rules", f"test to {channel.name}: {outcome}")
 
@@ -221,7 +219,7 @@ def _get(session: Any, model: Any, row_id: int) -> Any:
     return row
 
 
-@router.get("/static/alerts.js")
+@router.get("/static/alerts.js", dependencies=[auth.requires(None)])
 def alerts_script() -> FileResponse:
     """The run page's firing-alert banner and browser notification."""
     return FileResponse(_SCRIPT, media_type="text/javascript", headers={"Cache-Control": "public, max-age=3600"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import case, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
@@ -34,19 +34,28 @@ def alert_rows(session: Session, *, active: bool, limit: int = 200) -> list[Aler
     else:
         query = query.where(A.state == "resolved").order_by(A.resolved_at.desc())
     rows = session.execute(query.limit(limit)).all()
-    return [AlertRow(alert, project, run_name, _notified(session, alert.id)) for alert, project, run_name in rows]
+    notified = _notified(session, [alert.id for alert, _, _ in rows])
+    return [AlertRow(alert, project, run_name, notified.get(alert.id, "")) for alert, project, run_name in rows]
 
 
-def _notified(session: Session, alert_id: int) -> str:
+def _notified(session: Session, alert_ids: list[int]) -> dict[int, str]:
+    """Per alert: its latest flip's notification outcome, or why nobody was notified; two statements for any
+    number of alerts."""
     F, D, C = models.AlertFlip, models.AlertDelivery, models.AlertChannel
-    flip = session.scalars(select(F).where(F.alert_id == alert_id).order_by(F.id.desc()).limit(1)).first()
-    if flip is None:
-        return ""
+    if not alert_ids:
+        return {}
+    latest_ids = select(func.max(F.id)).where(F.alert_id.in_(alert_ids)).group_by(F.alert_id)
+    flips = list(session.scalars(select(F).where(F.id.in_(latest_ids))))
+    outcomes: dict[int, list[tuple[str, str, str | None]]] = {f.id: [] for f in flips}
+    query = select(D.flip_id, C.name, D.status, D.error).join(C, C.id == D.channel_id)
+    for flip_id, name, status, error in session.execute(query.where(D.flip_id.in_(list(outcomes))).order_by(D.id)):
+        outcomes[flip_id].append((name, status, error))
+    return {flip.alert_id: _outcome(flip, outcomes[flip.id]) for flip in flips}
+
+
+def _outcome(flip: models.AlertFlip, outcomes: list[tuple[str, str, str | None]]) -> str:
     if flip.suppressed:
         return f"not sent: {flip.suppressed}"
-    outcomes = session.execute(
-        select(C.name, D.status, D.error).join(C, C.id == D.channel_id).where(D.flip_id == flip.id).order_by(D.id)
-    ).all()
     if not outcomes:
         return "no channel configured" if flip.new_state == "firing" else ""
     latest: dict[str, tuple[str, str | None]] = {}

@@ -11,7 +11,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import models
+from ampwatch.server import models, vitals
 from ampwatch.server.alerts import _state
 from ampwatch.server.alerts._clearing import cleared_before
 from ampwatch.server.alerts._context import event_context, summary
@@ -19,7 +19,6 @@ from ampwatch.server.alerts._db import ACTIVE, SEVERITY_RANK, at_least, insert, 
 from ampwatch.server.alerts._rules import applies, enabled_rules, project_of
 
 LIVENESS_TYPES = ("run_crashed", "run_stalled")
-_HEALTH = {0: "ok", 1: "warning", 2: "critical"}
 
 
 def on_batch(
@@ -144,5 +143,5 @@ def raise_event(session: Session, *, run: models.Run, kind: str, severity: str, 
     event = models.Event(run_id=run.id, step=step if step is not None else run.last_step or 0, rank=0, type=kind, severity=severity,
                          message=message, details=details, time=stamp)  # fmt: skip
     session.add(event)
-    run.health = _HEALTH[max(SEVERITY_RANK[severity], {"ok": 0, "warning": 1, "critical": 2}[run.health])]
+    run.health = vitals.worse_health(run.health, [severity])
     apply_event_rules(session, run=run, events=[event], stamp=stamp)

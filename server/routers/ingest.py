@@ -8,12 +8,12 @@ from fastapi import APIRouter, HTTPException, Path, Request
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import auth, db, models, store
+from ampwatch.server import auth, db, ingestion, models
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn, RunOut
 
-router = APIRouter(prefix="/api/v1", tags=["ingest"])
+router = APIRouter(prefix="/api/v1", tags=["ingest"], dependencies=[auth.requires("ingest")])
 RunId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Chosen by the agent.")]
 
 
@@ -21,7 +21,7 @@ RunId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Chose
 def register_run(run_id: RunId, body: RunIn, request: Request, session: SessionDep, settings: SettingsDep) -> RunOut:
     """Create or refresh a run; idempotent. The reply says the last step stored per rank (`stored_steps`)."""
     _check_project(request, session, run_id, body.project)
-    run = db.retrying(session, lambda: store.register_run(session, run_id=run_id, body=body))  # idempotent
+    run = db.retrying(session, lambda: ingestion.register_run(session, run_id=run_id, body=body))  # idempotent
     out = run_out(run, session.get(models.Project, run.project_id).name, settings)  # (a run keeps its first project)
     F = models.PointFeed  # (one row per stored batch with points: the last step stored per rank, for a relaunch)
     stored = session.execute(select(F.rank, func.max(F.last_step)).where(F.run_id == run_id).group_by(F.rank))
@@ -38,9 +38,9 @@ def post_batch(run_id: RunId, batch: BatchIn, request: Request, session: Session
         raise HTTPException(413, f"batch has {total} points; the limit is {settings.max_batch_points}")
     try:
         return db.retrying(
-            session, lambda: store.ingest_batch(session, run_id=run_id, batch=batch)
+            session, lambda: ingestion.ingest_batch(session, run_id=run_id, batch=batch)
         )  # stored once per (rank, seq)
-    except store.UnknownRun as error:
+    except ingestion.UnknownRun as error:
         raise HTTPException(404, f"unknown run {run_id!r}: register it with PUT /api/v1/runs/{run_id} first") from error
 
 

@@ -6,10 +6,11 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
-from ampwatch.server import plan, store
+from ampwatch.server import auth
+from ampwatch.server import plan, queries
 from ampwatch.server.deps import SessionDep, SettingsDep
 
-router = APIRouter(prefix="/api/v1", tags=["read"])
+router = APIRouter(prefix="/api/v1", tags=["read"], dependencies=[auth.requires("read")])
 
 _EXAMPLE = {
     "run_id": "3f2a9c1d0e4b5a67",
@@ -43,7 +44,7 @@ def get_plan(
 ) -> Any:
     """The rollback plan for the run's first critical numerics event: the trouble (its first leading sign and its
     critical events), the last checkpoint saved before it and the steps to skip; `"trouble": null` when none."""
-    if store.get_run(session, run_id=run_id) is None:
+    if queries.get_run(session, run_id=run_id) is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
     doc = plan.compute(run_id, *plan.load(session, run_id))
     if format == "lightning":

@@ -1,4 +1,5 @@
-"""Live updates over Server-Sent Events, polled from the database (replicas share nothing else).
+"""Live updates over Server-Sent Events, polled from the database (replicas share nothing else) by one
+poller per topic in each process, shared by every open stream of it (see `ampwatch.server.fanout`).
 
 Points follow the run's point feed (`point_feed`): every stored batch with points gets the run's next
 position, taken under the run row's lock just before commit, so positions become visible in order and a
@@ -19,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Annotated, Any
 
@@ -29,16 +30,15 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server import models, series, store
+from ampwatch.server import auth, fanout, models, queries, series, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, EventOut
+from ampwatch.server.settings import Settings
 from ampwatch.server.values import to_json
 
-router = APIRouter(prefix="/api/v1", tags=["stream"])
+router = APIRouter(prefix="/api/v1", tags=["stream"], dependencies=[auth.requires("read")])
 
-POLL_S = 0.2  # how often a stream looks at the database: most of the send-to-screen latency
-LIFETIME_S = 30.0  # then the stream ends and the browser reconnects from its Last-Event-ID (shutdown never waits long)
 RESET_STEPS = 20_000  # more steps than this to send at once, the client re-reads the downsampled series instead
 MAX_ROWS = 50_000  # more points than this to send at once: the same
 RESCAN_S = 10.0  # event ids are looked at again for this long: a transaction commits well within it
@@ -67,7 +67,7 @@ def _existing_run(run_id: str, request: Request) -> models.Run:
     # A short session of its own: a request-scoped one would hold a pooled connection for the stream's
     # whole life, and a few open pages would starve ingest.
     with request.app.state.sessions() as session:
-        found = store.get_run(session, run_id=run_id)
+        found = queries.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
     return found[0]
@@ -110,19 +110,52 @@ async def stream_run(
     """`update` events `{run, points, events, reset}`: the run's state, new (or late) points as
     `{name: {steps, values}}` (non-finite spelled out), new events. Resumes from `Last-Event-ID`."""
     sessions: sessionmaker[Session] = request.app.state.sessions
-    resumed = _parse_id(last_event_id)
-    if resumed is not None:
-        cursor = RunCursor(position=resumed[0], event_floor=resumed[1])
-    else:
-        cursor = await _run_sync(partial(_start, sessions, run, after_position, after_step, after_event))
+    settings: Settings = request.app.state.settings
+    hub: fanout.Hub = request.app.state.streams
+
+    async def start() -> fanout.Poll:  # the topic's poller: from the feed position when it starts
+        shared = await _run_sync(partial(_start, sessions, run, None, None, None))
+
+        async def poll() -> tuple[list[tuple[int, dict[str, Any], ServerSentEvent]], bool]:
+            update, more = await _run_sync(partial(_poll_run, sessions, run.id, rank, shared))
+            return ([] if update is None else [(shared.position, update, _update(update, shared.id))]), more
+
+        return poll
+
     yield ServerSentEvent(comment="ampwatch run stream", retry=RETRY_MS)
-    deadline = time.monotonic() + LIFETIME_S
-    while time.monotonic() < deadline:
-        update, more = await _run_sync(partial(_poll_run, sessions, run.id, rank, cursor))
-        if update is not None:
-            yield ServerSentEvent(event="update", raw_data=json.dumps(update, separators=(",", ":")), id=cursor.id)
-        if not more:
-            await anyio.sleep(POLL_S)
+    deadline = time.monotonic() + settings.stream_lifetime_s
+    async with hub.subscribe(("run", run.id, rank), run.id, start, settings.stream_poll_s) as subscription:
+        resumed = _parse_id(last_event_id)
+        if resumed is not None:
+            cursor = RunCursor(position=resumed[0], event_floor=resumed[1])
+        else:
+            cursor = await _run_sync(partial(_start, sessions, run, after_position, after_step, after_event))
+        more, sent = True, set[int]()
+        while more:  # this client's own catch-up, to where the shared poller takes over
+            update, more = await _run_sync(partial(_poll_run, sessions, run.id, rank, cursor))
+            if update is not None:
+                sent.update(e["id"] for e in update["events"])
+                yield _update(update, cursor.id)
+        async for position, update, message in _shared(subscription, deadline):
+            repeated = (
+                position <= cursor.position and update["points"] or any(e["id"] in sent for e in update["events"])
+            )
+            if repeated:  # (sent by the catch-up already: right after it, the poller may send them again)
+                events = [e for e in update["events"] if e["id"] not in sent]
+                points = {} if position <= cursor.position else update["points"]
+                message = _update({**update, "points": points, "events": events}, message.id or "")
+            yield message
+
+
+def _update(update: dict[str, Any], cursor_id: str) -> ServerSentEvent:
+    return ServerSentEvent(event="update", raw_data=json.dumps(update, separators=(",", ":")), id=cursor_id)
+
+
+async def _shared(subscription: fanout.Subscription, deadline: float) -> AsyncIterator[Any]:
+    """The topic's messages until the stream's deadline, or until it falls too far behind (dropped)."""
+    while not subscription.dropped and (left := deadline - time.monotonic()) > 0:
+        for message in await subscription.get(min(left, 1.0)):
+            yield message
 
 
 async def _run_sync(fn: Callable[[], Any]) -> Any:
@@ -134,8 +167,8 @@ def _start(
 ) -> RunCursor:  # fmt: skip
     """A new stream's cursor: the feed position (now, unless given) and the steps after `after_step` stored so far."""
     with sessions() as session:
-        position = after_position if after_position is not None else store.feed_position(session, run_id=run.id)
-        event_floor = after_event if after_event is not None else store.last_event_id(session, run_id=run.id)
+        position = after_position if after_position is not None else queries.feed_position(session, run_id=run.id)
+        event_floor = after_event if after_event is not None else queries.last_event_id(session, run_id=run.id)
         # Read after the position (not the run loaded with the request): a batch committed in between is then
         # in this range, or after the position, never in neither.
         last_step = session.scalar(select(models.Run.last_step).where(models.Run.id == run.id))
@@ -175,7 +208,9 @@ def _poll_run(
 
 def _new_events(session: Session, run_id: str, cursor: RunCursor) -> list[models.Event]:
     """Events above the floor not sent yet; the floor rises to what was seen RESCAN_S ago."""
-    found = store.list_events(session, run_id=run_id, after_id=cursor.event_floor, limit=len(cursor.events_sent) + 1000)
+    found = queries.list_events(
+        session, run_id=run_id, after_id=cursor.event_floor, limit=len(cursor.events_sent) + 1000
+    )
     new = [e for e in found if e.id not in cursor.events_sent]
     cursor.events_sent.update(e.id for e in new)
     now = time.monotonic()
@@ -243,9 +278,6 @@ def _event(e: models.Event) -> dict[str, Any]:
     return out.model_dump(mode="json")
 
 
-RUNS_POLL_S = 0.5
-
-
 @router.get("/stream/runs", response_class=EventSourceResponse)
 async def stream_runs(
     request: Request,
@@ -259,22 +291,38 @@ async def stream_runs(
     changed since the last message, a run that no longer matches the filters once with `in_filter` false; the
     first message has those heard from after `since` (or `Last-Event-ID`)."""
     sessions: sessionmaker[Session] = request.app.state.sessions
-    settings = request.app.state.settings
+    settings: Settings = request.app.state.settings
+    hub: fanout.Hub = request.app.state.streams
     resume = _parse_time(last_event_id) or (utc(since) if since else None)
     filters = {"project": project, "status": status, "search": q}
-    snapshot: dict[str, tuple[Any, ...]] | None = None
+
+    async def start() -> fanout.Poll:  # the topic's poller: changes after its first look
+        recent = RecentRuns(filters)
+        await _run_sync(partial(recent.look, sessions, settings))  # (what was there already is not news)
+
+        async def poll() -> tuple[list[ServerSentEvent], bool]:
+            changed, newest = await _run_sync(partial(recent.look, sessions, settings))
+            recent.resume = max(recent.resume, newest) if recent.resume and newest else newest or recent.resume
+            return ([_runs(changed, recent.resume)] if changed else []), False
+
+        return poll
+
     yield ServerSentEvent(comment="ampwatch runs stream", retry=RETRY_MS)
-    deadline = time.monotonic() + LIFETIME_S
-    while time.monotonic() < deadline:
-        changed, snapshot, newest = await _run_sync(partial(_poll_runs, sessions, settings, filters, snapshot, resume))
-        resume = max(resume, newest) if resume and newest else (newest or resume)
-        if changed:
-            yield ServerSentEvent(
-                event="runs",
-                raw_data=json.dumps(changed, separators=(",", ":")),
-                id=resume.isoformat() if resume else None,
-            )
-        await anyio.sleep(RUNS_POLL_S)
+    deadline = time.monotonic() + settings.stream_lifetime_s
+    key = ("runs", project, status, q)
+    async with hub.subscribe(key, None, start, settings.stream_runs_poll_s) as subscription:
+        if resume is not None:  # this client's own first message: what it missed since
+            changed, newest = await _run_sync(partial(_missed_runs, sessions, settings, filters, resume))
+            if changed:
+                yield _runs(changed, max(resume, newest) if newest else resume)
+        async for message in _shared(subscription, deadline):
+            yield message
+
+
+def _runs(changed: list[dict[str, Any]], resume: datetime | None) -> ServerSentEvent:
+    return ServerSentEvent(
+        event="runs", raw_data=json.dumps(changed, separators=(",", ":")), id=resume.isoformat() if resume else None
+    )
 
 
 def _parse_time(value: str | None) -> datetime | None:
@@ -284,31 +332,64 @@ def _parse_time(value: str | None) -> datetime | None:
         return None
 
 
-def _poll_runs(
-    sessions: sessionmaker[Session], settings: Any, filters: dict[str, Any],
-    snapshot: dict[str, tuple[Any, ...]] | None, since: datetime | None,
-) -> tuple[list[dict[str, Any]], dict[str, tuple[Any, ...]], datetime | None]:  # fmt: skip
-    """Runs whose row (or firing-alert count) differs from `snapshot`, and runs that left the filters (a finished
-    run under `status=running`: `in_filter` false); on the first call, those seen after `since`."""
+class RecentRuns:
+    """The runs list topic's view: it looks only at runs heard from, or whose alerts changed, in the last
+    RESCAN_S seconds before its previous look (by two indexes), so a look costs what changed, not every run."""
+
+    def __init__(self, filters: dict[str, Any]) -> None:
+        self.filters = filters
+        self.known: dict[str, tuple[tuple[Any, ...], bool]] = {}  # run id -> (its state, whether in the filters)
+        self.since: datetime | None = None
+        self.resume: datetime | None = None
+
+    def look(self, sessions: sessionmaker[Session], settings: Settings) -> tuple[list[dict[str, Any]], Any]:
+        """(runs that changed since the last look, as `GET /runs` shows them with their vitals and `in_filter`,
+        the newest `last_seen_at` among them); the first look only learns what is there."""
+        started, first = queries.now(), self.since is None
+        after = (self.since or started) - timedelta(seconds=RESCAN_S)
+        with sessions() as session:
+            project = self.filters["project"]
+            rows = queries.list_runs(session, project=project, seen_after=after)
+            more = set(queries.runs_alerted_after(session, after=after)) - {r.id for r, _ in rows}
+            rows += [(r, p) for r, p in queries.get_runs(session, run_ids=sorted(more)) if project in (None, p)]
+            firing = vitals.firing(session, [r.id for r, _ in rows])
+            out, newest = [], None
+            for run, name in rows:
+                state = (run.status, run.health, run.last_step, utc(run.last_seen_at), run.skip_rate, run.scale,
+                         run.scale_step, tuple(sorted(firing[run.id].items())))  # fmt: skip
+                matches = self._matches(run)
+                before = self.known.get(run.id)
+                if before == (state, matches):
+                    continue
+                self.known[run.id] = (state, matches)
+                if not first and (matches or before is None or before[1]):  # (changed, or it left the filters)
+                    out.append({**run_out(run, name, settings).model_dump(mode="json"),
+                                **vitals.of(run, firing[run.id]), "in_filter": matches})  # fmt: skip
+                    newest = max(newest, state[3]) if newest else state[3]
+        self.since = started
+        return out, newest
+
+    def _matches(self, run: models.Run) -> bool:
+        status, search = self.filters["status"], self.filters["search"]
+        return (status is None or run.status == status) and (not search or search in run.name)
+
+
+def _missed_runs(
+    sessions: sessionmaker[Session], settings: Any, filters: dict[str, Any], since: datetime
+) -> tuple[list[dict[str, Any]], datetime | None]:
+    """A stream's own first message: the runs heard from after `since` (what its page, or its browser before it
+    reconnected, has not seen), and those that left the filters meanwhile (`in_filter` false); by the
+    `last_seen_at` index."""
     with sessions() as session:
-        rows = store.list_runs(session, **filters)
-        firing = store.firing_counts(session)
-        now = {
-            run.id: (run.status, run.health, run.last_step, utc(run.last_seen_at), firing.get(run.id, 0))
-            for run, _ in rows
-        }
-        if snapshot is None:
-            changed = [(r, p) for r, p in rows if since is not None and now[r.id][3] > since]
-            # (a run may have left the filters while the browser reconnected; a run never leaves its project)
-            heard = store.list_runs(session, project=filters["project"], seen_after=since) if since is not None else []
-            left = [(r, p) for r, p in heard if r.id not in now]
-        else:
-            changed = [(r, p) for r, p in rows if snapshot.get(r.id) != now[r.id]]
-            left = [row for run_id in snapshot.keys() - now.keys() if (row := store.get_run(session, run_id=run_id))]
-        vitals = store.run_vitals(session, run_ids=[r.id for r, _ in changed + left])
+        rows = queries.list_runs(session, **filters, seen_after=since)
+        matching = {run.id for run, _ in rows}
+        # (a run may have left the filters while the browser reconnected; a run never leaves its project)
+        heard = queries.list_runs(session, project=filters["project"], seen_after=since)
+        rows += [(r, p) for r, p in heard if r.id not in matching]
+        firing = vitals.firing(session, [r.id for r, _ in rows])
         out = [
-            {**run_out(r, p, settings).model_dump(mode="json"), **vitals[r.id], "in_filter": r.id in now}
-            for r, p in changed + left
-        ]
-    newest = max((now[r.id][3] for r, _ in changed), default=None)
-    return out, now, newest
+            {**run_out(r, p, settings).model_dump(mode="json"), **vitals.of(r, firing[r.id]),
+             "in_filter": r.id in matching}
+            for r, p in rows
+        ]  # fmt: skip
+    return out, max((utc(r.last_seen_at) for r, _ in rows), default=None)

@@ -67,6 +67,7 @@
       }
       return;
     }
+    if (!row && table.dataset.paged) return; // (a later page: new runs belong on the first)
     if (!row) {
       const none = body.querySelector("tr.none");
       if (none) none.remove();

@@ -1,0 +1,42 @@
+"""Growth managed: delete a run, prune runs by age (admin tokens only)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, HTTPException, Path, Request
+
+from ampwatch.server import auth, queries, retention
+from ampwatch.server.schemas import PruneIn, RunsRemoved
+
+router = APIRouter(prefix="/api/v1", tags=["admin"], dependencies=[auth.requires("admin")])
+RunId = Annotated[str, Path(max_length=64)]
+
+
+@router.delete("/runs/{run_id}", response_model=RunsRemoved)
+async def delete_run(run_id: RunId, request: Request) -> RunsRemoved:
+    """Remove the run with its points, rollups, events, alerts and notifications, in short transactions
+    (ingest of other runs goes on meanwhile). `{"runs": [the run], "deleted": true}`; 404 if there is none."""
+    sessions = request.app.state.sessions
+    with sessions() as session:
+        found = queries.get_run(session, run_id=run_id)
+    if found is None:
+        raise HTTPException(404, f"no run with id {run_id!r}")
+    await anyio.to_thread.run_sync(retention.delete_run, sessions, run_id, request.app.state.settings.delete_chunk_rows)
+    return RunsRemoved.model_validate({"runs": [retention.describe(*found)], "deleted": True})
+
+
+@router.post("/runs/prune", response_model=RunsRemoved)
+async def prune_runs(body: PruneIn, request: Request) -> RunsRemoved:
+    """Remove every run not heard from for `older_than_s` seconds (of `project`, if given), oldest first, each
+    like `DELETE /runs/{id}`; `dry_run` lists them and removes nothing."""
+    sessions = request.app.state.sessions
+    with sessions() as session:
+        runs = retention.stale_runs(session, older_than_s=body.older_than_s, project=body.project)
+    if not body.dry_run:
+        for run, _ in runs:
+            await anyio.to_thread.run_sync(
+                retention.delete_run, sessions, run.id, request.app.state.settings.delete_chunk_rows
+            )
+    return RunsRemoved.model_validate({"runs": [retention.describe(*r) for r in runs], "deleted": not body.dry_run})
