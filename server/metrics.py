@@ -24,8 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ampwatch.server import auth
-from ampwatch.server import models
+from ampwatch.server import auth, models
 
 MAX_RUNS = 200  # per-run gauges for at most this many running runs
 SKIP_WINDOW_STEPS = 1000  # the skip rate is the share of skipped steps among the last this many steps

@@ -6,8 +6,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
-from ampwatch.server import auth
-from ampwatch.server import plan, queries
+from ampwatch.server import auth, plan, queries
 from ampwatch.server.deps import SessionDep, SettingsDep
 
 router = APIRouter(prefix="/api/v1", tags=["read"], dependencies=[auth.requires("read")])
