@@ -12,7 +12,6 @@ import shlex
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,7 +25,6 @@ from conftest import free_port
 import ampwatch
 from ampwatch import _cli
 from ampwatch.server import auth
-from ampwatch.server.routers import stream
 
 
 class Loop:
@@ -157,11 +155,10 @@ def test_failures_are_one_line_on_stderr_with_a_nonzero_exit(sqlite_server, caps
 
 
 def test_a_refused_token_says_which_variable_to_set(sqlite_server, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(auth, "REFRESH_S", 0.05)  # the server runs in this process: a new token counts at once
+    monkeypatch.setattr(sqlite_server.app.state.tokens, "refresh_s", 0.0)  # tokens re-read per request
     with sqlite_server.app.state.sessions() as session:
         read = auth.create_token(session, name="cli", role="read")
         ingest = auth.create_token(session, name="agent", role="ingest")
-    time.sleep(2 * auth.REFRESH_S)  # the server re-reads its tokens every REFRESH_S
     monkeypatch.setenv("AMPWATCH_URL", sqlite_server.url)
     code, _, err = _cli_run(capsys, "runs")
     assert code == 1 and "this server needs a token" in err and "AMPWATCH_TOKEN" in err
@@ -231,7 +228,7 @@ def test_watch_follows_a_run_and_exits_3_when_a_critical_alert_fires(sqlite_serv
 
 
 def test_watch_exits_0_when_the_run_finishes_across_stream_reconnections(sqlite_server, wait_for, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(stream, "LIFETIME_S", 0.2)  # (the server runs in this process) watch reconnects all the time
+    monkeypatch.setattr(sqlite_server.app.state.settings, "stream_lifetime_s", 0.2)  # watch reconnects all the time
     with ampwatch.init("cli", name="healthy", url=sqlite_server.url) as run:
         loop = Loop(run)
         loop.steps(range(5))

@@ -244,7 +244,7 @@ def test_warnings_and_skipped_nans_without_a_trigger_are_no_trouble() -> None:
 
 
 def test_the_plan_is_a_read_route(sqlite_server, capsys, monkeypatch, wait_for) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(auth, "REFRESH_S", 0.05)  # the server runs in this process: a new token counts at once
+    monkeypatch.setattr(sqlite_server.app.state.tokens, "refresh_s", 0.0)  # tokens re-read per request
     with sqlite_server.app.state.sessions() as session:
         read = auth.create_token(session, name="cli", role="read")
         ingest = auth.create_token(session, name="agent", role="ingest")

@@ -57,6 +57,16 @@ MEANINGS: dict[str, str] = {
     "`http://HOST:PORT`",
     "AMPWATCH_INSECURE": "allow a non-loopback `--host` with no access token (something else must guard the "
     "network; requests must still name a loopback host or the host of `AMPWATCH_PUBLIC_URL`)",
+    "AMPWATCH_STREAM_POLL_S": "how often a run's shared stream poller reads the database when no commit of this "
+    "process (or, on Postgres, a NOTIFY from another replica) woke it",
+    "AMPWATCH_STREAM_RUNS_POLL_S": "the same for the runs list's poller",
+    "AMPWATCH_STREAM_LIFETIME_S": "a live stream ends after this long and the browser reconnects from its "
+    "`Last-Event-ID` (so a load balancer spreads long-lived streams over the replicas)",
+    "AMPWATCH_STREAM_QUEUE": "messages a slow client may lag behind before it is dropped; it resumes from its "
+    "`Last-Event-ID`, and never stalls the other clients",
+    "AMPWATCH_DELETE_CHUNK_ROWS": "rows one transaction of deleting or pruning runs removes at most (about): ingest "
+    "of other runs goes on between them",
+    "AMPWATCH_TOKEN_REFRESH_S": "access tokens are re-read this often: a new or revoked token counts within it",
     "AMPWATCH_MAX_BODY_BYTES": "larger request bodies get 413 before they are parsed",
     "AMPWATCH_MAX_BATCH_POINTS": "larger batches get 413",
     "AMPWATCH_ALERT_WEBHOOK_URL": "adds a generic webhook channel with no other configuration (empty = unset)",
