@@ -53,6 +53,12 @@ class Outbox:
         """The oldest unacknowledged batch."""
         return self._queue[0][0] if self._queue else None
 
+    @property
+    def first_unstored_seq(self) -> int | None:
+        """The oldest unacknowledged batch that only memory holds (the spool does not)."""
+        with self._lock:
+            return next((seq for seq, _, stored in self._queue if not stored), None)
+
     def add(self, seq: int, doc: dict[str, Any], *, send: bool = True) -> None:
         """Persist a batch and queue it (`send=False`: persist only, for offline mode)."""
         try:

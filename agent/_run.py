@@ -28,6 +28,7 @@ from ampwatch._guard import guarded, warn_once
 from ampwatch._origin import Diagnosis
 from ampwatch._settings import AgentSettings
 from ampwatch._steps import MAX_NAME
+from ampwatch._transport import Transport
 from ampwatch._watch import Recorder
 from ampwatch._worker import EVENT, STATUS, VALUES, Worker
 
@@ -48,6 +49,7 @@ class Run:
         settings: AgentSettings,
         name: str | None = None,
         config: Any = None,
+        transport: Transport | None = None,
     ) -> None:
         disabled = settings.mode == "disabled"  # the fallback of a failed init(): nothing here may raise
         self.rank, self.world_size = (0, 1) if disabled else _rank_and_world_size()
@@ -65,7 +67,7 @@ class Run:
                 "config": _jsonable(_config_dict(config)),
                 "environment": _environment(self.world_size),
             }
-            self._worker = Worker(settings, self.id, doc, self.rank)
+            self._worker = Worker(settings, self.id, doc, self.rank, transport)
         self._recorder = Recorder(
             self._worker.record if self._worker is not None else _discard,  # per step: no hop through the Run
             rank=self.rank,
@@ -101,6 +103,12 @@ class Run:
         """Record values at the current step (or `step`); 0-d tensors are read later, off this thread."""
         guarded(self._log, metrics, step)
 
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Block until everything recorded so far is delivered to the server or kept in the spool on disk (from where
+        it is retried); True once it is, False if that takes longer than `timeout_s`. Never raises. Not needed before
+        `finish()`, which flushes; a disabled or finished run has nothing left to flush (True)."""
+        return guarded(self._flush, timeout_s) is True
+
     def finish(self) -> None:
         """Mark the run finished and deliver what is left (waits at most `AMPWATCH_FINISH_TIMEOUT_S`)."""
         guarded(self._finish, "finished", None)
@@ -127,6 +135,14 @@ class Run:
     def _record(self, entry: tuple) -> None:
         if self._worker is not None:
             self._worker.record(entry)
+
+    def _flush(self, timeout_s: float) -> bool:
+        if not isinstance(timeout_s, numbers.Real) or math.isnan(timeout_s):
+            warn_once("flush-timeout", "ampwatch: flush()'s timeout_s must be a number of seconds, got %r", timeout_s)
+            return False
+        if self._worker is None or self._finished:
+            return True
+        return self._worker.flush(max(0.0, float(timeout_s)), spooled=True)
 
     def _log(self, metrics: dict[str, Any], step: int | None) -> None:
         if self._finished:
@@ -234,11 +250,13 @@ def init(
     url: str | None = None,
     token: str | None = None,
     config: Any = None,
+    transport: Transport | None = None,
 ) -> Run:
-    """Start a run (`config`: a dict, an argparse.Namespace, a dataclass or an OmegaConf config). Never raises: on
-    any problem it logs and returns a run that records nothing."""
+    """Start a run (`config`: a dict, an argparse.Namespace, a dataclass or an OmegaConf config). `transport`: what
+    delivers batches instead of HTTP to `url` (any object with `ampwatch.Transport`'s `send` and `close`; tests pass
+    an in-memory one). Never raises: on any problem it logs and returns a run that records nothing."""
     try:
-        return Run(AgentSettings.resolve(project=project, url=url, token=token), name, config)
+        return Run(AgentSettings.resolve(project=project, url=url, token=token), name, config, transport)
     except Exception:
         log.exception("ampwatch: init() failed; this run will not be recorded")
         return Run(AgentSettings(mode="disabled", project=project or "default"), name)

@@ -25,7 +25,7 @@ from ampwatch._outbox import Outbox
 from ampwatch._settings import AgentSettings
 from ampwatch._spool import Spool, default_root
 from ampwatch._steps import Points, StepDecoder, plain_tensors, step_tensors
-from ampwatch._transport import Transport, packed
+from ampwatch._transport import HttpTransport, Transport, packed
 
 log = logging.getLogger("ampwatch")
 
@@ -67,11 +67,19 @@ class Diagnoser(Protocol):
 class Worker:
     """One daemon thread per run that owns all I/O."""
 
-    def __init__(self, settings: AgentSettings, run_id: str, run_doc: dict[str, Any], rank: int) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        run_id: str,
+        run_doc: dict[str, Any],
+        rank: int,
+        transport: Transport | None = None,
+    ) -> None:
         self._settings = settings
         self._online = settings.mode == "online"
         self._rank = rank
-        transport = Transport(settings.url, settings.token, settings.request_timeout_s)
+        self._given_transport = transport  # (`init(transport=...)`; else HTTP to settings.url)
+        transport = transport or HttpTransport(settings.url, settings.token, settings.request_timeout_s)
         registration = {"run_id": run_id, "rank": rank, "url": settings.url, "doc": run_doc}
         spool = Spool.create(default_root(), run_id, rank, registration, settings.spool_max_bytes)
         self.outbox = Outbox(transport, run_id, run_doc, spool)
@@ -92,7 +100,7 @@ class Worker:
         self._seq = int(time.time() * 1000) * 1000
         self._reported_drops = 0
         self._announce = True  # the first batch says the run is running (see _enqueue)
-        self._waiters: list[tuple[int, threading.Event]] = []
+        self._waiters: list[tuple[int, threading.Event, bool]] = []  # (last batch before, released, spool suffices)
         self._last_batch_at = 0.0
         self._decoder = StepDecoder()
         self.read: collections.deque[list[tuple]] = collections.deque()  # read by the sender, to free (see free_read)
@@ -141,8 +149,10 @@ class Worker:
         self.outbox.close()
         if self.outbox.spool is not None:
             self.outbox.spool.close()  # (the child's copy of the lock's file: the lock stays the parent's)
-        self.outbox = Outbox(Transport(self._settings.url, self._settings.token, self._settings.request_timeout_s),
-                             self._run_id, self._run_doc, None)  # fmt: skip
+        transport = self._given_transport or HttpTransport(
+            self._settings.url, self._settings.token, self._settings.request_timeout_s
+        )
+        self.outbox = Outbox(transport, self._run_id, self._run_doc, None)
         self._seq = int(time.time() * 1000) * 1000
         self._announce = False  # (the parent's run: its status is the parent's to say)
 
@@ -150,10 +160,11 @@ class Worker:
         """Read what was recorded now, not at the next flush interval (never blocks)."""
         self._wake.set()
 
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until everything recorded so far was delivered; False on timeout."""
+    def flush(self, timeout_s: float, *, spooled: bool = False) -> bool:
+        """Wait until everything recorded so far was delivered (`spooled`: or is kept in the spool, from where it
+        is retried); False on timeout."""
         done = threading.Event()
-        self.record((FLUSH, done))
+        self.record((FLUSH, done, spooled))
         self._wake.set()
         return done.wait(timeout_s)
 
@@ -254,7 +265,7 @@ class Worker:
             if entry[0] == FLUSH:
                 self._seal(chunk)
                 chunk = []
-                self._waiters.append((self._seq, entry[1]))
+                self._waiters.append((self._seq, entry[1], entry[2]))
             else:
                 chunk.append(entry)
         self._seal(chunk)
@@ -386,11 +397,24 @@ class Worker:
         self._release_waiters()
 
     def _release_waiters(self) -> None:
-        first = self.outbox.first_seq if self._online else None
-        pending = first if first is not None else self._seq + 1
-        for _, done in [w for w in self._waiters if w[0] < pending]:
-            done.set()
-        self._waiters = [w for w in self._waiters if w[0] >= pending]
+        """Wake the flushes whose batches are acknowledged (or, for those that accept it, spooled)."""
+        if not self._waiters:
+            return
+        unsent = self._seq + 1  # offline: a batch is done once spooled (or counted as dropped)
+        delivered_below = kept_below = unsent
+        if self._online:
+            first = self.outbox.first_seq
+            delivered_below = first if first is not None else unsent
+            first_unstored = self.outbox.first_unstored_seq
+            kept_below = first_unstored if first_unstored is not None else unsent
+        waiting = []
+        for waiter in self._waiters:
+            seq, done, spooled = waiter
+            if seq < (kept_below if spooled else delivered_below):
+                done.set()
+            else:
+                waiting.append(waiter)
+        self._waiters = waiting
 
 
 def _tensors(parts: list[Any]) -> list[Any]:
