@@ -86,9 +86,16 @@ class MemoryTransport:
 
     # -- what tests read, shaped as the read API returns it -----------------------------------
     def run(self, run_id: str) -> dict[str, Any]:
-        """The run as registered, with its `status` and `last_step`."""
+        """The run as registered, with its `status`, `last_step`, the names of its `series` and its `ranks`."""
         with self._lock:
-            return dict(self._runs[run_id])
+            keys = [(rank, name) for (r, rank, name) in self._points if r == run_id]
+            return {**self._runs[run_id], "series": sorted({n for _, n in keys}), "ranks": sorted({k for k, _ in keys})}
+
+    def runs(self, project: str | None = None) -> list[dict[str, Any]]:
+        """The runs (of `project`), newest first."""
+        with self._lock:
+            ids = [i for i, run in self._runs.items() if project is None or run.get("project") == project]
+        return [self.run(i) for i in reversed(ids)]
 
     def series(self, run_id: str, name: list[str] | str | None = None, rank: int = 0) -> dict[str, dict[str, list]]:
         """`{name: {"steps": [...], "values": [...]}}` in step order; non-finite values spelt 'NaN', 'Infinity'..."""
