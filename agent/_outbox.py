@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from ampwatch._protocol import batches_path, run_path
 from ampwatch._spool import Spool
 from ampwatch._transport import Response, Transport, encode
 
@@ -30,7 +31,8 @@ class Outbox:
 
     def __init__(self, transport: Transport, run_id: str, run_doc: dict[str, Any], spool: Spool | None) -> None:
         self._transport = transport
-        self._run_path = f"/api/v1/runs/{run_id}"
+        self._run_path = run_path(run_id)
+        self._batches_path = batches_path(run_id)
         self._run_body = encode(run_doc)
         self.spool = spool
         # (seq, body or None when only the spool holds it, whether the spool holds it)
@@ -107,7 +109,7 @@ class Outbox:
                 if body is None:
                     self._pop()
                     continue
-            reply = self._transport.send("POST", self._run_path + "/batches", body)
+            reply = self._transport.send("POST", self._batches_path, body)
             if (
                 reply.status == 404 and not registered_now
             ):  # the server does not know the run (a new database): register again

@@ -26,11 +26,11 @@ from typing import Any
 
 from ampwatch._guard import guarded, warn_once
 from ampwatch._origin import Diagnosis
+from ampwatch._protocol import EVENT, MAX_NAME, MAX_STEP, STATUS, VALUES
 from ampwatch._settings import AgentSettings
-from ampwatch._steps import MAX_NAME
 from ampwatch._transport import Transport
 from ampwatch._watch import Recorder
-from ampwatch._worker import EVENT, STATUS, VALUES, Worker
+from ampwatch._worker import Worker
 
 log = logging.getLogger("ampwatch")
 _UNFINISHED: set[Run] = set()  # (held here: a run the script no longer refers to is still finished at exit)
@@ -38,7 +38,6 @@ _LAUNCHES = itertools.count()  # init() calls of a distributed process: a sweep'
 # A forked child (os.fork, a multiprocessing worker) that exits normally runs the inherited atexit hook:
 # the runs it inherited are its parent's, which trains on, so the child must not finish them.
 os.register_at_fork(after_in_child=_UNFINISHED.clear)
-MAX_STEP = 2**63
 
 
 class Run:

@@ -27,8 +27,9 @@ from typing import Any
 from ampwatch import _misuse, _scaler
 from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
+from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, ORIGIN, STEP
 from ampwatch._steps import ANCHOR_EVERY
-from ampwatch._worker import FAST_RECORDS, ORIGIN, PLAIN, RAN, STEP
+from ampwatch._worker import FAST_RECORDS
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 WAKE_EVERY_S = (
@@ -289,7 +290,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
                 at = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
                 entry = (
-                    RAN if found is None else PLAIN,
+                    APPLIED_STEP if found is None else LEAN_STEP,
                     at,
                     rec._loss,
                     found,

@@ -16,9 +16,9 @@ from ampwatch import _scaler
 from ampwatch._guard import Hook, guarded, warn_once
 from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe, module_names
+from ampwatch._protocol import EVENT
 from ampwatch._steady import Steady
 from ampwatch._steps import ANCHOR_EVERY, CLIP_TOTAL
-from ampwatch._worker import EVENT
 
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})

@@ -22,22 +22,30 @@ from typing import Any, Protocol
 from ampwatch._guard import report, warn_once
 from ampwatch._host import to_host
 from ampwatch._outbox import Outbox
+from ampwatch._protocol import (
+    DATA_KINDS,
+    DROPPED,
+    EVENT,
+    FLUSH,
+    KIND,
+    ORIGIN,
+    STATUS,
+    STEP,
+    STEP_KINDS,
+    VALUES,
+    batch_document,
+)
 from ampwatch._settings import AgentSettings
 from ampwatch._spool import Spool, default_root
-from ampwatch._steps import Points, StepDecoder, plain_tensors, step_tensors
-from ampwatch._transport import HttpTransport, Transport, packed
+from ampwatch._steps import Points, StepDecoder, lean_tensors, step_tensors
+from ampwatch._transport import HttpTransport, Transport
 
 log = logging.getLogger("ampwatch")
 
-# Record kinds appended by the training thread.
-VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP, PLAIN, RAN = "v", "e", "s", "f", "o", "t", "p", "r"
-_STEPS = (STEP, PLAIN, RAN)  # step records (see ampwatch._steps), decoded a run of one kind at a time
-_DATA = (VALUES, ORIGIN, *_STEPS)  # the records the buffer cap may drop
-_KIND = operator.itemgetter(0)
+_KIND = operator.itemgetter(KIND)
 STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
 KEEP_READ = 8  # lists of records read by the sender, kept for the training thread to free (see `free_read`), at most
 FAST_RECORDS = 1024  # step records appended without the checks of `Worker.record` in a row, at most (a power of 2)
-DROPPED = "dropped_records"  # series: how many records and batches this rank dropped so far
 
 
 Flags = list[tuple[str, float]]  # (module, 1.0 if its output or output gradient was non-finite), in call order
@@ -114,7 +122,7 @@ class Worker:
         if self._thread is None:
             self._start()
         records = self.records
-        if len(records) >= self._max_records and entry[0] in _DATA:
+        if len(records) >= self._max_records and entry[0] in DATA_KINDS:
             self.dropped += 1
             if self.dropped == 1:
                 log.warning("ampwatch: the record buffer is full, dropping records (counted)")
@@ -277,7 +285,7 @@ class Worker:
             Any
         ] = []  # in order: runs of step records of one kind (lists, decoded column by column), other records
         for kind, group in itertools.groupby(entries, _KIND):
-            if kind in _STEPS:
+            if kind in STEP_KINDS:
                 run = list(group)
                 parts += [run[i : i + STEPS_PER_PASS] for i in range(0, len(run), STEPS_PER_PASS)]
             else:
@@ -298,7 +306,7 @@ class Worker:
         for part in parts:
             kind = part[0] if part.__class__ is tuple else STEP
             if kind == STEP:
-                at = (decoder.decode if part[0][0] == STEP else decoder.decode_plain)(part, host, at, points)
+                at = (decoder.decode if part[0][0] == STEP else decoder.decode_lean)(part, host, at, points)
                 step = part[-1][1]
                 count = sum(len(series[0]) for series in points.values())
             elif kind == VALUES:
@@ -376,20 +384,7 @@ class Worker:
             self._announce, status = False, status or "running"
         self._last_batch_at = time.monotonic()
         self._seq += 1
-        body: dict[str, dict[str, str]] = {}
-        last_steps, last_packed = None, ""
-        for name, (steps, values) in points.items():
-            if steps != last_steps:  # (the standard series of a pass share their steps: packed once)
-                last_steps, last_packed = steps, packed(steps, "q")
-            body[name] = {"steps": last_packed, "values": packed(values, "d")}
-        doc = {
-            "rank": self._rank,
-            "seq": self._seq,
-            "points": body,
-            "events": events,
-            "status": status,
-        }
-        self.outbox.add(self._seq, doc, send=self._online)
+        self.outbox.add(self._seq, batch_document(self._rank, self._seq, points, events, status), send=self._online)
 
     def _deliver(self) -> None:
         if self._online:
@@ -422,7 +417,7 @@ def _tensors(parts: list[Any]) -> list[Any]:
     tensors: list[Any] = []
     for part in parts:
         if part.__class__ is list:
-            (step_tensors if part[0][0] == STEP else plain_tensors)(part, tensors)
+            (step_tensors if part[0][0] == STEP else lean_tensors)(part, tensors)
         elif part[0] == VALUES and part[3].__class__ is not tuple:
             tensors.append(part[3])
         elif part[0] == ORIGIN:

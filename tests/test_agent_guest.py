@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampwatch
 from ampwatch import _watch
-from ampwatch._worker import KEEP_READ, RAN
+from ampwatch._protocol import APPLIED_STEP
+from ampwatch._worker import KEEP_READ
 
 
 def _train(run: Any, steps: int = 30, *, fused: bool = False, nan_step: int | None = 7) -> list[torch.Tensor]:
@@ -179,7 +180,7 @@ def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_end
         for step in range(20):
             run.log({"x": float(step)}, step=step)
         # Fault injection: a step record holding what is not a tensor, as a bug of the agent's could leave one.
-        run._worker.record((RAN, 20, object(), None, object(), None))  # type: ignore[union-attr]
+        run._worker.record((APPLIED_STEP, 20, object(), None, object(), None))  # type: ignore[union-attr]
         run.log({"x": 21.0}, step=21)
     status = memory.run(run.id)["status"]
     series = memory.series(run.id, ["x", "dropped_records"])

@@ -129,9 +129,9 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
     """The sender decodes the steady path's plain records a column at a time: the same points as the step records
     the full path would have made, through a stretch without skips, skips (backoff), growth, non-finite values and
     a missing lr; and so do runs of plain records where those of the steps whose optimizer step ran hold no
-    found_inf (kind RAN), as the sender groups them."""
-    from ampwatch._steps import StepDecoder, plain_tensors, step_tensors
-    from ampwatch._worker import PLAIN, RAN, STEP
+    found_inf (kind APPLIED_STEP), as the sender groups them."""
+    from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
+    from ampwatch._steps import StepDecoder, lean_tensors, step_tensors
 
     losses = [0.5, 0.75, 1.0, 0.5, float("nan"), 0.25, float("inf"), 0.125, 2.0, 1.0, 3.0, 0.0, -1.5]
     skips = [0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1]
@@ -153,32 +153,32 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
         None,
     )
     decoded = []
-    for kind in (STEP, PLAIN, RAN):
+    for kind in (STEP, LEAN_STEP, APPLIED_STEP):
         decoder, points = StepDecoder(), {}
         runs = [[anchor]]
         for start, end in ((0, 1), (1, len(losses))):  # (a stretch of one step, without a skip, then the rest)
             steps = range(start, end)
             if kind == STEP:
                 runs.append([(STEP, s + 1, *tensors[s], True, None, None, lrs[s], None) for s in steps])
-            elif kind == PLAIN:
-                runs.append([(PLAIN, s + 1, *tensors[s], lrs[s]) for s in steps])
+            elif kind == LEAN_STEP:
+                runs.append([(LEAN_STEP, s + 1, *tensors[s], lrs[s]) for s in steps])
             else:  # the skipped steps' records hold found_inf, the others do not: runs of one kind each
                 for s in steps:
                     loss, found, norm = tensors[s]
                     entry = (
-                        (PLAIN, s + 1, loss, found, norm, lrs[s])
+                        (LEAN_STEP, s + 1, loss, found, norm, lrs[s])
                         if skips[s]
-                        else (RAN, s + 1, loss, None, norm, lrs[s])
+                        else (APPLIED_STEP, s + 1, loss, None, norm, lrs[s])
                     )
                     if runs[-1][0][0] != entry[0]:
                         runs.append([])
                     runs[-1].append(entry)
-        assert kind != RAN or len(runs) == 7  # (it was a test of mixed runs: the anchor, then r p r p r p)
+        assert kind != APPLIED_STEP or len(runs) == 7  # (it was a test of mixed runs: the anchor, then r p r p r p)
         for run in runs:
             values: list = []
-            (step_tensors if run[0][0] == STEP else plain_tensors)(run, values)
+            (step_tensors if run[0][0] == STEP else lean_tensors)(run, values)
             host = [v for t in values for v in (t.tolist() if t.dim() else [t.item()])]
-            at = (decoder.decode if run[0][0] == STEP else decoder.decode_plain)(run, host, 0, points)
+            at = (decoder.decode if run[0][0] == STEP else decoder.decode_lean)(run, host, 0, points)
             assert at == len(host)
         decoded.append({name: (steps, [repr(v) for v in vals]) for name, (steps, vals) in points.items()})
     assert decoded[0] == decoded[1] == decoded[2]
@@ -206,17 +206,17 @@ def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(memory, monkeypa
     """A lean step whose optimizer step ran keeps no found_inf (the optimizer's post-step hook says GradScaler did not
     skip it); one GradScaler skipped keeps it. In a loop whose scale grows into fp16 overflows every other step, the
     skipped and scale series are exactly what GradScaler did, and the lean path made both kinds of record."""
+    from ampwatch._protocol import APPLIED_STEP, LEAN_STEP
     from ampwatch._steps import StepDecoder
-    from ampwatch._worker import PLAIN, RAN
 
     kinds: list[tuple[str, int]] = []
-    decode_plain = StepDecoder.decode_plain
+    decode_lean = StepDecoder.decode_lean
 
     def spy(self: StepDecoder, records: list[tuple], *args: Any) -> int:
         kinds.extend((r[0], r[1]) for r in records)
-        return decode_plain(self, records, *args)
+        return decode_lean(self, records, *args)
 
-    monkeypatch.setattr(StepDecoder, "decode_plain", spy)
+    monkeypatch.setattr(StepDecoder, "decode_lean", spy)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -239,8 +239,8 @@ def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(memory, monkeypa
     series = memory.series(run.id, ["skipped", "scale"])
     assert series["skipped"]["steps"] == list(range(120)) and series["skipped"]["values"] == skipped
     assert series["scale"]["values"] == scales  # (the scale each step ran with, shadowed from the skips)
-    ran = {step for kind, step in kinds if kind == RAN}
-    held = {step for kind, step in kinds if kind == PLAIN}
+    ran = {step for kind, step in kinds if kind == APPLIED_STEP}
+    held = {step for kind, step in kinds if kind == LEAN_STEP}
     assert sum(skipped) > 20 and len(ran) > 20 and len(held) > 20  # (it was a test of both)
     assert all(skipped[step] for step in held) and not any(skipped[step] for step in ran)
 
