@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from ampwatch._losses import REJECTED, SPOOL_FULL, SPOOL_LOST, UNENCODABLE, Losses
 from ampwatch._protocol import batches_path, run_path
 from ampwatch._spool import Spool
 from ampwatch._transport import Response, Transport, encode
@@ -29,8 +30,16 @@ MEMORY_ONLY_CAP = 10_000  # without a usable spool, the most batches held for re
 class Outbox:
     """The batches of one (run, rank) that the server has not acknowledged yet."""
 
-    def __init__(self, transport: Transport, run_id: str, run_doc: dict[str, Any], spool: Spool | None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        run_id: str,
+        run_doc: dict[str, Any],
+        spool: Spool | None,
+        losses: Losses | None = None,
+    ) -> None:
         self._transport = transport
+        self.losses = losses if losses is not None else Losses()  # (shared with the run's sender, which reports them)
         self._run_path = run_path(run_id)
         self._batches_path = batches_path(run_id)
         self._run_body = encode(run_doc)
@@ -42,13 +51,21 @@ class Outbox:
         self.on_registered: Any = None  # called with the server's reply to the registration (a dict), if set
         self.retry_at = 0.0
         self._failures = 0
-        self.dropped = 0
-        self.refused = 0  # of those dropped: the batches the server refused for good
         if spool is not None:
             self._queue.extend((seq, None, True) for seq in spool.pending())
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    @property
+    def dropped(self) -> int:
+        """Batches lost, for any reason."""
+        return sum(self.losses[reason] for reason in (SPOOL_FULL, REJECTED, SPOOL_LOST, UNENCODABLE))
+
+    @property
+    def refused(self) -> int:
+        """Of those, the batches the server refused for good."""
+        return self.losses[REJECTED]
 
     @property
     def first_seq(self) -> int | None:
@@ -66,14 +83,16 @@ class Outbox:
         try:
             body = encode(doc)
         except (TypeError, ValueError) as error:  # a bug on our side: sending it again cannot help
-            self.dropped += 1
+            self.losses.add(UNENCODABLE)
             log.error("ampwatch: batch %d could not be encoded (%s); dropped (counted)", seq, error)
             return
         with self._lock:
             at_once = send and not self._queue and time.monotonic() >= self.retry_at
             stored = not at_once and self.spool is not None and self.spool.put(seq, body)
             if not stored and (not send or len(self._queue) >= MEMORY_ONLY_CAP):
-                self._drop("ampwatch: dropping batches that neither the spool nor memory can hold (counted)")
+                self._drop(
+                    SPOOL_FULL, "ampwatch: dropping batches that neither the spool nor memory can hold (counted)"
+                )
             elif send:
                 self._queue.append((seq, body if not stored or len(self._queue) < IN_MEMORY else None, stored))
 
@@ -122,8 +141,7 @@ class Outbox:
                 return False
             rejected = not reply.ok  # (sending it again cannot help: counted, and a spooled one is kept as .bad)
             if rejected:
-                self.refused += 1
-                self._drop(f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
+                self._drop(REJECTED, f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
             self._failures = 0
             self._pop()
             if stored:
@@ -146,10 +164,12 @@ class Outbox:
             return self.spool.load(seq)  # type: ignore[union-attr]
         except FileNotFoundError:  # `ampwatch sync` delivered it meanwhile (and removed it, as it does)
             if not self.spool.folder.is_dir():  # type: ignore[union-attr]
-                self._drop("ampwatch: the spool folder was removed: batches waiting there are lost (counted)")
+                self._drop(
+                    SPOOL_LOST, "ampwatch: the spool folder was removed: batches waiting there are lost (counted)"
+                )
             return None
         except (OSError, ValueError) as error:
-            self.dropped += 1
+            self.losses.add(SPOOL_LOST)
             log.error("ampwatch: spooled batch %d is unreadable (%s); set aside as .bad", seq, error)
             self.spool.set_aside(seq)  # type: ignore[union-attr]
             return None
@@ -169,12 +189,13 @@ class Outbox:
         self._backoff(reply)
         return False
 
-    def _drop(self, message: str, error: bool = False) -> None:
-        """A batch is lost: counted (the `dropped_records` series and finish() say so), and said once (errors each time)."""
-        self.dropped += 1
+    def _drop(self, reason: str, message: str, error: bool = False) -> None:
+        """A batch is lost: counted per reason (the `dropped_records` series and finish() say so), and said once per
+        reason (errors each time)."""
+        first = self.losses.add(reason)
         if error:
             log.error(message)
-        elif self.dropped == 1:
+        elif first:
             log.warning(message)
 
     def _backoff(self, reply: Response) -> None:

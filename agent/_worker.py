@@ -21,10 +21,10 @@ from typing import Any, Protocol
 
 from ampwatch._guard import report, warn_once
 from ampwatch._host import to_host
+from ampwatch._losses import BUFFER_FULL, SPOOL_FULL, UNREADABLE, Losses
 from ampwatch._outbox import Outbox
 from ampwatch._protocol import (
     DATA_KINDS,
-    DROPPED,
     EVENT,
     FLUSH,
     KIND,
@@ -90,12 +90,12 @@ class Worker:
         transport = transport or HttpTransport(settings.url, settings.token, settings.request_timeout_s)
         registration = {"run_id": run_id, "rank": rank, "url": settings.url, "doc": run_doc}
         spool = Spool.create(default_root(), run_id, rank, registration, settings.spool_max_bytes)
-        self.outbox = Outbox(transport, run_id, run_doc, spool)
+        self.losses = Losses()
+        self.outbox = Outbox(transport, run_id, run_doc, spool, self.losses)
         self._run_id, self._run_doc = run_id, run_doc
         self.records: collections.deque[tuple] = collections.deque()
         self._max_records = settings.max_pending_records
         self.diagnosis: Diagnoser | None = None
-        self.dropped = 0
         self._wake = threading.Event()
         self._absorbing = (
             threading.Lock()
@@ -106,7 +106,6 @@ class Worker:
         # Batches of a relaunch under the same run id must not look like re-sends of the first process's:
         # number them from the launch time (ms), leaving room for 1000 batches per millisecond.
         self._seq = int(time.time() * 1000) * 1000
-        self._reported_drops = 0
         self._announce = True  # the first batch says the run is running (see _enqueue)
         self._waiters: list[tuple[int, threading.Event, bool]] = []  # (last batch before, released, spool suffices)
         self._last_batch_at = 0.0
@@ -123,8 +122,7 @@ class Worker:
             self._start()
         records = self.records
         if len(records) >= self._max_records and entry[0] in DATA_KINDS:
-            self.dropped += 1
-            if self.dropped == 1:
+            if self.losses.add(BUFFER_FULL):
                 log.warning("ampwatch: the record buffer is full, dropping records (counted)")
             return None
         records.append(entry)
@@ -160,7 +158,8 @@ class Worker:
         transport = self._given_transport or HttpTransport(
             self._settings.url, self._settings.token, self._settings.request_timeout_s
         )
-        self.outbox = Outbox(transport, self._run_id, self._run_doc, None)
+        self.losses = Losses()  # (the parent's losses are the parent's to report)
+        self.outbox = Outbox(transport, self._run_id, self._run_doc, None, self.losses)
         self._seq = int(time.time() * 1000) * 1000
         self._announce = False  # (the parent's run: its status is the parent's to say)
 
@@ -193,7 +192,7 @@ class Worker:
             try:
                 self._absorb(entries)
             except Exception as error:
-                self.dropped += len(entries)
+                self.losses.add(UNREADABLE, len(entries))
                 log.warning(
                     "ampwatch: %d record(s) could not be read at finish (%s): lost (counted)", len(entries), error
                 )
@@ -203,12 +202,13 @@ class Worker:
         self.free_read()  # (the sender is done, or waits on the server: it frees what it reads later itself)
         self.outbox.close()
         if not delivered:
-            self.outbox.dropped += (
-                self.outbox.spill()
-            )  # to disk; what the spool cannot take is lost with the process: counted
-        if self.dropped or self.outbox.dropped:
-            log.warning("ampwatch: this run dropped %d record(s) (buffer full, or unreadable) and %d batch(es) (no room on disk "
-                        "or in memory, or rejected); the `%s` series counts them", self.dropped, self.outbox.dropped, DROPPED)  # fmt: skip
+            lost = self.outbox.spill()  # to disk; what the spool cannot take is lost with the process: counted
+            if lost:
+                self.losses.add(SPOOL_FULL, lost)
+        if self.losses.total:
+            said = ", ".join(f"{reason}: {count}" for reason, count in self.losses.counts.items() if count)
+            log.warning("ampwatch: this run dropped %d record(s) and %d batch(es) (%s); the `dropped_records` series "
+                        "counts them, `dropped_records/<reason>` per reason", self.dropped, self.outbox.dropped, said)  # fmt: skip
         spool = self.outbox.spool
         if spool is not None and delivered and not len(self.outbox):
             spool.discard()
@@ -351,21 +351,23 @@ class Worker:
             return True
         except Exception as error:
             if part.__class__ is tuple and part[0] == VALUES:
-                self.dropped += 1
+                self.losses.add(UNREADABLE)
                 warn_once("unreadable-" + part[2][0], "ampwatch: a value logged as %r (step %d) cannot be read as a number "
                           "(%s); dropped, and any like it", part[2][0], part[1], error)  # fmt: skip
             else:  # a record the agent made itself: a bug of ours
-                self.dropped += len(part) if part.__class__ is list else 1
+                self.losses.add(UNREADABLE, len(part) if part.__class__ is list else 1)
                 report(self._readable)
             return False
 
     def _report_drops(self, points: dict[str, tuple[list[int], list[Any]]], step: int) -> None:
-        """Say on the server how much was dropped, as a cumulative series (a later batch carries it if this one
-        is dropped too)."""
-        dropped = self.dropped + self.outbox.dropped
-        if dropped != self._reported_drops:
-            self._reported_drops = dropped
-            points[DROPPED] = ([step], [float(dropped)])
+        """Say on the server how much was lost, in total and per reason, as cumulative series at `step`."""
+        for name, count in self.losses.unreported().items():
+            points[name] = ([step], [count])
+
+    @property
+    def dropped(self) -> int:
+        """Records lost (buffer full, or unreadable)."""
+        return self.losses[BUFFER_FULL] + self.losses[UNREADABLE]
 
     def _heartbeat(self) -> None:
         """An empty batch when nothing else was sent for a while: the server tells hung from dead by it."""

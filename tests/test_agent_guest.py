@@ -183,10 +183,10 @@ def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_end
         run._worker.record((APPLIED_STEP, 20, object(), None, object(), None))  # type: ignore[union-attr]
         run.log({"x": 21.0}, step=21)
     status = memory.run(run.id)["status"]
-    series = memory.series(run.id, ["x", "dropped_records"])
+    series = memory.series(run.id, ["x", "dropped_records", "dropped_records/unreadable"])
     assert status == "finished"
     assert series["x"]["steps"] == [*range(20), 21]
-    assert series["dropped_records"]["values"] == [1.0]
+    assert series["dropped_records"]["values"] == series["dropped_records/unreadable"]["values"] == [1.0]
     assert "internal error in Worker._readable" in caplog.text
 
 
@@ -270,11 +270,12 @@ def test_records_dropped_past_the_buffer_cap_are_counted_reported_and_the_run_st
     run.finish()  # the flush marker and the status are never dropped: finish() does not wait out its timeout
     assert time.monotonic() - started < 5
     doc = memory.run(run.id)
-    data = memory.series(run.id, ["x", "dropped_records"])
+    data = memory.series(run.id)
     assert doc["status"] == "finished"
     assert data["x"]["steps"] == list(range(10))
-    assert data["dropped_records"] == {"steps": [9], "values": [40.0]}
-    assert "dropped 40 record(s)" in caplog.text
+    assert data["dropped_records"] == data["dropped_records/buffer_full"] == {"steps": [9], "values": [40.0]}
+    assert set(data) == {"x", "dropped_records", "dropped_records/buffer_full"}  # (no other reason)
+    assert "dropped 40 record(s)" in caplog.text and "buffer_full: 40" in caplog.text
 
 
 def test_critical_detections_are_also_logged_locally(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]

@@ -51,6 +51,7 @@ def test_a_logged_value_that_cannot_be_read_on_the_sender_costs_only_itself(memo
     assert "bad" not in series and series["ok"]["values"] == [1.0] and series["plain"]["values"] == [3.0]
     assert series["loss"]["steps"] == list(range(10))  # the steps in the same batch arrived
     assert series["dropped_records"]["values"] == [1.0]  # counted where the user looks for losses
+    assert series["dropped_records/unreadable"]["values"] == [1.0]  # and why
     assert "logged as 'bad' (step 10) cannot be read" in caplog.text
 
 
