@@ -77,7 +77,7 @@ class Run:
             self.url = None
             return
         self._worker.outbox.on_registered = self._registered
-        self._worker.diagnosis = Diagnosis(self._recorder, self.rank)
+        self._worker.batcher.diagnosis = Diagnosis(self._recorder, self.rank)
         self._recorder.wake = self._worker.wake
         self._recorder._free_read = self._worker.free_read
         self._worker.start()

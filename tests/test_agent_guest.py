@@ -187,7 +187,7 @@ def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_end
     assert status == "finished"
     assert series["x"]["steps"] == [*range(20), 21]
     assert series["dropped_records"]["values"] == series["dropped_records/unreadable"]["values"] == [1.0]
-    assert "internal error in Worker._readable" in caplog.text
+    assert "internal error in Batcher._readable" in caplog.text
 
 
 def test_bad_arguments_never_raise_and_each_is_named_in_a_warning(caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
