@@ -64,12 +64,12 @@ def main() -> None:
 
     import torch
 
-    from ampwatch import _origin, _outbox, _steps, _worker
+    from ampwatch import _batcher, _origin, _outbox, _protocol, _steps, _worker
 
     torch.set_num_threads(1)
     totals: dict[str, float] = collections.defaultdict(float)
-    for module, name, label in ((_worker, "to_host", "read"), (_worker, "_tensors", "list tensors"), (_worker, "packed", "pack"),
-                                (_outbox, "encode", "JSON"), (_steps.StepDecoder, "decode_plain", "decode"),
+    for module, name, label in ((_batcher, "to_host", "read"), (_batcher, "_tensors", "list tensors"), (_protocol, "packed", "pack"),
+                                (_outbox, "encode", "JSON"), (_steps.StepDecoder, "decode_lean", "decode"),
                                 (_steps.StepDecoder, "decode", "decode"), (_origin.Diagnosis, "observe_columns", "diagnose"),
                                 (_outbox.Outbox, "deliver", "deliver (HTTP)")):  # fmt: skip
         setattr(module, name, _timed(totals, label, getattr(module, name)))
