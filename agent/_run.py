@@ -77,9 +77,9 @@ class Run:
             self.url = None
             return
         self._worker.outbox.on_registered = self._registered
-        self._worker.batcher.diagnosis = Diagnosis(self._recorder, self.rank)
-        self._recorder.wake = self._worker.wake
-        self._recorder._free_read = self._worker.free_read
+        mailbox = self._recorder.mailbox
+        mailbox.wake, mailbox.free_read = self._worker.wake, self._worker.free_read
+        self._worker.batcher.diagnosis = Diagnosis(mailbox, self.rank)  # (it writes the probe's requests there)
         self._worker.start()
         _UNFINISHED.add(self)
         _install_sigterm_handler()

@@ -62,7 +62,7 @@ class Steady:
             loss = None if "loss" in user else loss
             lr = None if "lr" in user else lr
             total, check = "grad_norm" not in user, "param_norm" not in user
-        plain = step < self._plain_until and not self.arm_request
+        plain = step < self._plain_until and not self.mailbox.arm_request
         if not plain and self._torch is not None:
             note_stream(self._torch)  # (the sender's CUDA reads wait for this step's stream)
         if not plain and optimizers and check and (step % self.param_interval == 0 or self._probing):
@@ -84,16 +84,17 @@ class Steady:
             if step + 1 >= self._plain_until:
                 self._end_plain(step)
             return
-        if self._free_read is not None:  # (the records the sender has read: see Worker.free_read)
-            self._free_read()
+        free_read = self.mailbox.free_read
+        if free_read is not None:  # (the records the sender has read: see Worker.free_read)
+            free_read()
         probe = self._probe
         if probe is not None:
-            if self._probing or self.arm_request:
+            if self._probing or self.mailbox.arm_request:
                 self._probe_step(step)
                 self._probing = probe.armed
             self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
-        elif self.arm_request:  # (no model is watched: there is nothing to arm)
-            self.arm_request = False
+        elif self.mailbox.arm_request:  # (no model is watched: there is nothing to arm)
+            self.mailbox.arm_request = False
         self._plain_until = self._plan(step)
         if self._plain_until > step + 1:
             self._enter_steady()
@@ -117,15 +118,15 @@ class Steady:
             ):  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
                 probe.disarm()  # type: ignore[union-attr]
                 # A request pending after a hit: from the same episode (the range below misses it if the user numbers steps).
-                self.arm_request = self.arm_request and self.origin_found != self._arming
-        if self.arm_request and not probe.armed:  # type: ignore[union-attr]
-            self.arm_request = False
+                self.mailbox.arm_request = self.mailbox.arm_request and self.mailbox.origin_found != self._arming
+        if self.mailbox.arm_request and not probe.armed:  # type: ignore[union-attr]
+            self.mailbox.arm_request = False
             # Not for an event from the last arming's own on: it saw it or was armed after it (one before: a step the user
             # numbered otherwise: armed). Its flags were recorded before this event's step, so whether it missed is known.
-            if not self._armed_from <= self.arm_step < self._armed_until:
-                probe.arm(missed=self._arming > 0 and self.origin_found != self._arming)  # type: ignore[union-attr]
+            if not self._armed_from <= self.mailbox.arm_step < self._armed_until:
+                probe.arm(missed=self._arming > 0 and self.mailbox.origin_found != self._arming)  # type: ignore[union-attr]
                 self._arming += 1
-                self._armed_from, self._armed_until = self.arm_step, step + 1 + probe.window  # type: ignore[union-attr]
+                self._armed_from, self._armed_until = self.mailbox.arm_step, step + 1 + probe.window  # type: ignore[union-attr]
 
     def _plan(self: Any, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that
@@ -181,9 +182,10 @@ class Steady:
     def _wake_for_skip(self: Any) -> None:
         """A skipped step (its optimizer step did not run): the sender reads it now, not at its next flush, so the
         diagnosis can arm the NaN-origin probe before the next few hundred fast steps have passed."""
-        if self.wake is not None and monotonic() >= self._woke_at + WAKE_EVERY_S:
+        wake = self.mailbox.wake
+        if wake is not None and monotonic() >= self._woke_at + WAKE_EVERY_S:
             self._woke_at = monotonic()
-            self.wake()
+            wake()
 
     def _leave_steady(self: Any) -> None:
         """Back to the full hooks (until the next plan)."""
@@ -201,7 +203,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
     named as GradScaler's: a loop may pass them by keyword."""
     cls = type(scaler)
     base_scale, base_unscale_, base_step, base_update = cls.scale, cls.unscale_, cls.step, cls.update
-    tensor, leave, diagnose = rec._tensor, rec._leave_steady, _scaler.diagnose_error
+    tensor, leave, diagnose, mailbox = rec._tensor, rec._leave_steady, _scaler.diagnose_error, rec.mailbox
     first = rec._optimizers[0] if rec._optimizers else None
     groups, group_count, clipped_params = rec._clip_groups, rec._clip_seen[2], rec._clip_params
     count, first_param, last_param = (
@@ -283,7 +285,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
                     for found in state["found_inf_per_device"].values():  # noqa: B007 (the last one is kept)
                         count += 1
             # (a step whose norm or step() did not come, as when a loop unscales, then drops the step: the full path)
-            if (count == 1 and new_scale is None and not rec.arm_request and scaler._scale is not None
+            if (count == 1 and new_scale is None and not mailbox.arm_request and scaler._scale is not None
                     and rec._norm is not None and rec._unscaled is None):  # fmt: skip
                 # What _finish_step records on a plain step, as a plain record (the user logged no standard name:
                 # that left the steady path).

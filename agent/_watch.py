@@ -14,6 +14,7 @@ from typing import Any
 
 from ampwatch import _scaler
 from ampwatch._guard import Hook, guarded, warn_once
+from ampwatch._mailbox import Mailbox
 from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe, module_names
 from ampwatch._protocol import EVENT
@@ -35,13 +36,13 @@ class Recorder(Steady):
     # Slots, the ones every step reads first: next to each other in memory. Timed in place, the hooks' cost is
     # mostly memory they touch, and a dict of fifty attributes spreads them over many more cache lines.
     __slots__ = (
-        "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "arm_request",
-        "_record", "_free_read", "_steady", "_full_hooks", "rank", "layer_interval", "param_interval", "origin_found",
+        "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "mailbox",
+        "_record", "_steady", "_full_hooks", "rank", "layer_interval", "param_interval",
         "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted",
         "_clip_seen", "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks",
         "_scaler", "_optimizers", "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing",
         "_layers_due", "_ever_scaled", "_said", "_last_optimizer", "_stage_before", "_first_forward_hook",
-        "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from",
+        "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "_woke_at", "_armed_from",
         "_armed_until", "_skip_seen", "_grad_mark",
     )  # fmt: skip
 
@@ -50,15 +51,12 @@ class Recorder(Steady):
     ) -> None:
         self._record = record  # may return the buffer's append, for the next step records (see Worker.record)
         self._append: Callable[[tuple], None] | None = None
-        self._free_read: Callable[[], None] | None = None  # frees the records the sender read (see Worker.free_read)
         self.rank = rank
         self.step = 0
         self.layer_interval = layer_interval
         self.param_interval = param_interval
-        self.arm_request = False  # set by the sender thread's diagnosis, for a non-finite event at step `arm_step`
-        self.arm_step = -1
+        self.mailbox = Mailbox()  # word to and from the sender thread (see ampwatch._mailbox)
         self._armed_from = self._armed_until = 0  # the last arming's event, and the first step after its probe was gone
-        self.origin_found = 0  # the last arming (see `_arming`) whose probe named an origin, set by the sender thread
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
@@ -108,7 +106,6 @@ class Recorder(Steady):
         self._last_optimizer = self._stage_before = self._grad_mark = None  # (the latter: see _scaler.norm_before_clip)
         self._first_forward_hook: Any = None
         self._last_error = 0
-        self.wake: Callable[[], Any] | None = None  # wakes the sender thread (see ampwatch._steady, update)
         self._woke_at = 0.0  # (time.monotonic() of the last)
 
     # -- what the user logged --------------------------------------------------------------
@@ -277,6 +274,7 @@ class Recorder(Steady):
             # The same parameters (ids are distinct, so equal counts and inclusion mean the same set), 2-norm.
             self._clip_trusted = seen[1] == 2.0 and len(ids) == len(own) and all(map(own.__contains__, ids))
             self._clip_seen, self._clip_groups, self._clip_params = seen, groups, parameters
+            self.mailbox.clipping = True
         if self._deferred is optimizer:
             if self._clip_trusted or seen[1] == 2.0 and self._covers_gradients(optimizer, ids):
                 self._deferred = None
@@ -330,6 +328,7 @@ class Recorder(Steady):
         """No clip came after all (before step(), or unscale_ ran inside it): the gradients are as unscale_ left them."""
         optimizer, self._deferred, self._clip_trusted = self._deferred, None, False
         self._clip_seen = ()  # the next clip decides again whether to trust it
+        self.mailbox.clipping = False
         self._normed.discard(id(optimizer))
         self.on_unscaled(optimizer)
 

@@ -227,7 +227,7 @@ def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_
         if done:
             armed.append(recorder._probe.armed)
         elif step in requests:
-            recorder.arm_step, recorder.arm_request = requests[step], True
+            recorder.mailbox.arm_step, recorder.mailbox.arm_request = requests[step], True
 
     _by_hand(memory, 120, each)
     # Armed after step 10 through step 30 (20 steps), not for the events at 20 and 30 it covered; for the one at 5
@@ -278,9 +278,9 @@ def test_a_hit_the_sender_reports_after_the_arming_ended_still_resets_the_next_w
             if done:
                 windows.append(recorder._probe.window)
             else:
-                recorder.arm_step, recorder.arm_request = step - 1, True
+                recorder.mailbox.arm_step, recorder.mailbox.arm_request = step - 1, True
         if step == 35:
-            recorder.origin_found = 1  # the first arming's hit, read after its window (steps 11 to 30) ended
+            recorder.mailbox.origin_found = 1  # the first arming's hit, read after its window (steps 11 to 30) ended
 
     _by_hand(memory, 140, each)
     assert windows == [20, 20, 40]  # the second arming missed (no hit reported for it): the third lasts twice as long

@@ -50,10 +50,8 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
             if run._recorder._steady is not None:  # (private: which path this step begins on)
                 steady_seen.append(step)
             if step == ARMED:
-                run._recorder.arm_step = (
-                    step - 1
-                )  # (private: what the sender's diagnosis asks after a non-finite value)
-                run._recorder.arm_request = True
+                # (private: what the sender's diagnosis asks after a non-finite value)
+                run._recorder.mailbox.arm_step, run._recorder.mailbox.arm_request = step - 1, True
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(x).float().pow(2).mean()
             if step == TWO_LOSSES:  # two micro-batches: their losses are summed
