@@ -27,7 +27,7 @@ from typing import Any
 from ampwatch import _misuse, _scaler
 from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
-from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, ORIGIN, STEP
+from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
 from ampwatch._steps import ANCHOR_EVERY
 from ampwatch._worker import FAST_RECORDS
 
@@ -35,11 +35,6 @@ LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the stea
 WAKE_EVERY_S = (
     0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
 )
-BLIND = ("The NaN-origin probe, armed after a non-finite value, saw no forward pass of the watched model in a whole step: "
-         "its hooks did not run, so it cannot say where NaN/Inf come from. Most likely the model was compiled after "
-         "watch() (torch.compile(model): the compiled graph does not run hooks added to the modules inside it later): "
-         "pass the compiled model to watch() instead, and the probe tells a bad input batch from the model; run uncompiled "
-         "to have it name the module. Or the loop calls another model than the one passed to watch().")  # fmt: skip
 
 
 class Steady:
@@ -90,43 +85,13 @@ class Steady:
         probe = self._probe
         if probe is not None:
             if self._probing or self.mailbox.arm_request:
-                self._probe_step(step)
-                self._probing = probe.armed
+                self._probing = self._arming.end_of_step(probe, step)
             self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
         elif self.mailbox.arm_request:  # (no model is watched: there is nothing to arm)
             self.mailbox.arm_request = False
         self._plain_until = self._plan(step)
         if self._plain_until > step + 1:
             self._enter_steady()
-
-    def _probe_step(self: Any, step: int) -> None:
-        """Hand over the armed probe's flags for `step`; arm or disarm it as the diagnosis asked."""
-        probe = self._probe
-        if probe.armed:  # type: ignore[union-attr]
-            import torch
-
-            fwd_names, fwd, bwd_names, bwd = probe.take()  # type: ignore[union-attr]
-            if fwd or bwd:
-                flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
-                self._record((ORIGIN, step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
-            elif not probe.blind_said:  # type: ignore[union-attr]
-                probe.blind_said = True  # type: ignore[union-attr]
-                self._config(BLIND, {"probe": "no forward seen", "armed_step": step})
-            probe.steps_left -= 1  # type: ignore[union-attr]
-            if (
-                probe.steps_left <= 0
-            ):  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
-                probe.disarm()  # type: ignore[union-attr]
-                # A request pending after a hit: from the same episode (the range below misses it if the user numbers steps).
-                self.mailbox.arm_request = self.mailbox.arm_request and self.mailbox.origin_found != self._arming
-        if self.mailbox.arm_request and not probe.armed:  # type: ignore[union-attr]
-            self.mailbox.arm_request = False
-            # Not for an event from the last arming's own on: it saw it or was armed after it (one before: a step the user
-            # numbered otherwise: armed). Its flags were recorded before this event's step, so whether it missed is known.
-            if not self._armed_from <= self.mailbox.arm_step < self._armed_until:
-                probe.arm(missed=self._arming > 0 and self.mailbox.origin_found != self._arming)  # type: ignore[union-attr]
-                self._arming += 1
-                self._armed_from, self._armed_until = self.mailbox.arm_step, step + 1 + probe.window  # type: ignore[union-attr]
 
     def _plan(self: Any, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that

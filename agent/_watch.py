@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ampwatch import _scaler
+from ampwatch._arming import ProbeArming
 from ampwatch._guard import Hook, guarded, warn_once
 from ampwatch._mailbox import Mailbox
 from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
@@ -42,8 +43,7 @@ class Recorder(Steady):
         "_clip_seen", "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks",
         "_scaler", "_optimizers", "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing",
         "_layers_due", "_ever_scaled", "_said", "_last_optimizer", "_stage_before", "_first_forward_hook",
-        "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "_woke_at", "_armed_from",
-        "_armed_until", "_skip_seen", "_grad_mark",
+        "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "_woke_at", "_skip_seen", "_grad_mark",
     )  # fmt: skip
 
     def __init__(
@@ -56,7 +56,6 @@ class Recorder(Steady):
         self.layer_interval = layer_interval
         self.param_interval = param_interval
         self.mailbox = Mailbox()  # word to and from the sender thread (see ampwatch._mailbox)
-        self._armed_from = self._armed_until = 0  # the last arming's event, and the first step after its probe was gone
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
@@ -98,7 +97,7 @@ class Recorder(Steady):
         self._module_of: dict[int, str] = {}
         self._layer_names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._probe: OriginProbe | None = None
-        self._arming = 0
+        self._arming = ProbeArming(self.mailbox, record, self._config)  # when the probe is armed (see ampwatch._arming)
         self._probing = False  # the probe is armed (a copy of its flag, read every step)
         self._layers_due = False  # the current iteration takes per-layer norms
         self._ever_scaled = False
