@@ -63,17 +63,8 @@ class Steady:
         if not plain and optimizers and check and (step % self.param_interval == 0 or self._probing):
             with self._torch.no_grad():  # (no graph, and no detached copy of each parameter: ~0.3 us each)
                 params = self._foreach_norm([p for o in optimizers for g in o.param_groups for p in g["params"]])
-        entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)
-        append = self._append
-        if append is not None and step & (FAST_RECORDS - 1):
-            append(entry)
-        else:
-            self._append = self._record(entry)
-        self.step = step + 1
-        if skipped:  # (now that its record is in the buffer: the sender's next read must find it)
-            self._wake_for_skip()
-        self._loss = self._norm = self._anchor = self._unscaled = self._deferred = None
-        self._scale_calls = 0
+        self._end_step((STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params), step, skipped)
+        self._anchor = self._unscaled = self._deferred = None
         self._normed.clear()
         if plain:
             if step + 1 >= self._plain_until:
@@ -92,6 +83,21 @@ class Steady:
         self._plain_until = self._plan(step)
         if self._plain_until > step + 1:
             self._enter_steady()
+
+    def _end_step(self: Any, entry: tuple, step: int, wake: bool) -> None:
+        """Where every step ends, on the full path and the lean one: its record goes to the sender's buffer (through the
+        buffer's own append while it has room, see Worker.record), the step count moves on, and the iteration's loss
+        and norm are let go. `wake`: the step may have been skipped, so the sender reads it now."""
+        append = self._append
+        if append is not None and step & (FAST_RECORDS - 1):
+            append(entry)
+        else:
+            self._append = self._record(entry)
+        self.step = step + 1
+        if wake:  # (now that its record is in the buffer: the sender's next read must find it)
+            self._wake_for_skip()
+        self._loss = self._norm = None
+        self._scale_calls = 0
 
     def _plan(self: Any, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that
@@ -252,28 +258,13 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
             # (a step whose norm or step() did not come, as when a loop unscales, then drops the step: the full path)
             if (count == 1 and new_scale is None and not mailbox.arm_request and scaler._scale is not None
                     and rec._norm is not None and rec._unscaled is None):  # fmt: skip
-                # What _finish_step records on a plain step, as a plain record (the user logged no standard name:
-                # that left the steady path).
+                # What _finish_step records on a plain step, as a lean record (the user logged no standard name:
+                # that left the steady path); the step ends as every step does.
                 at = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
-                entry = (
-                    APPLIED_STEP if found is None else LEAN_STEP,
-                    at,
-                    rec._loss,
-                    found,
-                    rec._norm,
-                    lr if lr.__class__ is float else _real(lr),
-                )
-                append = rec._append
-                if append is not None and at & (FAST_RECORDS - 1):
-                    append(entry)
-                else:
-                    rec._append = rec._record(entry)
-                if found is not None:
-                    rec._wake_for_skip()
-                rec.step = at + 1
-                rec._loss = rec._norm = None
-                rec._scale_calls = 0
+                lr = lr if lr.__class__ is float else _real(lr)
+                rec._end_step((APPLIED_STEP if found is None else LEAN_STEP, at, rec._loss, found, rec._norm, lr), at,
+                              found is not None)  # fmt: skip
                 if at + 1 >= rec._plain_until:
                     rec._end_plain(at)
                 lean = True
