@@ -15,11 +15,12 @@ from ampwatch._mailbox import Mailbox
 from ampwatch._origin import OriginProbe
 from ampwatch._protocol import ORIGIN
 
-BLIND = ("The NaN-origin probe, armed after a non-finite value, saw no forward pass of the watched model in a whole step: "
-         "its hooks did not run, so it cannot say where NaN/Inf come from. Most likely the model was compiled after "
-         "watch() (torch.compile(model): the compiled graph does not run hooks added to the modules inside it later): "
-         "pass the compiled model to watch() instead, and the probe tells a bad input batch from the model; run uncompiled "
-         "to have it name the module. Or the loop calls another model than the one passed to watch().")  # fmt: skip
+BLIND = ("The NaN-origin probe, armed after a non-finite value, saw no forward pass of the watched model in a whole "
+         "step: its hooks did not run, so it cannot say where NaN/Inf come from. Most likely the model was compiled "
+         "after watch() (torch.compile(model): the compiled graph does not run hooks added to the modules inside it "
+         "later): pass the compiled model to watch() instead, and the probe tells a bad input batch from the model; "
+         "run uncompiled to have it name the module. Or the loop calls another model than the one passed to "
+         "watch().")  # fmt: skip
 
 
 class ProbeArming:
@@ -36,7 +37,8 @@ class ProbeArming:
         self._mailbox, self._record, self._config = mailbox, record, config
 
     def end_of_step(self, probe: OriginProbe, step: int) -> bool:
-        """Hand over the armed probe's flags for `step`; arm or disarm it as the diagnosis asked. Whether it is armed."""
+        """Hand over the armed probe's flags for `step`; arm or disarm it as the diagnosis asked. Returns whether
+        the probe is armed."""
         mailbox = self._mailbox
         if probe.armed:
             import torch
@@ -53,12 +55,14 @@ class ProbeArming:
                 probe.steps_left <= 0
             ):  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
                 probe.disarm()
-                # A request pending after a hit: from the same episode (the range below misses it if the user numbers steps).
+                # A request pending after a hit is from the same episode (the range below misses it if the user
+                # numbers steps).
                 mailbox.arm_request = mailbox.arm_request and mailbox.origin_found != self.count
         if mailbox.arm_request and not probe.armed:
             mailbox.arm_request = False
-            # Not for an event from the last arming's own on: it saw it or was armed after it (one before: a step the user
-            # numbered otherwise: armed). Its flags were recorded before this event's step, so whether it missed is known.
+            # Not for an event from the last arming's own on: it saw it or was armed after it (one before: a step the
+            # user numbered otherwise: armed). Its flags were recorded before this event's step, so whether it missed
+            # is known.
             start, end = self._covered
             if not start <= mailbox.arm_step < end:
                 probe.arm(missed=self.count > 0 and mailbox.origin_found != self.count)

@@ -6,7 +6,7 @@ gradients (the diagnosis words its advice by it).
 Sender -> training thread: after a non-finite value, the diagnosis asks for the NaN-origin probe to be armed
 (`arm_request`, for the event at step `arm_step`), and says which arming's probe named an origin
 (`origin_found`); the training thread acts on them at the end of its next full step (see `ampwatch._steady`).
-And `free_read()`, the sender's errand that the training thread runs: freeing the records the sender has read.
+And `free_read_records()`, the sender's errand that the training thread runs: freeing the records the sender has read.
 
 Each field has one writer, except `arm_request`: the sender sets it, the training thread clears it once it
 acted on it (a request set again meanwhile is at worst taken one full step later). Plain attributes, read without
@@ -22,7 +22,7 @@ from typing import Any
 class Mailbox:
     """What the two threads of a run tell each other (see the module's docstring for who writes what)."""
 
-    __slots__ = ("arm_request", "arm_step", "origin_found", "clipping", "wake", "free_read")
+    __slots__ = ("arm_request", "arm_step", "origin_found", "clipping", "wake", "free_read_records")
 
     def __init__(self) -> None:
         self.arm_request = False  # sender: arm the probe (the training thread clears it once handled)
@@ -30,7 +30,9 @@ class Mailbox:
         self.origin_found = 0  # sender: the last arming whose probe named an origin
         self.clipping = False  # training thread: the loop clips its gradients (a clip of them was seen)
         self.wake: Callable[[], Any] | None = None  # the sender's: wakes it (never blocks)
-        self.free_read: Callable[[], None] | None = None  # the sender's: frees the records it read (training thread)
+        self.free_read_records: Callable[[], None] | None = (
+            None  # the sender's: frees the records it read (training thread)
+        )
 
     @property
     def _clip_seen(self) -> bool:

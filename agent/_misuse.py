@@ -134,7 +134,7 @@ def stepped_directly(rec: Any, optimizer: Any) -> None:
     scaler = rec._scaler
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
     if scaler is not None and scaler._enabled and (state is None or state["stage"].name == "READY"):
-        rec._said.add("direct_step")
+        rec._misuses_told.add("direct_step")
         rec._misuse("optimizer.step() without scaler.step(optimizer)", "direct_step", DIRECT_STEP, "critical", {})
 
 
@@ -180,7 +180,7 @@ def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any
             norm_only = isinstance(max_norm, (int, float)) and math.isinf(
                 max_norm
             )  # (a tensor is not read: a host read)
-            rec._said.add("clip_before_unscale")
+            rec._misuses_told.add("clip_before_unscale")
             details = {"max_norm": str(max_norm) if isinstance(max_norm, (int, float)) else None}
             message = CLIPPED_SCALED_NORM if norm_only else CLIPPED_SCALED
             rec._misuse(
@@ -204,9 +204,9 @@ def clip_raised(rec: Any, error: BaseException) -> None:
         scaler is not None
         and scaler._enabled
         and "cannot be clipped" in str(error)
-        and "clip_nonfinite" not in rec._said
+        and "clip_nonfinite" not in rec._misuses_told
     ):
-        rec._said.add("clip_nonfinite")
+        rec._misuses_told.add("clip_nonfinite")
         rec._misuse("clip_grad_norm_(error_if_nonfinite=True) raised", "clip_nonfinite", CLIP_NONFINITE, "critical",
                     {"error": str(error)})  # fmt: skip
 

@@ -101,7 +101,10 @@ class Outbox:
         spool = self.spool
         with self._lock:
             if spool is not None:
-                queue = [(seq, body, stored or spool.put(seq, body)) for seq, body, stored in self._queue]  # type: ignore[arg-type]
+                queue = [
+                    (seq, body, stored or spool.put(seq, body))  # type: ignore[arg-type]
+                    for seq, body, stored in self._queue
+                ]
                 self._queue = collections.deque(queue)
             return sum(not stored for _, _, stored in self._queue)
 
@@ -203,9 +206,9 @@ class Outbox:
         self._failures += 1
         if self._failures == 1 and reply.refused:
             log.error(
-                "ampwatch: the server refused this run's data (%d: %s). It is kept on disk and retried: set AMPWATCH_TOKEN "
-                "to an ingest token (`ampwatch token create --role ingest` on the server), or upload it later with "
-                "`ampwatch sync --token TOKEN`", reply.status, reply.body[:300],
+                "ampwatch: the server refused this run's data (%d: %s). It is kept on disk and retried: set "
+                "AMPWATCH_TOKEN to an ingest token (`ampwatch token create --role ingest` on the server), or upload it "
+                "later with `ampwatch sync --token TOKEN`", reply.status, reply.body[:300],
             )  # fmt: skip
         elif self._failures == 1:
             why = reply.body[:300] if reply.status == 0 else f"HTTP {reply.status}"

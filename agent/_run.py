@@ -78,7 +78,7 @@ class Run:
             return
         self._worker.outbox.on_registered = self._registered
         mailbox = self._recorder.mailbox
-        mailbox.wake, mailbox.free_read = self._worker.wake, self._worker.free_read
+        mailbox.wake, mailbox.free_read_records = self._worker.wake, self._worker.free_read_records
         self._worker.batcher.diagnosis = Diagnosis(mailbox, self.rank)  # (it writes the probe's requests there)
         self._worker.start()
         _UNFINISHED.add(self)
@@ -113,7 +113,7 @@ class Run:
         guarded(self._finish, "finished", None)
 
     def _registered(self, reply: dict[str, Any]) -> None:
-        """The server's own link to the run's page (AMPWATCH_PUBLIC_URL behind a proxy) replaces the one from our URL."""
+        """The server's own link to the run's page (AMPWATCH_PUBLIC_URL behind a proxy) replaces ours."""
         url = reply.get("url")
         if isinstance(url, str) and url.startswith(("http://", "https://")) and url.endswith("/runs/" + self.id):
             self.url = url
@@ -332,7 +332,8 @@ def _crash_event(step: int, rank: int, exc: BaseException) -> dict[str, Any]:
         message = f"Interrupted at step {step}: KeyboardInterrupt (Ctrl-C or SIGINT)."
         details = {"exception": "KeyboardInterrupt", "signal": "SIGINT"}
     else:
-        message = f"The training loop raised {traceback.format_exception_only(type(exc), exc)[-1].strip()}"  # (safe: see test)
+        raised = traceback.format_exception_only(type(exc), exc)[-1].strip()  # (safe on any exception: see its test)
+        message = f"The training loop raised {raised}"
         details = {"exception": type(exc).__name__}
     if exc.__traceback__ is not None:
         details["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:]
@@ -363,8 +364,8 @@ def _run_id(project: str, name: str | None, world_size: int) -> str:
     if world_size <= 1:
         return secrets.token_hex(8)
     # (SLURM's job and step ids: tasks that srun starts share them, and no two jobs do, where the address does)
-    shared = [project, name or "", *(os.environ.get(v, "") for v in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
-              "SLURM_JOB_ID", "SLURM_STEP_ID")), str(next(_LAUNCHES))]  # fmt: skip
+    launch = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID")
+    shared = [project, name or "", *(os.environ.get(v, "") for v in launch), str(next(_LAUNCHES))]
     return hashlib.sha256("\0".join(shared).encode()).hexdigest()[:16]
 
 

@@ -107,7 +107,8 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
             raise
 
     def reanchoring(name: str) -> Any:
-        """`load_state_dict` and the growth-rule setters: the shadow copies scale and rule again at the next update()."""
+        """`load_state_dict` and the growth-rule setters: the shadow copies scale and rule again at the next
+        update()."""
         method = getattr(cls, name)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:

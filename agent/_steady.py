@@ -37,8 +37,10 @@ WAKE_EVERY_S = (
 )
 
 
-class Steady:
-    """Part of `ampwatch._watch.Recorder`: its attributes are the Recorder's."""
+class StepEnd:
+    """How the Recorder ends a step and runs the lean path: a part of `ampwatch._watch.Recorder`, whose attributes
+    these methods use (one object, the Recorder, for speed: its slots are what every step touches). Owner: the
+    training thread."""
 
     __slots__ = ()
 
@@ -70,9 +72,9 @@ class Steady:
             if step + 1 >= self._plain_until:
                 self._end_plain(step)
             return
-        free_read = self.mailbox.free_read
-        if free_read is not None:  # (the records the sender has read: see Worker.free_read)
-            free_read()
+        free_read_records = self.mailbox.free_read_records
+        if free_read_records is not None:  # (the records the sender has read: see Worker.free_read_records)
+            free_read_records()
         probe = self._probe
         if probe is not None:
             if self._probing or self.mailbox.arm_request:
@@ -123,7 +125,8 @@ class Steady:
         if (optimizer is None or scaler is None or not scaler._enabled or not self._clip_trusted or self._probing
                 or not self._ever_scaled or stage is None or stage.name != "UNSCALED"
                 or self._clip_params.__class__ is not list or not self._clip_params  # (a clip of one tensor, or none)
-                or self._user_step >= self.step and self._user_names  # (a standard name logged ahead: the full path sees it)
+                # (a standard name logged ahead: the full path sees it)
+                or self._user_step >= self.step and self._user_names
                 or getattr(optimizer, "_step_supports_amp_scaling", False)
                 or scaler.__dict__.get(_scaler.RECORDER) is not self):  # fmt: skip
             return
@@ -294,7 +297,7 @@ def _ran_hook(rec: Any) -> Callable[..., None]:
         if rec._ran is False:  # (only inside a scaler's step(): the flag is None before the iteration's first)
             rec._ran = True
         elif (
-            rec._ran is None and rec._scale_calls and "direct_step" not in rec._said
+            rec._ran is None and rec._scale_calls and "direct_step" not in rec._misuses_told
         ):  # (outside: see stepped_directly)
             guarded(_misuse.stepped_directly, rec, optimizer)
 

@@ -19,14 +19,14 @@ from ampwatch._mailbox import Mailbox
 from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe, module_names
 from ampwatch._protocol import EVENT
-from ampwatch._steady import Steady
+from ampwatch._steady import StepEnd
 from ampwatch._steps import ANCHOR_EVERY, CLIP_TOTAL
 
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
 
 
-class Recorder(Steady):
+class Recorder(StepEnd):
     """Per-run step state: the step counter and what the current iteration has seen so far.
 
     The methods the scaler wrappers call (`on_scale`, `on_unscaled`, `on_clipped`, `before_step`,
@@ -42,7 +42,7 @@ class Recorder(Steady):
         "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted",
         "_clip_seen", "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks",
         "_scaler", "_optimizers", "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing",
-        "_layers_due", "_ever_scaled", "_said", "_last_optimizer", "_stage_before", "_first_forward_hook",
+        "_layers_due", "_ever_scaled", "_misuses_told", "_last_optimizer", "_stage_before", "_first_forward_hook",
         "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "_woke_at", "_skip_seen", "_grad_mark",
     )  # fmt: skip
 
@@ -65,8 +65,8 @@ class Recorder(Steady):
         self._ran: bool | None = None  # on a lean step: whether its optimizer step ran (None: not known)
         self._skip_seen = False  # on a full step: the step of one of several optimizers did not run
         self._ran_on: set[Any] = set()  # the optimizers the post-step hook that tells so is registered on (once each)
-        # the current iteration (kept as a bare tensor in the usual case, a list only when there are several: each object
-        # the record keeps alive until the sender reads it adds to the garbage collector's work on the training thread)
+        # the current iteration (kept as a bare tensor in the usual case, a list only when there are several: each
+        # object the record keeps alive until the sender reads it adds to the garbage collector's work)
         self._loss: Any = None  # the detached loss, or a list of them (several scale() calls)
         self._norm: Any = None  # clip_grad_norm_'s total norm, or Groups (see ampwatch._steps)
         self._normed: set[int] = set()
@@ -101,7 +101,7 @@ class Recorder(Steady):
         self._probing = False  # the probe is armed (a copy of its flag, read every step)
         self._layers_due = False  # the current iteration takes per-layer norms
         self._ever_scaled = False
-        self._said: set[str] = set()  # the misuses that raise nothing, by cause: each is said once
+        self._misuses_told: set[str] = set()  # the misuses that raise nothing, by cause: each is said once
         self._last_optimizer = self._stage_before = self._grad_mark = None  # (the latter: see _scaler.norm_before_clip)
         self._first_forward_hook: Any = None
         self._last_error = 0
@@ -139,17 +139,18 @@ class Recorder(Steady):
             self._module_of = module_names(model)
             self._probe = OriginProbe(model)
             self._layers_due = self.step % self.layer_interval == 0
-            # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's) has it on
-            # only once that forward runs, after the model's own pre-hooks. Parameters that train: a frozen backbone may
-            # only ever run under no_grad.
+            # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's)
+            # has it on only once that forward runs, after the model's own pre-hooks. Parameters that train: a frozen
+            # backbone may only ever run under no_grad.
             first = next(
                 (m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))), model
             )
             if self._probe.hookable:
                 self._first_forward_hook = first.register_forward_pre_hook(Hook(self._first_forward))
             else:
-                warn_once("scripted", "ampwatch: a TorchScript model takes no hooks: its steps, loss, scale and norms are "
-                          "recorded, but not where a NaN came from, nor checks of its forward's autocast")  # fmt: skip
+                warn_once("scripted", "ampwatch: a TorchScript model takes no hooks: its steps, loss, scale and "
+                          "norms are recorded, but not where a NaN came from, nor checks of its forward's "
+                          "autocast")  # fmt: skip
         if scaler is not None:
             _scaler.attach(scaler, self)
             self._scaler = scaler
@@ -260,7 +261,7 @@ class Recorder(Steady):
         if (
             optimizer is None
         ):  # not between this run's unscale_ and step (before unscale_, after scale(): see clipped_scaled)
-            if self._scale_calls and "clip_before_unscale" not in self._said:
+            if self._scale_calls and "clip_before_unscale" not in self._misuses_told:
                 guarded(clipped_scaled, self, parameters, args, kwargs)
             return
         ids = (id(parameters),) if isinstance(parameters, self._tensor) else tuple(map(id, parameters))
@@ -289,7 +290,8 @@ class Recorder(Steady):
                 self._deferred = None  # another clip changed these gradients: this step's norm is lost
 
     def _covers_gradients(self, optimizer: Any, ids: tuple[int, ...]) -> bool:
-        """Whether a clip over `ids` covered every gradient of `optimizer` (its other parameters have none): its norm is the step's."""
+        """Whether a clip over `ids` covered every gradient of `optimizer` (its other parameters have none): its norm
+        is the step's."""
         clipped = set(ids)
         return clipped <= self._param_ids(optimizer) and all(
             p.grad is None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped
@@ -310,9 +312,9 @@ class Recorder(Steady):
         self._ran = False if optimizer in self._ran_on else None  # (True once its post-step hook fires)
         if not scaler._enabled:
             return
-        if self._scale_calls == 0 and self._ever_scaled and "unscaled_backward" not in self._said and any(
+        if self._scale_calls == 0 and self._ever_scaled and "unscaled_backward" not in self._misuses_told and any(
                 p.grad is not None for group in optimizer.param_groups for p in group["params"]):  # fmt: skip
-            self._said.add("unscaled_backward")
+            self._misuses_told.add("unscaled_backward")
             self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             self.on_unscaled(optimizer, scaler._scale)
@@ -324,7 +326,8 @@ class Recorder(Steady):
         return groups is self._clip_groups and len(groups) == self._clip_seen[2]
 
     def _settle_deferred(self) -> None:
-        """No clip came after all (before step(), or unscale_ ran inside it): the gradients are as unscale_ left them."""
+        """No clip came after all (before step(), or unscale_ ran inside it): the gradients are as unscale_ left
+        them."""
         optimizer, self._deferred, self._clip_trusted = self._deferred, None, False
         self._clip_seen = ()  # the next clip decides again whether to trust it
         self.mailbox.clipping = False
@@ -358,7 +361,8 @@ class Recorder(Steady):
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        # A closure (Lightning, LBFGS) computes the gradients inside step(): the norm after it. (`args[0]` is the optimizer.)
+        # A closure (Lightning, LBFGS) computes the gradients inside step(): the norm after it.
+        # (`args[0]` is the optimizer.)
         if (args[1] if len(args) > 1 else kwargs.get("closure")) is None:
             guarded(self.on_unscaled, optimizer)
 

@@ -8,7 +8,7 @@ A pipeline of parts, each readable alone:
   delivery  `ampwatch._outbox.Outbox`: sends batches in order through the transport, retries with backoff,
             keeps what waits in the spool (`ampwatch._spool`)
 This thread wakes every `flush_interval_s` (or when woken), moves the buffer through the batcher into the
-outbox, hands the records it read back for the training thread to free (see `free_read`), and delivers.
+outbox, hands the records it read back for the training thread to free (see `free_read_records`), and delivers.
 The training loop never waits on any of it; `flush()` and `close()` wait for the batches made so far.
 """
 
@@ -35,7 +35,9 @@ from ampwatch._transport import HttpTransport, Transport
 log = logging.getLogger("ampwatch")
 
 _KIND = operator.itemgetter(KIND)
-KEEP_READ = 8  # lists of records read by the sender, kept for the training thread to free (see `free_read`), at most
+KEEP_READ = (
+    8  # lists of records read by the sender, kept for the training thread to free (see `free_read_records`), at most
+)
 FAST_RECORDS = 1024  # step records appended without the checks of `Worker.record` in a row, at most (a power of 2)
 
 
@@ -85,7 +87,9 @@ class Worker:
         self.batcher = Batcher(
             rank, self.outbox, self.losses, online=self._online, max_points=settings.max_batch_points
         )
-        self.read: collections.deque[list[tuple]] = collections.deque()  # read by the sender, to free (see free_read)
+        self.read: collections.deque[list[tuple]] = (
+            collections.deque()
+        )  # read by the sender, to free (see free_read_records)
 
     # -- training thread side -------------------------------------------------------------
     def record(self, entry: tuple) -> Callable[[tuple], None] | None:
@@ -103,7 +107,7 @@ class Worker:
         records.append(entry)
         return records.append if len(records) + FAST_RECORDS < self._max_records else None
 
-    def free_read(self) -> None:
+    def free_read_records(self) -> None:
         """On the training thread, every few dozen steps: free the records the sender has read. Freeing a tensor lets go
         of the GIL; on the sender each one handed the GIL to the training thread and waited to have it back (see
         bench/NOTES.md), here nobody waits."""
@@ -173,7 +177,7 @@ class Worker:
             finally:
                 self.batcher.read_by = None
                 self._absorbing.release()
-        self.free_read()  # (the sender is done, or waits on the server: it frees what it reads later itself)
+        self.free_read_records()  # (the sender is done, or waits on the server: it frees what it reads later itself)
         self.outbox.close()
         if not delivered:
             lost = self.outbox.spill()  # to disk; what the spool cannot take is lost with the process: counted
@@ -182,7 +186,8 @@ class Worker:
         if self.losses.total:
             said = ", ".join(f"{reason}: {count}" for reason, count in self.losses.counts.items() if count)
             log.warning("ampwatch: this run dropped %d record(s) and %d batch(es) (%s); the `dropped_records` series "
-                        "counts them, `dropped_records/<reason>` per reason", self.dropped, self.outbox.dropped, said)  # fmt: skip
+                        "counts them, `dropped_records/<reason>` per reason",
+                        self.dropped, self.outbox.dropped, said)  # fmt: skip
         spool = self.outbox.spool
         if spool is not None and delivered and not len(self.outbox):
             spool.discard()
@@ -224,7 +229,7 @@ class Worker:
                 return
 
     def _keep_read(self, entries: list[tuple]) -> None:
-        """Hand records this thread has read to the training thread, which frees them (see free_read)."""
+        """Hand records this thread has read to the training thread, which frees them (see free_read_records)."""
         if entries:
             if len(self.read) >= KEEP_READ:  # (it does not step: a run that only logs values)
                 self.read.popleft()

@@ -4,7 +4,7 @@ The benchmark step of `agent_overhead.py` (~1 ms on the CPU) runs for `--seconds
 run that sends to a real `ampwatch server` (SQLite); the sender thread and the server get the other CPU. The
 sender's phases are timed with the thread's CPU clock by wrapping the agent's own functions (private names: this
 is a profiling tool, not an API): reading the records' tensors, decoding them into series, diagnosis, packing,
-JSON, delivery (HTTP), and freeing the records (now ~0: the training thread frees them, see Worker.free_read).
+JSON, delivery (HTTP), and freeing the records (now ~0: the training thread frees them, see Worker.free_read_records).
 
 stall = what the steps that overlap a burst (or end within 4 ms after it) took beyond the mean step outside the
 bursts, per step of the whole run, in two parts: while the sender works on its records (it holds the GIL; the

@@ -178,11 +178,11 @@ def test_watching_a_model_again_leaves_no_hooks_of_the_first_watch(memory) -> No
 def test_a_loop_without_a_watched_model_stays_lean_after_a_non_finite_loss(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The diagnosis asks for the NaN-origin probe after an inf loss; without a model there is none to arm, and the
     request must not take every later step off the steady path (and back on: once per plan, every 50 steps)."""
-    from ampwatch._steady import Steady
+    from ampwatch._steady import StepEnd
 
     entered = []
-    enter = Steady._enter_steady
-    monkeypatch.setattr(Steady, "_enter_steady", lambda rec: entered.append(rec.step) or enter(rec))
+    enter = StepEnd._enter_steady
+    monkeypatch.setattr(StepEnd, "_enter_steady", lambda rec: entered.append(rec.step) or enter(rec))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -95,7 +95,7 @@ def test_a_run_records_the_same_with_and_without_the_steady_path(memory, monkeyp
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "14")
     steady: list[int] = []
     lean = _train(memory, steady)
-    monkeypatch.setattr(_steady.Steady, "_enter_steady", lambda self: None)
+    monkeypatch.setattr(_steady.StepEnd, "_enter_steady", lambda self: None)
     full = _train(memory, [])
     assert lean == full
     # It was a test of something: each of those steps began on the steady path.
