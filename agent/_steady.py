@@ -2,7 +2,7 @@
 steps between the ones that do more.
 
 A step does more when it takes per-layer norms, checks the parameters, or anchors the scale; `_plan` finds
-the next such step, and the steps before it are plain: `_finish_step` takes its short path on them (and the
+the next such step (see ampwatch._cadence), and the steps before it are plain: `_finish_step` takes its short path on them (and the
 last of them says whether per-layer norms are due next). On plain steps, a loop that clips with
 `clip_grad_norm_` after `unscale_` also repeats one pattern: one scale(), unscale_, a clip over the
 optimizer's parameters, step, update. For those steps the scaler's wrappers (and the Recorder's clip
@@ -28,7 +28,6 @@ from ampwatch import _misuse, _scaler
 from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
 from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
-from ampwatch._steps import ANCHOR_EVERY
 from ampwatch._worker import FAST_RECORDS
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
@@ -62,7 +61,7 @@ class StepEnd:
         plain = step < self._plain_until and not self.mailbox.arm_request
         if not plain and self._torch is not None:
             note_stream(self._torch)  # (the sender's CUDA reads wait for this step's stream)
-        if not plain and optimizers and check and (step % self.param_interval == 0 or self._probing):
+        if not plain and optimizers and check and self.cadence.params_due(step, self._probing):
             with self._torch.no_grad():  # (no graph, and no detached copy of each parameter: ~0.3 us each)
                 params = self._foreach_norm([p for o in optimizers for g in o.param_groups for p in g["params"]])
         self._end_step((STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params), step, skipped)
@@ -79,7 +78,7 @@ class StepEnd:
         if probe is not None:
             if self._probing or self.mailbox.arm_request:
                 self._probing = self._arming.end_of_step(probe, step)
-            self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
+            self._layers_due = self.cadence.layers_due(step + 1, self._probing, True)
         elif self.mailbox.arm_request:  # (no model is watched: there is nothing to arm)
             self.mailbox.arm_request = False
         self._plain_until = self._plan(step)
@@ -102,20 +101,13 @@ class StepEnd:
         self._scale_calls = 0
 
     def _plan(self: Any, step: int) -> int:
-        """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that
-        checks the parameters, takes per-layer norms, or anchors the scale; 0 while probing.
-        (Whatever asks for an anchor, `watch` or `request_anchor`, resets it to 0 along with `reanchor`.)"""
-        if self._probing:
-            return 0
-        layer = self.layer_interval
-        until = min(_next_multiple(step, self.param_interval), _next_multiple(step, ANCHOR_EVERY))
-        if self._probe is not None:  # per-layer norms are taken at multiples of `layer_interval` (see on_unscaled)
-            until = min(until, _next_multiple(step, layer))
-        return until
+        """The first step after `step` whose record needs more than the plain path of `_finish_step` (see
+        ampwatch._cadence). (Whatever asks for an anchor, `watch` or `request_anchor`, resets it to 0.)"""
+        return self.cadence.next_due(step, self._probing, self._probe is not None)
 
     def _end_plain(self: Any, step: int) -> None:
         """`step` was the plan's last plain step: the full hooks again, and per-layer norms at the next step if due."""
-        self._layers_due = self._probe is not None and (step + 1) % self.layer_interval == 0
+        self._layers_due = self.cadence.layers_due(step + 1, False, self._probe is not None)
         self._leave_steady()
 
     def _enter_steady(self: Any) -> None:
@@ -302,11 +294,6 @@ def _ran_hook(rec: Any) -> Callable[..., None]:
             guarded(_misuse.stepped_directly, rec, optimizer)
 
     return ran
-
-
-def _next_multiple(step: int, every: int) -> int:
-    """The first multiple of `every` after `step`."""
-    return (step // every + 1) * every
 
 
 def _real(lr: Any) -> float | None:

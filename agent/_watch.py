@@ -14,13 +14,14 @@ from typing import Any
 
 from ampwatch import _scaler
 from ampwatch._arming import ProbeArming
+from ampwatch._cadence import Cadence
 from ampwatch._guard import Hook, guarded, warn_once
 from ampwatch._mailbox import Mailbox
 from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe, module_names
 from ampwatch._protocol import EVENT
 from ampwatch._steady import StepEnd
-from ampwatch._steps import ANCHOR_EVERY, CLIP_TOTAL
+from ampwatch._steps import CLIP_TOTAL
 
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
@@ -38,7 +39,7 @@ class Recorder(StepEnd):
     # mostly memory they touch, and a dict of fifty attributes spreads them over many more cache lines.
     __slots__ = (
         "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "mailbox",
-        "_record", "_steady", "_full_hooks", "rank", "layer_interval", "param_interval",
+        "_record", "_steady", "_full_hooks", "rank", "cadence",
         "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted",
         "_clip_seen", "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks",
         "_scaler", "_optimizers", "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing",
@@ -53,8 +54,7 @@ class Recorder(StepEnd):
         self._append: Callable[[tuple], None] | None = None
         self.rank = rank
         self.step = 0
-        self.layer_interval = layer_interval
-        self.param_interval = param_interval
+        self.cadence = Cadence(layer_interval, param_interval)  # which steps do more (see ampwatch._cadence)
         self.mailbox = Mailbox()  # word to and from the sender thread (see ampwatch._mailbox)
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
@@ -138,7 +138,7 @@ class Recorder(StepEnd):
             self._model = model
             self._module_of = module_names(model)
             self._probe = OriginProbe(model)
-            self._layers_due = self.step % self.layer_interval == 0
+            self._layers_due = self.cadence.layers_due(self.step, False, True)
             # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's)
             # has it on only once that forward runs, after the model's own pre-hooks. Parameters that train: a frozen
             # backbone may only ever run under no_grad.
@@ -345,7 +345,7 @@ class Recorder(StepEnd):
                 found = flag if found is None else [*found, flag] if found.__class__ is list else [found, flag]
         if found is not None and scaler._scale is not None:
             rule = None
-            if self.step >= self._plain_until and (self.reanchor or self.step % ANCHOR_EVERY == 0):
+            if self.step >= self._plain_until and (self.reanchor or self.cadence.anchor_due(self.step)):
                 self._anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
                 rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
                 self.reanchor = False
