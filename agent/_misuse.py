@@ -175,7 +175,7 @@ def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any
     ids = {id(parameters)} if isinstance(parameters, rec._tensor) else set(map(id, parameters))
     for optimizer in rec._optimizers:
         state = states.get(id(optimizer))  # (none yet, or READY: not unscaled in this iteration)
-        if (state is None or state["stage"].name == "READY") and not rec._param_ids(optimizer).isdisjoint(ids):
+        if (state is None or state["stage"].name == "READY") and not rec.clip.param_ids(optimizer).isdisjoint(ids):
             max_norm = args[0] if args else kwargs.get("max_norm")
             norm_only = isinstance(max_norm, (int, float)) and math.isinf(
                 max_norm

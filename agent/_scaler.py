@@ -293,7 +293,7 @@ def norm_before_clip(recorder: Any, parameters: Any) -> None:
         recorder._norm = recorder._unscaled = recorder._deferred = None
         recorder._normed.discard(id(first))
     ids = (id(parameters),) if isinstance(parameters, _Tensor) else map(id, parameters)
-    if not recorder._param_ids(first).isdisjoint(ids):
+    if not recorder.clip.param_ids(first).isdisjoint(ids):
         recorder._grad_mark = (weakref.ref(grad), grad._version) if grad is not None else None
         recorder.on_unscaled(first)
 

@@ -114,9 +114,9 @@ class StepEnd:
         """At the end of a full step that planned plain steps ahead: go lean if that step had the pattern."""
         optimizer, scaler = self._last_optimizer, self._scaler
         stage = self._stage_before
-        if (optimizer is None or scaler is None or not scaler._enabled or not self._clip_trusted or self._probing
+        if (optimizer is None or scaler is None or not scaler._enabled or not self.clip.trusted or self._probing
                 or not self._ever_scaled or stage is None or stage.name != "UNSCALED"
-                or self._clip_params.__class__ is not list or not self._clip_params  # (a clip of one tensor, or none)
+                or self.clip.params.__class__ is not list or not self.clip.params  # (a clip of one tensor, or none)
                 # (a standard name logged ahead: the full path sees it)
                 or self._user_step >= self.step and self._user_names
                 or getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -127,9 +127,9 @@ class StepEnd:
         state = scaler.__dict__
         # The lean hooks of the last plan, where they were built for the same objects (the usual case: building them
         # anew, every `param_interval` steps, cost that step ~20 us in place, cold code).
-        params, first = self._clip_params, self._optimizers[0] if self._optimizers else None
-        key = (scaler, optimizer, first, self._clip_groups, params, params[0], params[-1])
-        sizes = (self._clip_seen[2], len(params))
+        params, first = self.clip.params, self._optimizers[0] if self._optimizers else None
+        key = (scaler, optimizer, first, self.clip.groups, params, params[0], params[-1])
+        sizes = (self.clip.seen[2], len(params))
         held = self._full_hooks
         if held is not None and held[3] == sizes and all(map(is_, held[2], key)):
             lean = held[4]
@@ -171,7 +171,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
     base_scale, base_unscale_, base_step, base_update = cls.scale, cls.unscale_, cls.step, cls.update
     tensor, leave, diagnose, mailbox = rec._tensor, rec._leave_steady, _scaler.diagnose_error, rec.mailbox
     first = rec._optimizers[0] if rec._optimizers else None
-    groups, group_count, clipped_params = rec._clip_groups, rec._clip_seen[2], rec._clip_params
+    groups, group_count, clipped_params = rec.clip.groups, rec.clip.seen[2], rec.clip.params
     count, first_param, last_param = (
         len(clipped_params),
         clipped_params[0],
@@ -189,7 +189,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
     def unscale_(optimizer: Any) -> None:
         if (
             optimizer is not steady or optimizer.param_groups is not groups or len(groups) != group_count
-        ):  # (see _clip_still_covers)
+        ):  # (see ClipTracking.still_covers)
             leave()
             return scaler.unscale_(optimizer)
         try:

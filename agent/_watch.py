@@ -15,6 +15,7 @@ from typing import Any
 from ampwatch import _scaler
 from ampwatch._arming import ProbeArming
 from ampwatch._cadence import Cadence
+from ampwatch._clip import ClipTracking
 from ampwatch._guard import Hook, guarded, warn_once
 from ampwatch._mailbox import Mailbox
 from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
@@ -40,8 +41,8 @@ class Recorder(StepEnd):
     __slots__ = (
         "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "mailbox",
         "_record", "_steady", "_full_hooks", "rank", "cadence",
-        "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted",
-        "_clip_seen", "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks",
+        "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "clip",
+        "_tensor", "_foreach_norm", "_hooks",
         "_scaler", "_optimizers", "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing",
         "_layers_due", "_ever_scaled", "_misuses_told", "_last_optimizer", "_stage_before", "_first_forward_hook",
         "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "_woke_at", "_skip_seen", "_grad_mark",
@@ -76,15 +77,9 @@ class Recorder(StepEnd):
         self._user_step = -1
         self._user_names: set[str] = set()
         self._norm_logged_at = (-3, -3)  # the last two steps the user logged `grad_norm` at
-        self._clip_trusted = False  # the last clip_grad_norm_ covered the optimizer's parameters: reuse its norm
-        self._clip_seen: tuple[
-            Any, ...
-        ] = ()  # what that verdict was reached for: parameter ids, norm type, group count
-        self._clip_groups: Any = None  # and the optimizer's parameter-group list
-        self._clip_params: Any = None  # and the parameters themselves (the steady path compares identities)
+        self.clip = ClipTracking(self.mailbox)  # whether clip_grad_norm_'s norm is the step's (see ampwatch._clip)
         self._unscaled: Any = None  # the optimizer between its unscale_ and step
         self._deferred: Any = None  # the optimizer whose norm waits for clip_grad_norm_
-        self._param_ids_of: tuple[Any, int, set[int]] | None = None
         # what is watched
         self._tensor: type = type(None)  # torch.Tensor and torch._foreach_norm once watching
         self._foreach_norm: Callable[[list[Any]], list[Any]] | None = None
@@ -229,7 +224,7 @@ class Recorder(StepEnd):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
             modules = self._modules(params)
-        elif self._clip_trusted and scale is None and self._clip_still_covers(optimizer):
+        elif self.clip.trusted and scale is None and self.clip.still_covers(optimizer):
             self._deferred = optimizer  # clip_grad_norm_ is about to compute it: take its result
             return
         elif self._norm_logged_at[1] >= self.step - 1 and self._norm_logged_at[0] == self._norm_logged_at[1] - 1:
@@ -267,16 +262,9 @@ class Recorder(StepEnd):
         ids = (id(parameters),) if isinstance(parameters, self._tensor) else tuple(map(id, parameters))
         groups = optimizer.param_groups
         seen = (ids, args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0), len(groups))
-        if (
-            groups is not self._clip_groups or seen != self._clip_seen
-        ):  # (each step clips the same parameters: decide once)
-            own = self._param_ids(optimizer)
-            # The same parameters (ids are distinct, so equal counts and inclusion mean the same set), 2-norm.
-            self._clip_trusted = seen[1] == 2.0 and len(ids) == len(own) and all(map(own.__contains__, ids))
-            self._clip_seen, self._clip_groups, self._clip_params = seen, groups, parameters
-            self.mailbox.clipping = True
+        self.clip.judge(optimizer, parameters, seen)
         if self._deferred is optimizer:
-            if self._clip_trusted or seen[1] == 2.0 and self._covers_gradients(optimizer, ids):
+            if self.clip.trusted or seen[1] == 2.0 and self.clip.covers_gradients(optimizer, ids):
                 self._deferred = None
                 if self._norm is None:
                     self._norm = total
@@ -286,16 +274,8 @@ class Recorder(StepEnd):
                     self._norm.append(([total], False, CLIP_TOTAL))
                 else:
                     self._add_norms(([total], False, None))
-            elif not self._param_ids(optimizer).isdisjoint(ids):
+            elif not self.clip.param_ids(optimizer).isdisjoint(ids):
                 self._deferred = None  # another clip changed these gradients: this step's norm is lost
-
-    def _covers_gradients(self, optimizer: Any, ids: tuple[int, ...]) -> bool:
-        """Whether a clip over `ids` covered every gradient of `optimizer` (its other parameters have none): its norm
-        is the step's."""
-        clipped = set(ids)
-        return clipped <= self._param_ids(optimizer) and all(
-            p.grad is None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped
-        )
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
         """Remember the stage for diagnosis; fused optimizers unscale in their kernel: norm of grads / scale."""
@@ -319,18 +299,11 @@ class Recorder(StepEnd):
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             self.on_unscaled(optimizer, scaler._scale)
 
-    def _clip_still_covers(self, optimizer: Any) -> bool:
-        """The trusted clip was judged on this parameter-group list at this length: a group added since (unfrozen
-        layers) may leave the clip short of the optimizer, and then only a norm taken before the clip is right."""
-        groups = optimizer.param_groups
-        return groups is self._clip_groups and len(groups) == self._clip_seen[2]
-
     def _settle_deferred(self) -> None:
         """No clip came after all (before step(), or unscale_ ran inside it): the gradients are as unscale_ left
         them."""
-        optimizer, self._deferred, self._clip_trusted = self._deferred, None, False
-        self._clip_seen = ()  # the next clip decides again whether to trust it
-        self.mailbox.clipping = False
+        optimizer, self._deferred = self._deferred, None
+        self.clip.forget()
         self._normed.discard(id(optimizer))
         self.on_unscaled(optimizer)
 
@@ -379,15 +352,6 @@ class Recorder(StepEnd):
             held.append(group)
         else:  # a clip's total norm, and now another optimizer's
             self._norm = [([held], False, None), group]
-
-    def _param_ids(self, optimizer: Any) -> set[int]:
-        """The ids of the optimizer's parameters, cached per parameter-group list and length (a stale cache
-        can only make a clip look foreign, and the agent then computes the norm itself)."""
-        groups = optimizer.param_groups
-        cached = self._param_ids_of
-        if cached is None or cached[0] is not groups or cached[1] != len(groups):
-            cached = self._param_ids_of = (groups, len(groups), {id(p) for group in groups for p in group["params"]})
-        return cached[2]
 
     def _modules(self, params: list[Any]) -> tuple[str, ...]:
         """The module of each parameter, cached per parameter set."""
