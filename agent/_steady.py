@@ -1,9 +1,9 @@
-"""The end of a step (its record, the NaN-origin probe's flags), and the steady path: the Recorder's work on the
+"""The end of a step (its record, the NaN-origin probe's flags), and the lean path: the Recorder's work on the
 steps between the ones that do more.
 
 A step does more when it takes per-layer norms, checks the parameters, or anchors the scale; `_plan` finds
-the next such step (see ampwatch._cadence), and the steps before it are plain: `_finish_step` takes its short path on them (and the
-last of them says whether per-layer norms are due next). On plain steps, a loop that clips with
+the next such step (see ampwatch._cadence), and the steps before it are plain: `_finish_step` takes its short
+path on them (and the last of them says whether per-layer norms are due next). On plain steps, a loop that clips with
 `clip_grad_norm_` after `unscale_` also repeats one pattern: one scale(), unscale_, a clip over the
 optimizer's parameters, step, update. For those steps the scaler's wrappers (and the Recorder's clip
 listener) are replaced by the lean ones built here: each is the wrapper and the Recorder's method in one
