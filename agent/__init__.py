@@ -8,6 +8,7 @@ This package is the agent: standard library only. The server is `ampwatch.server
 """
 
 from ampwatch._run import Run, init
+from ampwatch._transport import Response, Transport
 
 __version__ = "0.1.0"
-__all__ = ["Run", "init", "__version__"]
+__all__ = ["Response", "Run", "Transport", "init", "__version__"]

@@ -15,6 +15,7 @@ from typing import Any
 from ampwatch._episodes import Episodes
 from ampwatch._episodes import spell as _spell
 from ampwatch._median import RollingMedian
+from ampwatch._protocol import pow2
 from ampwatch._trends import Trends
 
 log = logging.getLogger("ampwatch")
@@ -37,13 +38,6 @@ class Thresholds:
     window: int = 200  # rolling median window (steps)
     warmup: int = 20  # finite values needed before spikes are judged
     calibration_steps: int = 50  # skips before this step (outside a collapse) are start-up calibration
-
-
-def pow2(value: float) -> str:
-    """A loss scale as people read it: 2^16, or the number when it is not a power of two."""
-    if value > 0 and math.isfinite(value) and math.log2(value).is_integer():
-        return f"2^{int(math.log2(value))}"
-    return f"{value:g}"
 
 
 class Analyzer(Trends, Episodes):

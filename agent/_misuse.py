@@ -129,12 +129,12 @@ NO_SCALER_STEP = (
 
 
 def stepped_directly(rec: Any, optimizer: Any) -> None:
-    """`optimizer`'s step ran outside scaler.step() after this iteration's scale(), its gradients not unscaled (said once
-    per run, on the Recorder `rec`)."""
+    """`optimizer`'s step ran outside scaler.step() after this iteration's scale(), its gradients not unscaled (said
+    once per run, on the Recorder `rec`)."""
     scaler = rec._scaler
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
     if scaler is not None and scaler._enabled and (state is None or state["stage"].name == "READY"):
-        rec._said.add("direct_step")
+        rec._misuses_told.add("direct_step")
         rec._misuse("optimizer.step() without scaler.step(optimizer)", "direct_step", DIRECT_STEP, "critical", {})
 
 
@@ -155,13 +155,15 @@ def diagnose(rec: Any, optimizer: Any, error: BaseException) -> None:
     rec._last_error = id(error)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     stage = rec._stage_before
-    signature = Signature.taken(error, params, rec._model, stage.name if stage is not None else "READY", rec._scale_calls > 0,
-                                [o for o in rec._optimizers if o is not optimizer])  # fmt: skip
+    others = [o for o in rec._optimizers if o is not optimizer]
+    stage_name = stage.name if stage is not None else "READY"
+    signature = Signature.taken(error, params, rec._model, stage_name, rec._scale_calls > 0, others)
     found = classify(signature)
     if found is not None:
         cause, explanation = found
         details = {"cause": cause, "error": str(error), "stage": signature.stage,
-                   "params_with_grad": signature.params_with_grad, "replaced_params": signature.replaced_params}  # fmt: skip
+                   "params_with_grad": signature.params_with_grad,
+                   "replaced_params": signature.replaced_params}  # fmt: skip
         rec._misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
 
 
@@ -175,12 +177,12 @@ def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any
     ids = {id(parameters)} if isinstance(parameters, rec._tensor) else set(map(id, parameters))
     for optimizer in rec._optimizers:
         state = states.get(id(optimizer))  # (none yet, or READY: not unscaled in this iteration)
-        if (state is None or state["stage"].name == "READY") and not rec._param_ids(optimizer).isdisjoint(ids):
+        if (state is None or state["stage"].name == "READY") and not rec.clip.param_ids(optimizer).isdisjoint(ids):
             max_norm = args[0] if args else kwargs.get("max_norm")
             norm_only = isinstance(max_norm, (int, float)) and math.isinf(
                 max_norm
             )  # (a tensor is not read: a host read)
-            rec._said.add("clip_before_unscale")
+            rec._misuses_told.add("clip_before_unscale")
             details = {"max_norm": str(max_norm) if isinstance(max_norm, (int, float)) else None}
             message = CLIPPED_SCALED_NORM if norm_only else CLIPPED_SCALED
             rec._misuse(
@@ -190,23 +192,25 @@ def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any
 
 
 CLIP_NONFINITE = (
-    "Under an enabled GradScaler, gradients that overflow fp16 are normal now and then (at start-up, and after the scale "
-    "grows): GradScaler skips those steps and lowers the scale, but clip_grad_norm_(..., error_if_nonfinite=True) raises "
-    "first and stops the run. Fix: drop error_if_nonfinite=True; NaN/Inf that are not overflow are reported as "
+    "Under an enabled GradScaler, gradients that overflow fp16 are normal now and then (at start-up, and after the "
+    "scale grows): GradScaler skips those steps and lowers the scale, but clip_grad_norm_(..., "
+    "error_if_nonfinite=True) raises first and stops the run. Fix: drop error_if_nonfinite=True; NaN/Inf that are "
+    "not overflow are reported as "
     "nonfinite_grad."
 )
 
 
 def clip_raised(rec: Any, error: BaseException) -> None:
-    """`clip_grad_norm_` raised `error`: its error_if_nonfinite under an enabled GradScaler (said once per run, on `rec`)."""
+    """`clip_grad_norm_` raised `error`: its error_if_nonfinite under an enabled GradScaler (said once per run, on
+    `rec`)."""
     scaler = rec._scaler
     if (
         scaler is not None
         and scaler._enabled
         and "cannot be clipped" in str(error)
-        and "clip_nonfinite" not in rec._said
+        and "clip_nonfinite" not in rec._misuses_told
     ):
-        rec._said.add("clip_nonfinite")
+        rec._misuses_told.add("clip_nonfinite")
         rec._misuse("clip_grad_norm_(error_if_nonfinite=True) raised", "clip_nonfinite", CLIP_NONFINITE, "critical",
                     {"error": str(error)})  # fmt: skip
 
@@ -218,9 +222,10 @@ def watch_config_problems(optimizers: list[Any], scaler: Any) -> list[Problem]:
 
     problems: list[Problem] = []
     if scaler is None and any(map(_accelerate_fp16_on_cpu, optimizers)):
-        problems.append(("HF Accelerate was asked for mixed_precision='fp16' on the CPU, where it builds no GradScaler and "
-                         "no fp16 autocast: this run trains in full fp32 precision. Use mixed_precision='bf16' on the CPU, "
-                         "or a GPU for fp16.", {"check": "accelerate_fp16_on_cpu", "device": "cpu"}))  # fmt: skip
+        problems.append(("HF Accelerate was asked for mixed_precision='fp16' on the CPU, where it builds no "
+                         "GradScaler and no fp16 autocast: this run trains in full fp32 precision. Use "
+                         "mixed_precision='bf16' on the CPU, or a GPU for fp16.",
+                         {"check": "accelerate_fp16_on_cpu", "device": "cpu"}))  # fmt: skip
     if torch.is_anomaly_enabled():
         problems.append(("Anomaly detection (torch.autograd.detect_anomaly / set_detect_anomaly) is on: training runs "
                          "2-2.6x slower and a normal GradScaler skip becomes a crash. Turn it off outside debugging.",
@@ -243,7 +248,8 @@ def forward_config_problem(module: Any, scaler: Any) -> Problem | None:
                 {"check": "scaler_with_bf16", "device": device})  # fmt: skip
     if on and device not in on:
         return (f"autocast is on for {', '.join(sorted(on))} but the model runs on {device}: its forward runs in "
-                f"full precision. Use torch.autocast('{device}', ...).", {"check": "autocast_device", "device": device})  # fmt: skip
+                f"full precision. Use torch.autocast('{device}', ...).",
+                {"check": "autocast_device", "device": device})  # fmt: skip
     if scaler_on and device not in on:
         return (f"GradScaler is enabled but the forward runs without autocast on {device}: there is nothing "
                 "to scale. Wrap the forward in torch.autocast, or disable the scaler.",

@@ -171,25 +171,24 @@ class Diagnosis:
 
     _ARMING_TYPES = frozenset({"nonfinite_loss", "nonfinite_grad", "nonfinite_param"})
 
-    def __init__(self, recorder: Any, rank: int = 0, thresholds: Thresholds | None = None) -> None:
+    def __init__(self, mailbox: Any, rank: int = 0, thresholds: Thresholds | None = None) -> None:
         self.analyzer = Analyzer(rank, thresholds)
-        self._recorder = recorder
+        self._mailbox = mailbox  # (ampwatch._mailbox.Mailbox: what the training thread tells, and the probe's requests)
         self._found: set[int] = set()
         self._named: tuple[str, str] | None = None  # the last origin named (module, phase)
         self._quiet = (0, 0, 0)  # the steps [from, until) after it whose events arm no probe, and their count
 
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
-        # A clip of the gradients was seen (its max_norm last, see Recorder.on_clipped); an LR scheduler wraps a step.
-        seen: tuple[Any, ...] = getattr(self._recorder, "_clip_seen", ())
-        self.analyzer.clipping, self.analyzer.max_norm = bool(seen), seen[3] if len(seen) > 3 else None
-        self.analyzer.scheduler = any(map(_scheduled, getattr(self._recorder, "_optimizers", ())))
+        mailbox = self._mailbox  # whether the loop clips (and to which max_norm); an LR scheduler wraps a step
+        self.analyzer.clipping, self.analyzer.max_norm = mailbox.clipping, mailbox.max_norm
+        self.analyzer.scheduler = any(map(_scheduled, mailbox.optimizers))
         events = self.analyzer.observe_columns(columns)
         start, end, _ = self._quiet
         arming = [e["step"] for e in events if e["type"] in self._ARMING_TYPES and not start <= e["step"] < end]
         if arming:
-            self._recorder.arm_step = max(arming)
-            self._recorder.arm_request = True
+            self._mailbox.arm_step = max(arming)
+            self._mailbox.arm_request = True
         for event in events:
             if event["severity"] == "critical":
                 log.error("ampwatch: %s", event["message"])
@@ -206,7 +205,7 @@ class Diagnosis:
         if first_fwd is None and first_bwd is None:
             return []
         self._found.add(arming)
-        self._recorder.origin_found = arming
+        self._mailbox.origin_found = arming
         if first_fwd is not None:
             index, module = first_fwd
             if module == INPUT:

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ampwatch._losses import REJECTED, SPOOL_FULL, SPOOL_LOST, UNENCODABLE, Losses
+from ampwatch._protocol import batches_path, run_path
 from ampwatch._spool import Spool
 from ampwatch._transport import Response, Transport, encode
 
@@ -29,9 +31,18 @@ MEMORY_ONLY_CAP = 10_000  # without a usable spool, the most batches held for re
 class Outbox:
     """The batches of one (run, rank) that the server has not acknowledged yet."""
 
-    def __init__(self, transport: Transport, run_id: str, run_doc: dict[str, Any], spool: Spool | None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        run_id: str,
+        run_doc: dict[str, Any],
+        spool: Spool | None,
+        losses: Losses | None = None,
+    ) -> None:
         self._transport = transport
-        self._run_path = f"/api/v1/runs/{run_id}"
+        self.losses = losses if losses is not None else Losses()  # (shared with the run's sender, which reports them)
+        self._run_path = run_path(run_id)
+        self._batches_path = batches_path(run_id)
         self._run_body = encode(run_doc)
         self.spool = spool
         # (seq, body or None when only the spool holds it, whether the spool holds it)
@@ -41,8 +52,6 @@ class Outbox:
         self.on_registered: Any = None  # called with the server's reply to the registration (a dict), if set
         self.retry_at = 0.0
         self._failures = 0
-        self.dropped = 0
-        self.refused = 0  # of those dropped: the batches the server refused for good
         if spool is not None:
             self._queue.extend((seq, None, True) for seq in spool.pending())
 
@@ -50,23 +59,41 @@ class Outbox:
         return len(self._queue)
 
     @property
+    def dropped(self) -> int:
+        """Batches lost, for any reason."""
+        return sum(self.losses[reason] for reason in (SPOOL_FULL, REJECTED, SPOOL_LOST, UNENCODABLE))
+
+    @property
+    def refused(self) -> int:
+        """Of those, the batches the server refused for good."""
+        return self.losses[REJECTED]
+
+    @property
     def first_seq(self) -> int | None:
         """The oldest unacknowledged batch."""
         return self._queue[0][0] if self._queue else None
+
+    @property
+    def first_unstored_seq(self) -> int | None:
+        """The oldest unacknowledged batch that only memory holds (the spool does not)."""
+        with self._lock:
+            return next((seq for seq, _, stored in self._queue if not stored), None)
 
     def add(self, seq: int, doc: dict[str, Any], *, send: bool = True) -> None:
         """Persist a batch and queue it (`send=False`: persist only, for offline mode)."""
         try:
             body = encode(doc)
         except (TypeError, ValueError) as error:  # a bug on our side: sending it again cannot help
-            self.dropped += 1
+            self.losses.add(UNENCODABLE)
             log.error("ampwatch: batch %d could not be encoded (%s); dropped (counted)", seq, error)
             return
         with self._lock:
             at_once = send and not self._queue and time.monotonic() >= self.retry_at
             stored = not at_once and self.spool is not None and self.spool.put(seq, body)
             if not stored and (not send or len(self._queue) >= MEMORY_ONLY_CAP):
-                self._drop("ampwatch: dropping batches that neither the spool nor memory can hold (counted)")
+                self._drop(
+                    SPOOL_FULL, "ampwatch: dropping batches that neither the spool nor memory can hold (counted)"
+                )
             elif send:
                 self._queue.append((seq, body if not stored or len(self._queue) < IN_MEMORY else None, stored))
 
@@ -94,7 +121,10 @@ class Outbox:
         spool = self.spool
         with self._lock:
             if spool is not None:
-                queue = [(seq, body, stored or spool.put(seq, body)) for seq, body, stored in self._queue]  # type: ignore[arg-type]
+                queue = [
+                    (seq, body, stored or spool.put(seq, body))  # type: ignore[arg-type]
+                    for seq, body, stored in self._queue
+                ]
                 self._queue = collections.deque(queue)
             return sum(not stored for _, _, stored in self._queue)
 
@@ -122,7 +152,7 @@ class Outbox:
                 if body is None:
                     self._pop()
                     continue
-            reply = self._transport.send("POST", self._run_path + "/batches", body)
+            reply = self._transport.send("POST", self._batches_path, body)
             if (
                 reply.status == 404 and not registered_now
             ):  # the server does not know the run (a new database): register again
@@ -135,8 +165,7 @@ class Outbox:
                 return False
             rejected = not reply.ok  # (sending it again cannot help: counted, and a spooled one is kept as .bad)
             if rejected:
-                self.refused += 1
-                self._drop(f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
+                self._drop(REJECTED, f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
             self._failures = 0
             self._pop()
             if stored:
@@ -159,10 +188,12 @@ class Outbox:
             return self.spool.load(seq)  # type: ignore[union-attr]
         except FileNotFoundError:  # `ampwatch sync` delivered it meanwhile (and removed it, as it does)
             if not self.spool.folder.is_dir():  # type: ignore[union-attr]
-                self._drop("ampwatch: the spool folder was removed: batches waiting there are lost (counted)")
+                self._drop(
+                    SPOOL_LOST, "ampwatch: the spool folder was removed: batches waiting there are lost (counted)"
+                )
             return None
         except (OSError, ValueError) as error:
-            self.dropped += 1
+            self.losses.add(SPOOL_LOST)
             log.error("ampwatch: spooled batch %d is unreadable (%s); set aside as .bad", seq, error)
             self.spool.set_aside(seq)  # type: ignore[union-attr]
             return None
@@ -182,12 +213,13 @@ class Outbox:
         self._backoff(reply)
         return False
 
-    def _drop(self, message: str, error: bool = False) -> None:
-        """A batch is lost: counted (the `dropped_records` series and finish() say so), and said once (errors each time)."""
-        self.dropped += 1
+    def _drop(self, reason: str, message: str, error: bool = False) -> None:
+        """A batch is lost: counted per reason (the `dropped_records` series and finish() say so), and said once per
+        reason (errors each time)."""
+        first = self.losses.add(reason)
         if error:
             log.error(message)
-        elif self.dropped == 1:
+        elif first:
             log.warning(message)
 
     def _backoff(self, reply: Response) -> None:
@@ -195,9 +227,9 @@ class Outbox:
         self._failures += 1
         if self._failures == 1 and reply.refused:
             log.error(
-                "ampwatch: the server refused this run's data (%d: %s). It is kept on disk and retried: set AMPWATCH_TOKEN "
-                "to an ingest token (`ampwatch token create --role ingest` on the server), or upload it later with "
-                "`ampwatch sync --token TOKEN`", reply.status, reply.body[:300],
+                "ampwatch: the server refused this run's data (%d: %s). It is kept on disk and retried: set "
+                "AMPWATCH_TOKEN to an ingest token (`ampwatch token create --role ingest` on the server), or upload it "
+                "later with `ampwatch sync --token TOKEN`", reply.status, reply.body[:300],
             )  # fmt: skip
         elif self._failures == 1:
             why = reply.body[:300] if reply.status == 0 else f"HTTP {reply.status}"

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+from ampwatch._protocol import EVENT
 from ampwatch._transport import encode, packed
 
 log = logging.getLogger("ampwatch")
@@ -22,14 +23,12 @@ log = logging.getLogger("ampwatch")
 
 def start_at(run: Any, resume_step: int) -> None:
     """Number this launch's steps from `resume_step` and mark where it resumed (an info event, shown on the run page)."""
-    from ampwatch._worker import EVENT  # (the worker imports this module)
-
     if resume_step < 0:
         log.warning("ampwatch: resume_step must be a step (0 or more), got %d; steps count from 0", resume_step)
         return
     run._recorder.step, run._resume_step = resume_step, resume_step
     if run._worker is not None:  # (resumed after the registration's reply, as Lightning's restored global step is)
-        run._worker.hold_until = run._worker.refusal = None
+        run._worker.batcher.hold_until = run._worker.batcher.refusal = None
     message = f"Resumed at step {resume_step}: this launch's steps continue the run's numbering from there."
     run._record(
         (EVENT, resume_step, _event(run, resume_step, "info", message, {"check": "resumed", "step": resume_step}))
@@ -51,16 +50,16 @@ def check_relaunch(run: Any, reply: dict[str, Any], resume_step: int | None) -> 
                "held back, not stored over them. If it resumes a checkpoint, pass the step it resumes from: "
                f"ampwatch.init(..., resume_step=N) ({last + 1} continues right after the stored steps); to start a new "
                "run, use another run id (AMPWATCH_RUN_ID).")  # fmt: skip
-    worker = run._worker
-    worker.hold_until = last
-    worker.refusal = _event(run, last, "critical", message, {"check": "relaunch_without_resume", "stored_step": last})
+    worker, batcher = run._worker, run._worker.batcher
+    batcher.hold_until = last
+    batcher.refusal = _event(run, last, "critical", message, {"check": "relaunch_without_resume", "stored_step": last})
 
     def rewrite(body: bytes) -> tuple[bytes, bool]:  # (the first batch that holds a point back says why)
-        body, held = _held_back(body, last, worker.refusal)
-        worker.refusal = None if held else worker.refusal
+        body, held = _held_back(body, last, batcher.refusal)
+        batcher.refusal = None if held else batcher.refusal
         return body, held
 
-    worker.outbox.rewrite_from(worker.first_seq, rewrite)
+    worker.outbox.rewrite_from(batcher.first_seq, rewrite)
 
 
 def held_back(points: dict[str, tuple[list[int], list[Any]]], last: int) -> bool:

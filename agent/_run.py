@@ -27,10 +27,11 @@ from typing import Any
 from ampwatch import _resume
 from ampwatch._guard import guarded, warn_once
 from ampwatch._origin import Diagnosis
+from ampwatch._protocol import EVENT, MAX_NAME, MAX_STEP, STATUS, VALUES
 from ampwatch._settings import AgentSettings
-from ampwatch._steps import MAX_NAME
+from ampwatch._transport import Transport
 from ampwatch._watch import Recorder
-from ampwatch._worker import EVENT, STATUS, VALUES, Worker
+from ampwatch._worker import Worker
 
 log = logging.getLogger("ampwatch")
 _UNFINISHED: set[Run] = set()  # (held here: a run the script no longer refers to is still finished at exit)
@@ -38,7 +39,6 @@ _LAUNCHES = itertools.count()  # init() calls of a distributed process: a sweep'
 # A forked child (os.fork, a multiprocessing worker) that exits normally runs the inherited atexit hook:
 # the runs it inherited are its parent's, which trains on, so the child must not finish them.
 os.register_at_fork(after_in_child=_UNFINISHED.clear)
-MAX_STEP = 2**63
 
 
 class Run:
@@ -49,6 +49,7 @@ class Run:
         settings: AgentSettings,
         name: str | None = None,
         config: Any = None,
+        transport: Transport | None = None,
         resume_step: int | None = None,
     ) -> None:
         disabled = settings.mode == "disabled"  # the fallback of a failed init(): nothing here may raise
@@ -67,7 +68,7 @@ class Run:
                 "config": _jsonable(_config_dict(config)),
                 "environment": _environment(self.world_size),
             }
-            self._worker = Worker(settings, self.id, doc, self.rank)
+            self._worker = Worker(settings, self.id, doc, self.rank, transport)
         self._recorder = Recorder(
             self._worker.record if self._worker is not None else _discard,  # per step: no hop through the Run
             rank=self.rank,
@@ -78,12 +79,12 @@ class Run:
             self.url = None
             return
         self._worker.outbox.on_registered = self._registered
+        mailbox = self._recorder.mailbox
+        mailbox.wake, mailbox.free_read_records = self._worker.wake, self._worker.free_read_records
+        self._worker.batcher.diagnosis = Diagnosis(mailbox, self.rank)  # (it writes the probe's requests there)
         self._resume_step = None if resume_step is None else int(resume_step)
         if self._resume_step is not None:
             _resume.start_at(self, self._resume_step)
-        self._worker.diagnosis = Diagnosis(self._recorder, self.rank)
-        self._recorder.wake = self._worker.wake
-        self._recorder._free_read = self._worker.free_read
         self._worker.start()
         _UNFINISHED.add(self)
         _install_sigterm_handler()
@@ -106,6 +107,12 @@ class Run:
         """Record values at the current step (or `step`); 0-d tensors are read later, off this thread."""
         guarded(self._log, metrics, step)
 
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Block until everything recorded so far is delivered to the server or kept in the spool on disk (from where
+        it is retried); True once it is, False if that takes longer than `timeout_s`. Never raises. Not needed before
+        `finish()`, which flushes; a disabled or finished run has nothing left to flush (True)."""
+        return guarded(self._flush, timeout_s) is True
+
     def checkpoint(self, step: int | None = None, path: Any = None) -> None:
         """Say that healthy state was saved (at the current step, or `step`; to `path` if given): a `checkpoint`
         event, which the server's rollback plan (`GET /api/v1/runs/{id}/plan`) restores from."""
@@ -116,7 +123,8 @@ class Run:
         guarded(self._finish, "finished", None)
 
     def _registered(self, reply: dict[str, Any]) -> None:
-        """The server's own link to the run's page (AMPWATCH_PUBLIC_URL behind a proxy) replaces the one from our URL."""
+        """The server's own link to the run's page (AMPWATCH_PUBLIC_URL behind a proxy) replaces ours; the reply also
+        says which steps an earlier launch under this run id stored (see ampwatch._resume)."""
         guarded(_resume.check_relaunch, self, reply, self._resume_step)
         url = reply.get("url")
         if isinstance(url, str) and url.startswith(("http://", "https://")) and url.endswith("/runs/" + self.id):
@@ -138,6 +146,14 @@ class Run:
     def _record(self, entry: tuple) -> None:
         if self._worker is not None:
             self._worker.record(entry)
+
+    def _flush(self, timeout_s: float) -> bool:
+        if not isinstance(timeout_s, numbers.Real) or math.isnan(timeout_s):
+            warn_once("flush-timeout", "ampwatch: flush()'s timeout_s must be a number of seconds, got %r", timeout_s)
+            return False
+        if self._worker is None or self._finished:
+            return True
+        return self._worker.flush(max(0.0, float(timeout_s)), spooled=True)
 
     def _log(self, metrics: dict[str, Any], step: int | None) -> None:
         if self._finished:
@@ -255,13 +271,16 @@ def init(
     url: str | None = None,
     token: str | None = None,
     config: Any = None,
+    transport: Transport | None = None,
     resume_step: int | None = None,
 ) -> Run:
-    """Start a run (`config`: a dict, an argparse.Namespace, a dataclass or an OmegaConf config; `resume_step`: the
-    step a relaunch under the same run id resumes from, where its step numbering continues). Never raises: on
-    any problem it logs and returns a run that records nothing."""
+    """Start a run (`config`: a dict, an argparse.Namespace, a dataclass or an OmegaConf config). `transport`: what
+    delivers batches instead of HTTP to `url` (any object with `ampwatch.Transport`'s `send` and `close`; tests pass
+    an in-memory one). `resume_step`: the step a relaunch under the same run id resumes from, where its step
+    numbering continues. Never raises: on any problem it logs and returns a run that records nothing."""
     try:
-        return Run(AgentSettings.resolve(project=project, url=url, token=token), name, config, resume_step)
+        settings = AgentSettings.resolve(project=project, url=url, token=token)
+        return Run(settings, name, config, transport, resume_step)
     except Exception:
         log.exception("ampwatch: init() failed; this run will not be recorded")
         return Run(AgentSettings(mode="disabled", project=project or "default"), name)
@@ -338,7 +357,8 @@ def _crash_event(step: int, rank: int, exc: BaseException) -> dict[str, Any]:
         message = f"Interrupted at step {step}: KeyboardInterrupt (Ctrl-C or SIGINT)."
         details = {"exception": "KeyboardInterrupt", "signal": "SIGINT"}
     else:
-        message = f"The training loop raised {traceback.format_exception_only(type(exc), exc)[-1].strip()}"  # (safe: see test)
+        raised = traceback.format_exception_only(type(exc), exc)[-1].strip()  # (safe on any exception: see its test)
+        message = f"The training loop raised {raised}"
         details = {"exception": type(exc).__name__}
     if exc.__traceback__ is not None:
         details["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:]
@@ -369,8 +389,8 @@ def _run_id(project: str, name: str | None, world_size: int) -> str:
     if world_size <= 1:
         return secrets.token_hex(8)
     # (SLURM's job and step ids: tasks that srun starts share them, and no two jobs do, where the address does)
-    shared = [project, name or "", *(os.environ.get(v, "") for v in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
-              "SLURM_JOB_ID", "SLURM_STEP_ID")), str(next(_LAUNCHES))]  # fmt: skip
+    launch = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID")
+    shared = [project, name or "", *(os.environ.get(v, "") for v in launch), str(next(_LAUNCHES))]
     return hashlib.sha256("\0".join(shared).encode()).hexdigest()[:16]
 
 

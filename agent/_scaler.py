@@ -107,7 +107,8 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
             raise
 
     def reanchoring(name: str) -> Any:
-        """`load_state_dict` and the growth-rule setters: the shadow copies scale and rule again at the next update()."""
+        """`load_state_dict` and the growth-rule setters: the shadow copies scale and rule again at the next
+        update()."""
         method = getattr(cls, name)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -292,7 +293,7 @@ def norm_before_clip(recorder: Any, parameters: Any) -> None:
         recorder._norm = recorder._unscaled = recorder._deferred = None
         recorder._normed.discard(id(first))
     ids = (id(parameters),) if isinstance(parameters, _Tensor) else map(id, parameters)
-    if not recorder._param_ids(first).isdisjoint(ids):
+    if not recorder.clip.param_ids(first).isdisjoint(ids):
         recorder._grad_mark = (weakref.ref(grad), grad._version) if grad is not None else None
         recorder.on_unscaled(first)
 

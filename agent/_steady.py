@@ -1,9 +1,9 @@
-"""The end of a step (its record, the NaN-origin probe's flags), and the steady path: the Recorder's work on the
+"""The end of a step (its record, the NaN-origin probe's flags), and the lean path: the Recorder's work on the
 steps between the ones that do more.
 
 A step does more when it takes per-layer norms, checks the parameters, or anchors the scale; `_plan` finds
-the next such step, and the steps before it are plain: `_finish_step` takes its short path on them (and the
-last of them says whether per-layer norms are due next). On plain steps, a loop that clips with
+the next such step (see ampwatch._cadence), and the steps before it are plain: `_finish_step` takes its short
+path on them (and the last of them says whether per-layer norms are due next). On plain steps, a loop that clips with
 `clip_grad_norm_` after `unscale_` also repeats one pattern: one scale(), unscale_, a clip over the
 optimizer's parameters, step, update. For those steps the scaler's wrappers (and the Recorder's clip
 listener) are replaced by the lean ones built here: each is the wrapper and the Recorder's method in one
@@ -27,22 +27,19 @@ from typing import Any
 from ampwatch import _misuse, _scaler
 from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
-from ampwatch._steps import ANCHOR_EVERY
-from ampwatch._worker import FAST_RECORDS, ORIGIN, PLAIN, RAN, STEP
+from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
+from ampwatch._worker import FAST_RECORDS
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 WAKE_EVERY_S = (
     0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
 )
-BLIND = ("The NaN-origin probe, armed after a non-finite value, saw no forward pass of the watched model in a whole step: "
-         "its hooks did not run, so it cannot say where NaN/Inf come from. Most likely the model was compiled after "
-         "watch() (torch.compile(model): the compiled graph does not run hooks added to the modules inside it later): "
-         "pass the compiled model to watch() instead, and the probe tells a bad input batch from the model; run uncompiled "
-         "to have it name the module. Or the loop calls another model than the one passed to watch().")  # fmt: skip
 
 
-class Steady:
-    """Part of `ampwatch._watch.Recorder`: its attributes are the Recorder's."""
+class StepEnd:
+    """How the Recorder ends a step and runs the lean path: a part of `ampwatch._watch.Recorder`, whose attributes
+    these methods use (one object, the Recorder, for speed: its slots are what every step touches). Owner: the
+    training thread."""
 
     __slots__ = ()
 
@@ -61,96 +58,67 @@ class Steady:
             loss = None if "loss" in user else loss
             lr = None if "lr" in user else lr
             total, check = "grad_norm" not in user, "param_norm" not in user
-        plain = step < self._plain_until and not self.arm_request
+        plain = step < self._plain_until and not self.mailbox.arm_request
         if not plain and self._torch is not None:
             note_stream(self._torch)  # (the sender's CUDA reads wait for this step's stream)
-        if not plain and optimizers and check and (step % self.param_interval == 0 or self._probing):
+        if not plain and optimizers and check and self.cadence.params_due(step, self._probing):
             with self._torch.no_grad():  # (no graph, and no detached copy of each parameter: ~0.3 us each)
                 params = self._foreach_norm([p for o in optimizers for g in o.param_groups for p in g["params"]])
-        entry = (STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params)
+        self._end_step((STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params), step, skipped)
+        self._anchor = self._unscaled = self._deferred = None
+        self._normed.clear()
+        if plain:
+            if step + 1 >= self._plain_until:
+                self._end_plain(step)
+            return
+        free_read_records = self.mailbox.free_read_records
+        if free_read_records is not None:  # (the records the sender has read: see Worker.free_read_records)
+            free_read_records()
+        probe = self._probe
+        if probe is not None:
+            if self._probing or self.mailbox.arm_request:
+                self._probing = self._arming.end_of_step(probe, step)
+            self._layers_due = self.cadence.layers_due(step + 1, self._probing, True)
+        elif self.mailbox.arm_request:  # (no model is watched: there is nothing to arm)
+            self.mailbox.arm_request = False
+        self._plain_until = self._plan(step)
+        if self._plain_until > step + 1:
+            self._enter_steady()
+
+    def _end_step(self: Any, entry: tuple, step: int, wake: bool) -> None:
+        """Where every step ends, on the full path and the lean one: its record goes to the sender's buffer (through the
+        buffer's own append while it has room, see Worker.record), the step count moves on, and the iteration's loss
+        and norm are let go. `wake`: the step may have been skipped, so the sender reads it now."""
         append = self._append
         if append is not None and step & (FAST_RECORDS - 1):
             append(entry)
         else:
             self._append = self._record(entry)
         self.step = step + 1
-        if skipped:  # (now that its record is in the buffer: the sender's next read must find it)
+        if wake:  # (now that its record is in the buffer: the sender's next read must find it)
             self._wake_for_skip()
-        self._loss = self._norm = self._anchor = self._unscaled = self._deferred = None
+        self._loss = self._norm = None
         self._scale_calls = 0
-        self._normed.clear()
-        if plain:
-            if step + 1 >= self._plain_until:
-                self._end_plain(step)
-            return
-        if self._free_read is not None:  # (the records the sender has read: see Worker.free_read)
-            self._free_read()
-        probe = self._probe
-        if probe is not None:
-            if self._probing or self.arm_request:
-                self._probe_step(step)
-                self._probing = probe.armed
-            self._layers_due = self._probing or (step + 1) % self.layer_interval == 0
-        elif self.arm_request:  # (no model is watched: there is nothing to arm)
-            self.arm_request = False
-        self._plain_until = self._plan(step)
-        if self._plain_until > step + 1:
-            self._enter_steady()
-
-    def _probe_step(self: Any, step: int) -> None:
-        """Hand over the armed probe's flags for `step`; arm or disarm it as the diagnosis asked."""
-        probe = self._probe
-        if probe.armed:  # type: ignore[union-attr]
-            import torch
-
-            fwd_names, fwd, bwd_names, bwd = probe.take()  # type: ignore[union-attr]
-            if fwd or bwd:
-                flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
-                self._record((ORIGIN, step, self._arming, fwd_names, flags[0], bwd_names, flags[1]))
-            elif not probe.blind_said:  # type: ignore[union-attr]
-                probe.blind_said = True  # type: ignore[union-attr]
-                self._config(BLIND, {"probe": "no forward seen", "armed_step": step})
-            probe.steps_left -= 1  # type: ignore[union-attr]
-            if (
-                probe.steps_left <= 0
-            ):  # (armed to the end after a hit too: its per-layer norms every step make the heatmap)
-                probe.disarm()  # type: ignore[union-attr]
-                # A request pending after a hit: from the same episode (the range below misses it if the user numbers steps).
-                self.arm_request = self.arm_request and self.origin_found != self._arming
-        if self.arm_request and not probe.armed:  # type: ignore[union-attr]
-            self.arm_request = False
-            # Not for an event from the last arming's own on: it saw it or was armed after it (one before: a step the user
-            # numbered otherwise: armed). Its flags were recorded before this event's step, so whether it missed is known.
-            if not self._armed_from <= self.arm_step < self._armed_until:
-                probe.arm(missed=self._arming > 0 and self.origin_found != self._arming)  # type: ignore[union-attr]
-                self._arming += 1
-                self._armed_from, self._armed_until = self.arm_step, step + 1 + probe.window  # type: ignore[union-attr]
 
     def _plan(self: Any, step: int) -> int:
-        """The first step after `step` whose record needs more than the plain path of `_finish_step`: a step that
-        checks the parameters, takes per-layer norms, or anchors the scale; 0 while probing.
-        (Whatever asks for an anchor, `watch` or `request_anchor`, resets it to 0 along with `reanchor`.)"""
-        if self._probing:
-            return 0
-        layer = self.layer_interval
-        until = min(_next_multiple(step, self.param_interval), _next_multiple(step, ANCHOR_EVERY))
-        if self._probe is not None:  # per-layer norms are taken at multiples of `layer_interval` (see on_unscaled)
-            until = min(until, _next_multiple(step, layer))
-        return until
+        """The first step after `step` whose record needs more than the plain path of `_finish_step` (see
+        ampwatch._cadence). (Whatever asks for an anchor, `watch` or `request_anchor`, resets it to 0.)"""
+        return self.cadence.next_due(step, self._probing, self._probe is not None)
 
     def _end_plain(self: Any, step: int) -> None:
         """`step` was the plan's last plain step: the full hooks again, and per-layer norms at the next step if due."""
-        self._layers_due = self._probe is not None and (step + 1) % self.layer_interval == 0
+        self._layers_due = self.cadence.layers_due(step + 1, False, self._probe is not None)
         self._leave_steady()
 
     def _enter_steady(self: Any) -> None:
         """At the end of a full step that planned plain steps ahead: go lean if that step had the pattern."""
         optimizer, scaler = self._last_optimizer, self._scaler
         stage = self._stage_before
-        if (optimizer is None or scaler is None or not scaler._enabled or not self._clip_trusted or self._probing
+        if (optimizer is None or scaler is None or not scaler._enabled or not self.clip.trusted or self._probing
                 or not self._ever_scaled or stage is None or stage.name != "UNSCALED"
-                or self._clip_params.__class__ is not list or not self._clip_params  # (a clip of one tensor, or none)
-                or self._user_step >= self.step and self._user_names  # (a standard name logged ahead: the full path sees it)
+                or self.clip.params.__class__ is not list or not self.clip.params  # (a clip of one tensor, or none)
+                # (a standard name logged ahead: the full path sees it)
+                or self._user_step >= self.step and self._user_names
                 or getattr(optimizer, "_step_supports_amp_scaling", False)
                 or scaler.__dict__.get(_scaler.RECORDER) is not self):  # fmt: skip
             return
@@ -159,9 +127,9 @@ class Steady:
         state = scaler.__dict__
         # The lean hooks of the last plan, where they were built for the same objects (the usual case: building them
         # anew, every `param_interval` steps, cost that step ~20 us in place, cold code).
-        params, first = self._clip_params, self._optimizers[0] if self._optimizers else None
-        key = (scaler, optimizer, first, self._clip_groups, params, params[0], params[-1])
-        sizes = (self._clip_seen[2], len(params))
+        params, first = self.clip.params, self._optimizers[0] if self._optimizers else None
+        key = (scaler, optimizer, first, self.clip.groups, params, params[0], params[-1])
+        sizes = (self.clip.seen[2], len(params))
         held = self._full_hooks
         if held is not None and held[3] == sizes and all(map(is_, held[2], key)):
             lean = held[4]
@@ -180,9 +148,10 @@ class Steady:
     def _wake_for_skip(self: Any) -> None:
         """A skipped step (its optimizer step did not run): the sender reads it now, not at its next flush, so the
         diagnosis can arm the NaN-origin probe before the next few hundred fast steps have passed."""
-        if self.wake is not None and monotonic() >= self._woke_at + WAKE_EVERY_S:
+        wake = self.mailbox.wake
+        if wake is not None and monotonic() >= self._woke_at + WAKE_EVERY_S:
             self._woke_at = monotonic()
-            self.wake()
+            wake()
 
     def _leave_steady(self: Any) -> None:
         """Back to the full hooks (until the next plan)."""
@@ -200,9 +169,9 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
     named as GradScaler's: a loop may pass them by keyword."""
     cls = type(scaler)
     base_scale, base_unscale_, base_step, base_update = cls.scale, cls.unscale_, cls.step, cls.update
-    tensor, leave, diagnose = rec._tensor, rec._leave_steady, _scaler.diagnose_error
+    tensor, leave, diagnose, mailbox = rec._tensor, rec._leave_steady, _scaler.diagnose_error, rec.mailbox
     first = rec._optimizers[0] if rec._optimizers else None
-    groups, group_count, clipped_params = rec._clip_groups, rec._clip_seen[2], rec._clip_params
+    groups, group_count, clipped_params = rec.clip.groups, rec.clip.seen[2], rec.clip.params
     count, first_param, last_param = (
         len(clipped_params),
         clipped_params[0],
@@ -220,7 +189,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
     def unscale_(optimizer: Any) -> None:
         if (
             optimizer is not steady or optimizer.param_groups is not groups or len(groups) != group_count
-        ):  # (see _clip_still_covers)
+        ):  # (see ClipTracking.still_covers)
             leave()
             return scaler.unscale_(optimizer)
         try:
@@ -282,30 +251,15 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
                     for found in state["found_inf_per_device"].values():  # noqa: B007 (the last one is kept)
                         count += 1
             # (a step whose norm or step() did not come, as when a loop unscales, then drops the step: the full path)
-            if (count == 1 and new_scale is None and not rec.arm_request and scaler._scale is not None
+            if (count == 1 and new_scale is None and not mailbox.arm_request and scaler._scale is not None
                     and rec._norm is not None and rec._unscaled is None):  # fmt: skip
-                # What _finish_step records on a plain step, as a plain record (the user logged no standard name:
-                # that left the steady path).
+                # What _finish_step records on a plain step, as a lean record (the user logged no standard name:
+                # that left the steady path); the step ends as every step does.
                 at = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
-                entry = (
-                    RAN if found is None else PLAIN,
-                    at,
-                    rec._loss,
-                    found,
-                    rec._norm,
-                    lr if lr.__class__ is float else _real(lr),
-                )
-                append = rec._append
-                if append is not None and at & (FAST_RECORDS - 1):
-                    append(entry)
-                else:
-                    rec._append = rec._record(entry)
-                if found is not None:
-                    rec._wake_for_skip()
-                rec.step = at + 1
-                rec._loss = rec._norm = None
-                rec._scale_calls = 0
+                lr = lr if lr.__class__ is float else _real(lr)
+                rec._end_step((APPLIED_STEP if found is None else LEAN_STEP, at, rec._loss, found, rec._norm, lr), at,
+                              found is not None)  # fmt: skip
                 if at + 1 >= rec._plain_until:
                     rec._end_plain(at)
                 lean = True
@@ -335,16 +289,11 @@ def _ran_hook(rec: Any) -> Callable[..., None]:
         if rec._ran is False:  # (only inside a scaler's step(): the flag is None before the iteration's first)
             rec._ran = True
         elif (
-            rec._ran is None and rec._scale_calls and "direct_step" not in rec._said
+            rec._ran is None and rec._scale_calls and "direct_step" not in rec._misuses_told
         ):  # (outside: see stepped_directly)
             guarded(_misuse.stepped_directly, rec, optimizer)
 
     return ran
-
-
-def _next_multiple(step: int, every: int) -> int:
-    """The first multiple of `every` after `step`."""
-    return (step // every + 1) * every
 
 
 def _real(lr: Any) -> float | None:

@@ -2,7 +2,7 @@
 
 The training thread keeps references, not results: the detached loss, GradScaler's own found_inf
 tensor, the total norm `clip_grad_norm_` returned (or the per-parameter norms of one `_foreach_norm`).
-It hands them over as one plain tuple per step (see `STEP_FIELDS`), the cheapest record Python can
+It hands them over as one plain tuple per step (see `STEP_FIELDS` in ampwatch._protocol), the cheapest record Python can
 build, holding the tensors themselves in the usual case (lists only where there are several), as every
 object kept until the sender reads it is more work for the garbage collector on the training thread.
 The sender thread copies them to the host and does all the arithmetic: sums, total and per-layer norms,
@@ -18,7 +18,8 @@ import math
 import struct
 from typing import Any
 
-MAX_NAME = 200  # the server's limit on project, run and series names
+from ampwatch._protocol import FOUND_AT, LEAN_LR_AT, MAX_NAME, STEP_AT
+
 ANCHOR_EVERY = (
     200  # a multiple of the default layer and parameter intervals (50): anchors come on steps that do more anyway
 )
@@ -26,25 +27,7 @@ Groups = list[tuple[list[Any], bool, "tuple[str, ...] | str | None"]]  # (per-pa
 CLIP_TOTAL = "(clip total)"  # a group's modules: its one norm is the step's total (see Recorder.on_clipped)
 Points = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values)
 
-# A step record: (kind, step, loss, found, norm, total, anchor, rule, lr, params)
-#   loss    the detached tensor passed to scaler.scale(), a list of them (summed), or None (no scale() call,
-#           or the user logged `loss`)
-#   found   GradScaler's found_inf tensor, a list of them (several optimizers or devices), or None without a scaler
-#   norm    the total gradient norm (a 0-dim tensor: clip_grad_norm_'s), Groups: per optimizer the `_foreach_norm`
-#           of its gradients, whether they were still scaled, and the module of each parameter on per-layer
-#           steps (else None; CLIP_TOTAL: clip_grad_norm_'s total, where the per-parameter norms are each rank's
-#           shard's, under FSDP2); or None
-#   total   False when the user logged `grad_norm` at this step (their value wins; layers are still ours)
-#   anchor  copies of the scale and growth tracker before update(), or None
-#   rule    (growth factor, backoff factor, growth interval) of the scaler along with an anchor, else None
-#   lr      the first parameter group's float learning rate, or None
-#   params  per-parameter norms of the parameters (a periodic finiteness check), or None
-STEP_FIELDS = ("kind", "step", "loss", "found", "norm", "total", "anchor", "rule", "lr", "params")
-# A plain step record, which the steady path makes (ampwatch._steady): (kind, step, loss, found, norm, lr), the
-# three a tensor each (the loss one value), the norm clip_grad_norm_'s total; a step record would have had the
-# same, with total True and no anchor, rule or params. Of kind PLAIN, found is GradScaler's found_inf; of kind RAN,
-# None: the optimizer's step ran (its post-step hook said so), so GradScaler found no inf and did not skip it.
-PLAIN_FIELDS = ("kind", "step", "loss", "found", "norm", "lr")
+# The records decoded here are laid out in ampwatch._protocol (STEP_FIELDS, LEAN_FIELDS).
 
 
 def step_tensors(records: list[tuple], out: list[Any]) -> None:
@@ -73,10 +56,10 @@ def step_tensors(records: list[tuple], out: list[Any]) -> None:
             out += params
 
 
-def plain_tensors(records: list[tuple], out: list[Any]) -> None:
-    """Append the tensors of plain step records of one kind to `out`, in the order `StepDecoder.decode_plain`
+def lean_tensors(records: list[tuple], out: list[Any]) -> None:
+    """Append the tensors of lean step records of one kind to `out`, in the order `StepDecoder.decode_lean`
     consumes them."""
-    if records[0][3] is None:
+    if records[0][FOUND_AT] is None:
         out += [t for _, _, loss, _, norm, _ in records for t in (loss, norm)]
     else:
         out += [t for _, _, loss, found, norm, _ in records for t in (loss, found, norm)]
@@ -149,13 +132,13 @@ class StepDecoder:
                 at += n
         return at
 
-    def decode_plain(self, records: list[tuple], host: list[Any], at: int, points: Points) -> int:
-        """`decode` for plain step records of one kind (see PLAIN_FIELDS): the same series, a column at a time."""
+    def decode_lean(self, records: list[tuple], host: list[Any], at: int, points: Points) -> int:
+        """`decode` for lean step records of one kind (see LEAN_FIELDS): the same series, a column at a time."""
         n = len(records)
-        found = records[0][3] is not None
+        found = records[0][FOUND_AT] is not None
         width = 3 if found else 2
         end = at + width * n
-        steps = [r[1] for r in records]
+        steps = [r[STEP_AT] for r in records]
         series = _series(points, "loss")
         series[0].extend(steps)
         series[1].extend(map(float, host[at:end:width]))
@@ -176,7 +159,7 @@ class StepDecoder:
         series = _series(points, "grad_norm")
         series[0].extend(steps)
         series[1].extend(map(abs, host[at + width - 1 : end : width]))
-        lrs = [r[5] for r in records]
+        lrs = [r[LEAN_LR_AT] for r in records]
         series = _series(points, "lr")
         if None in lrs:
             steps, lrs = [s for s, lr in zip(steps, lrs) if lr is not None], [lr for lr in lrs if lr is not None]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ampwatch._outbox import Outbox
 from ampwatch._spool import RUN_FILE, Spool
-from ampwatch._transport import Transport
+from ampwatch._transport import HttpTransport
 
 GIVE_UP_AFTER_S = 30.0
 
@@ -34,7 +34,7 @@ def sync(root: Path, url: str | None, token: str | None) -> int:
             failed += 1
             print(f"{folder}: its {RUN_FILE} cannot be read ({error!r}); skipped", file=sys.stderr)
             continue
-        outbox = Outbox(Transport(target, token, 30.0), info["run_id"], info["doc"], spool)
+        outbox = Outbox(HttpTransport(target, token, 30.0), info["run_id"], info["doc"], spool)
         total = len(outbox)
         live = spool.live()  # (asked before the upload: a run that ends meanwhile may have written more)
         if not _drain(outbox):
@@ -44,11 +44,12 @@ def sync(root: Path, url: str | None, token: str | None) -> int:
             )
         elif outbox.refused:  # refused for good (a body limit, say): kept as .bad files for a person to look at
             failed += 1
-            print(f"{label}: {total - outbox.dropped} of {total} uploaded; {target} refused {outbox.refused} (see the error "
-                  f"above), kept in {folder} as .bad files", file=sys.stderr)  # fmt: skip
+            print(f"{label}: {total - outbox.dropped} of {total} uploaded; {target} refused {outbox.refused} "
+                  f"(see the error above), kept in {folder} as .bad files", file=sys.stderr)  # fmt: skip
         elif live:
             print(
-                f"{label}: {total} batch(es) uploaded to {target}; a running process still writes there: sync it again later"
+                f"{label}: {total} batch(es) uploaded to {target}; a running process still writes there: "
+                "sync it again later"
             )
         else:
             spool.discard()

@@ -1,30 +1,20 @@
-"""HTTP transport to the server, standard library only.
+"""How batches reach the server: the `Transport` contract, and its HTTP implementation (standard library only).
 
-One kept-alive connection per transport (a sender thread sends a few batches a second: a new TCP
+`HttpTransport` keeps one connection alive per run (a sender thread sends a few batches a second: a new TCP
 connection each time would cost more than the batch). A connection the server closed in the meantime
 is opened again once; documents are sent as JSON bytes encoded once by the caller.
 """
 
 from __future__ import annotations
 
-import array
-import base64
 import http.client
 import json
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from typing import Any, Protocol
 
-
-def packed(numbers: list[Any], code: str) -> str:
-    """A series' steps (`code` "q": int64) or values ("d": float64) as the server takes them: base64 of their
-    little-endian bytes. Exact, NaN and infinities included, and over 10x cheaper to write than JSON numbers."""
-    data = array.array(code, numbers)
-    if sys.byteorder == "big":
-        data.byteswap()
-    return base64.b64encode(data).decode("ascii")
+from ampwatch._protocol import packed  # noqa: F401  (re-exported: tests and benchmarks pack series with it)
 
 
 def encode(document: dict[str, Any]) -> bytes:
@@ -55,8 +45,22 @@ class Response:
         return self.status == 0 or self.status in (408, 425, 429) or self.status >= 500 or self.refused
 
 
-class Transport:
-    """Sends JSON bodies to one server; never raises."""
+class Transport(Protocol):
+    """What the sender needs to deliver batches; `ampwatch.init(transport=...)` takes any object that has it.
+
+    `send` makes one request of the ingest API (`PUT /api/v1/runs/{id}` registers the run with its JSON document,
+    `POST /api/v1/runs/{id}/batches` delivers one batch) and returns its `Response`; it must never raise: a failure
+    is `Response(0, why)`, which the sender retries. `close` lets go of any connection (a later send may reopen one).
+    Both are called from the sender thread only (and `close` from `finish()` once that thread is done).
+    """
+
+    def send(self, method: str, path: str, body: bytes) -> Response: ...
+
+    def close(self) -> None: ...
+
+
+class HttpTransport:
+    """Sends JSON bodies to one server over HTTP(S); never raises."""
 
     def __init__(self, url: str, token: str | None, timeout_s: float) -> None:
         self._url = url

@@ -13,18 +13,22 @@ from collections.abc import Callable
 from typing import Any
 
 from ampwatch import _scaler
+from ampwatch._arming import ProbeArming
+from ampwatch._cadence import Cadence
+from ampwatch._clip import ClipTracking
 from ampwatch._guard import Hook, guarded, warn_once
+from ampwatch._mailbox import Mailbox
 from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe, module_names
-from ampwatch._steady import Steady
-from ampwatch._steps import ANCHOR_EVERY, CLIP_TOTAL
-from ampwatch._worker import EVENT
+from ampwatch._protocol import EVENT
+from ampwatch._steady import StepEnd
+from ampwatch._steps import CLIP_TOTAL
 
 log = logging.getLogger("ampwatch")
 STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm"})
 
 
-class Recorder(Steady):
+class Recorder(StepEnd):
     """Per-run step state: the step counter and what the current iteration has seen so far.
 
     The methods the scaler wrappers call (`on_scale`, `on_unscaled`, `on_clipped`, `before_step`,
@@ -35,14 +39,13 @@ class Recorder(Steady):
     # Slots, the ones every step reads first: next to each other in memory. Timed in place, the hooks' cost is
     # mostly memory they touch, and a dict of fifty attributes spreads them over many more cache lines.
     __slots__ = (
-        "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "arm_request",
-        "_record", "_free_read", "_steady", "_full_hooks", "rank", "layer_interval", "param_interval", "origin_found",
-        "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "_clip_trusted",
-        "_clip_seen", "_clip_groups", "_clip_params", "_param_ids_of", "_tensor", "_foreach_norm", "_hooks",
+        "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "mailbox",
+        "_record", "_steady", "_full_hooks", "rank", "cadence",
+        "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "clip",
+        "_tensor", "_foreach_norm", "_hooks",
         "_scaler", "_optimizers", "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing",
-        "_layers_due", "_ever_scaled", "_said", "_last_optimizer", "_stage_before", "_first_forward_hook",
-        "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "wake", "_woke_at", "arm_step", "_armed_from",
-        "_armed_until", "_skip_seen", "_grad_mark",
+        "_layers_due", "_ever_scaled", "_misuses_told", "_last_optimizer", "_stage_before", "_first_forward_hook",
+        "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "_woke_at", "_skip_seen", "_grad_mark",
     )  # fmt: skip
 
     def __init__(
@@ -50,15 +53,10 @@ class Recorder(Steady):
     ) -> None:
         self._record = record  # may return the buffer's append, for the next step records (see Worker.record)
         self._append: Callable[[tuple], None] | None = None
-        self._free_read: Callable[[], None] | None = None  # frees the records the sender read (see Worker.free_read)
         self.rank = rank
         self.step = 0
-        self.layer_interval = layer_interval
-        self.param_interval = param_interval
-        self.arm_request = False  # set by the sender thread's diagnosis, for a non-finite event at step `arm_step`
-        self.arm_step = -1
-        self._armed_from = self._armed_until = 0  # the last arming's event, and the first step after its probe was gone
-        self.origin_found = 0  # the last arming (see `_arming`) whose probe named an origin, set by the sender thread
+        self.cadence = Cadence(layer_interval, param_interval)  # which steps do more (see ampwatch._cadence)
+        self.mailbox = Mailbox()  # word to and from the sender thread (see ampwatch._mailbox)
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
@@ -68,8 +66,8 @@ class Recorder(Steady):
         self._ran: bool | None = None  # on a lean step: whether its optimizer step ran (None: not known)
         self._skip_seen = False  # on a full step: the step of one of several optimizers did not run
         self._ran_on: set[Any] = set()  # the optimizers the post-step hook that tells so is registered on (once each)
-        # the current iteration (kept as a bare tensor in the usual case, a list only when there are several: each object
-        # the record keeps alive until the sender reads it adds to the garbage collector's work on the training thread)
+        # the current iteration (kept as a bare tensor in the usual case, a list only when there are several: each
+        # object the record keeps alive until the sender reads it adds to the garbage collector's work)
         self._loss: Any = None  # the detached loss, or a list of them (several scale() calls)
         self._norm: Any = None  # clip_grad_norm_'s total norm, or Groups (see ampwatch._steps)
         self._normed: set[int] = set()
@@ -79,15 +77,9 @@ class Recorder(Steady):
         self._user_step = -1
         self._user_names: set[str] = set()
         self._norm_logged_at = (-3, -3)  # the last two steps the user logged `grad_norm` at
-        self._clip_trusted = False  # the last clip_grad_norm_ covered the optimizer's parameters: reuse its norm
-        self._clip_seen: tuple[
-            Any, ...
-        ] = ()  # what that verdict was reached for: parameter ids, norm type, group count, max_norm
-        self._clip_groups: Any = None  # and the optimizer's parameter-group list
-        self._clip_params: Any = None  # and the parameters themselves (the steady path compares identities)
+        self.clip = ClipTracking(self.mailbox)  # whether clip_grad_norm_'s norm is the step's (see ampwatch._clip)
         self._unscaled: Any = None  # the optimizer between its unscale_ and step
         self._deferred: Any = None  # the optimizer whose norm waits for clip_grad_norm_
-        self._param_ids_of: tuple[Any, int, set[int]] | None = None
         # what is watched
         self._tensor: type = type(None)  # torch.Tensor and torch._foreach_norm once watching
         self._foreach_norm: Callable[[list[Any]], list[Any]] | None = None
@@ -100,15 +92,14 @@ class Recorder(Steady):
         self._module_of: dict[int, str] = {}
         self._layer_names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._probe: OriginProbe | None = None
-        self._arming = 0
+        self._arming = ProbeArming(self.mailbox, record, self._config)  # when the probe is armed (see ampwatch._arming)
         self._probing = False  # the probe is armed (a copy of its flag, read every step)
         self._layers_due = False  # the current iteration takes per-layer norms
         self._ever_scaled = False
-        self._said: set[str] = set()  # the misuses that raise nothing, by cause: each is said once
+        self._misuses_told: set[str] = set()  # the misuses that raise nothing, by cause: each is said once
         self._last_optimizer = self._stage_before = self._grad_mark = None  # (the latter: see _scaler.norm_before_clip)
         self._first_forward_hook: Any = None
         self._last_error = 0
-        self.wake: Callable[[], Any] | None = None  # wakes the sender thread (see ampwatch._steady, update)
         self._woke_at = 0.0  # (time.monotonic() of the last)
 
     # -- what the user logged --------------------------------------------------------------
@@ -134,6 +125,7 @@ class Recorder(Steady):
         )
         optimizers = [_unwrap(o) for o in wrapped]
         self._optimizers = optimizers or self._optimizers  # (a later watch of only a model or a scaler keeps them)
+        self.mailbox.optimizers = list(self._optimizers)  # (for the diagnosis: whether a scheduler steps them)
         if model is not None:
             if self._first_forward_hook is not None:  # (a model watched again: the hooks on the last one go)
                 self._first_forward_hook.remove()
@@ -142,18 +134,19 @@ class Recorder(Steady):
             self._model = model
             self._module_of = module_names(model)
             self._probe = OriginProbe(model)
-            self._layers_due = self.step % self.layer_interval == 0
-            # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's) has it on
-            # only once that forward runs, after the model's own pre-hooks. Parameters that train: a frozen backbone may
-            # only ever run under no_grad.
+            self._layers_due = self.cadence.layers_due(self.step, False, True)
+            # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's)
+            # has it on only once that forward runs, after the model's own pre-hooks. Parameters that train: a frozen
+            # backbone may only ever run under no_grad.
             first = next(
                 (m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))), model
             )
             if self._probe.hookable:
                 self._first_forward_hook = first.register_forward_pre_hook(Hook(self._first_forward))
             else:
-                warn_once("scripted", "ampwatch: a TorchScript model takes no hooks: its steps, loss, scale and norms are "
-                          "recorded, but not where a NaN came from, nor checks of its forward's autocast")  # fmt: skip
+                warn_once("scripted", "ampwatch: a TorchScript model takes no hooks: its steps, loss, scale and "
+                          "norms are recorded, but not where a NaN came from, nor checks of its forward's "
+                          "autocast")  # fmt: skip
         if scaler is not None:
             _scaler.attach(scaler, self)
             self._scaler = scaler
@@ -232,7 +225,7 @@ class Recorder(Steady):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
             modules = self._modules(params)
-        elif self._clip_trusted and scale is None and self._clip_still_covers(optimizer):
+        elif self.clip.trusted and scale is None and self.clip.still_covers(optimizer):
             self._deferred = optimizer  # clip_grad_norm_ is about to compute it: take its result
             return
         elif self._norm_logged_at[1] >= self.step - 1 and self._norm_logged_at[0] == self._norm_logged_at[1] - 1:
@@ -264,7 +257,7 @@ class Recorder(Steady):
         if (
             optimizer is None
         ):  # not between this run's unscale_ and step (before unscale_, after scale(): see clipped_scaled)
-            if self._scale_calls and "clip_before_unscale" not in self._said:
+            if self._scale_calls and "clip_before_unscale" not in self._misuses_told:
                 guarded(clipped_scaled, self, parameters, args, kwargs)
             return
         ids = (id(parameters),) if isinstance(parameters, self._tensor) else tuple(map(id, parameters))
@@ -272,15 +265,9 @@ class Recorder(Steady):
         max_norm = args[0] if args else kwargs.get("max_norm")  # (a number only: comparing tensors would sync)
         max_norm = float(max_norm) if isinstance(max_norm, (int, float)) else None  # (the diagnosis reads it)
         seen = (ids, args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0), len(groups), max_norm)
-        if (
-            groups is not self._clip_groups or seen != self._clip_seen
-        ):  # (each step clips the same parameters: decide once)
-            own = self._param_ids(optimizer)
-            # The same parameters (ids are distinct, so equal counts and inclusion mean the same set), 2-norm.
-            self._clip_trusted = seen[1] == 2.0 and len(ids) == len(own) and all(map(own.__contains__, ids))
-            self._clip_seen, self._clip_groups, self._clip_params = seen, groups, parameters
+        self.clip.judge(optimizer, parameters, seen)
         if self._deferred is optimizer:
-            if self._clip_trusted or seen[1] == 2.0 and self._covers_gradients(optimizer, ids):
+            if self.clip.trusted or seen[1] == 2.0 and self.clip.covers_gradients(optimizer, ids):
                 self._deferred = None
                 if self._norm is None:
                     self._norm = total
@@ -290,15 +277,8 @@ class Recorder(Steady):
                     self._norm.append(([total], False, CLIP_TOTAL))
                 else:
                     self._add_norms(([total], False, None))
-            elif not self._param_ids(optimizer).isdisjoint(ids):
+            elif not self.clip.param_ids(optimizer).isdisjoint(ids):
                 self._deferred = None  # another clip changed these gradients: this step's norm is lost
-
-    def _covers_gradients(self, optimizer: Any, ids: tuple[int, ...]) -> bool:
-        """Whether a clip over `ids` covered every gradient of `optimizer` (its other parameters have none): its norm is the step's."""
-        clipped = set(ids)
-        return clipped <= self._param_ids(optimizer) and all(
-            p.grad is None for group in optimizer.param_groups for p in group["params"] if id(p) not in clipped
-        )
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
         """Remember the stage for diagnosis; fused optimizers unscale in their kernel: norm of grads / scale."""
@@ -315,23 +295,18 @@ class Recorder(Steady):
         self._ran = False if optimizer in self._ran_on else None  # (True once its post-step hook fires)
         if not scaler._enabled:
             return
-        if self._scale_calls == 0 and self._ever_scaled and "unscaled_backward" not in self._said and any(
+        if self._scale_calls == 0 and self._ever_scaled and "unscaled_backward" not in self._misuses_told and any(
                 p.grad is not None for group in optimizer.param_groups for p in group["params"]):  # fmt: skip
-            self._said.add("unscaled_backward")
+            self._misuses_told.add("unscaled_backward")
             self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             self.on_unscaled(optimizer, scaler._scale)
 
-    def _clip_still_covers(self, optimizer: Any) -> bool:
-        """The trusted clip was judged on this parameter-group list at this length: a group added since (unfrozen
-        layers) may leave the clip short of the optimizer, and then only a norm taken before the clip is right."""
-        groups = optimizer.param_groups
-        return groups is self._clip_groups and len(groups) == self._clip_seen[2]
-
     def _settle_deferred(self) -> None:
-        """No clip came after all (before step(), or unscale_ ran inside it): the gradients are as unscale_ left them."""
-        optimizer, self._deferred, self._clip_trusted = self._deferred, None, False
-        self._clip_seen = ()  # the next clip decides again whether to trust it
+        """No clip came after all (before step(), or unscale_ ran inside it): the gradients are as unscale_ left
+        them."""
+        optimizer, self._deferred = self._deferred, None
+        self.clip.forget()
         self._normed.discard(id(optimizer))
         self.on_unscaled(optimizer)
 
@@ -346,7 +321,7 @@ class Recorder(Steady):
                 found = flag if found is None else [*found, flag] if found.__class__ is list else [found, flag]
         if found is not None and scaler._scale is not None:
             rule = None
-            if self.step >= self._plain_until and (self.reanchor or self.step % ANCHOR_EVERY == 0):
+            if self.step >= self._plain_until and (self.reanchor or self.cadence.anchor_due(self.step)):
                 self._anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
                 rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
                 self.reanchor = False
@@ -362,7 +337,8 @@ class Recorder(Steady):
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        # A closure (Lightning, LBFGS) computes the gradients inside step(): the norm after it. (`args[0]` is the optimizer.)
+        # A closure (Lightning, LBFGS) computes the gradients inside step(): the norm after it.
+        # (`args[0]` is the optimizer.)
         if (args[1] if len(args) > 1 else kwargs.get("closure")) is None:
             guarded(self.on_unscaled, optimizer)
 
@@ -379,15 +355,6 @@ class Recorder(Steady):
             held.append(group)
         else:  # a clip's total norm, and now another optimizer's
             self._norm = [([held], False, None), group]
-
-    def _param_ids(self, optimizer: Any) -> set[int]:
-        """The ids of the optimizer's parameters, cached per parameter-group list and length (a stale cache
-        can only make a clip look foreign, and the agent then computes the norm itself)."""
-        groups = optimizer.param_groups
-        cached = self._param_ids_of
-        if cached is None or cached[0] is not groups or cached[1] != len(groups):
-            cached = self._param_ids_of = (groups, len(groups), {id(p) for group in groups for p in group["params"]})
-        return cached[2]
 
     def _modules(self, params: list[Any]) -> tuple[str, ...]:
         """The module of each parameter, cached per parameter set."""

@@ -1,15 +1,20 @@
-"""The background sender: turns records from the training thread into batches and delivers them.
+"""The background sender: one thread per run that takes the training thread's records to the server.
 
-The training thread only appends tuples to a deque (atomic under the GIL, never blocks). This thread
-wakes every `flush_interval_s`, reads the records' tensors (CPU values directly, device scalars in one
-non-blocking copy per device), hands the records back for the training thread to free (see `free_read`),
-and sends batches in order. Failures are retried with backoff; the training loop never waits on any of it.
+A pipeline of parts, each readable alone:
+  buffer    `Worker.records`, a deque the training thread appends tuples to (atomic under the GIL, never
+            blocks), bounded by `AMPWATCH_MAX_PENDING_RECORDS`; what does not fit is counted (`ampwatch._losses`)
+  batcher   `ampwatch._batcher.Batcher`: reads the records' tensors, decodes them into series, hands host values
+            to the diagnosis (events come back) and numbers the batches
+  delivery  `ampwatch._outbox.Outbox`: sends batches in order through the transport, retries with backoff,
+            keeps what waits in the spool (`ampwatch._spool`)
+This thread wakes every `flush_interval_s` (or when woken), moves the buffer through the batcher into the
+outbox, hands the records it read back for the training thread to free (see `free_read_records`), and delivers.
+The training loop never waits on any of it; `flush()` and `close()` wait for the batches made so far.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import operator
 import os
@@ -17,31 +22,23 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from ampwatch import _resume
-from ampwatch._guard import report, warn_once
-from ampwatch._host import to_host
+from ampwatch._batcher import Batcher
+from ampwatch._losses import BUFFER_FULL, SPOOL_FULL, UNREADABLE, Losses
 from ampwatch._outbox import Outbox
+from ampwatch._protocol import DATA_KINDS, FLUSH, KIND
 from ampwatch._settings import AgentSettings
 from ampwatch._spool import Spool, default_root
-from ampwatch._steps import Points, StepDecoder, plain_tensors, step_tensors
-from ampwatch._transport import Transport, packed
+from ampwatch._transport import HttpTransport, Transport
 
 log = logging.getLogger("ampwatch")
 
-# Record kinds appended by the training thread.
-VALUES, EVENT, STATUS, FLUSH, ORIGIN, STEP, PLAIN, RAN = "v", "e", "s", "f", "o", "t", "p", "r"
-_STEPS = (STEP, PLAIN, RAN)  # step records (see ampwatch._steps), decoded a run of one kind at a time
-_DATA = (VALUES, ORIGIN, *_STEPS)  # the records the buffer cap may drop
-_KIND = operator.itemgetter(0)
-STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
-KEEP_READ = 8  # lists of records read by the sender, kept for the training thread to free (see `free_read`), at most
+_KIND = operator.itemgetter(KIND)
+KEEP_READ = (
+    8  # lists of records read by the sender, kept for the training thread to free (see `free_read_records`), at most
+)
 FAST_RECORDS = 1024  # step records appended without the checks of `Worker.record` in a row, at most (a power of 2)
-DROPPED = "dropped_records"  # series: how many records and batches this rank dropped so far
-
-
-Flags = list[tuple[str, float]]  # (module, 1.0 if its output or output gradient was non-finite), in call order
 
 
 _LIVE: weakref.WeakSet[Worker] = weakref.WeakSet()
@@ -57,50 +54,42 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class Diagnoser(Protocol):
-    """Turns host values into events (see `ampwatch._origin.Diagnosis`)."""
-
-    def observe_columns(self, columns: dict[str, tuple[list[int], list[float]]]) -> list[dict[str, Any]]: ...
-
-    def origin(self, step: int, arming: int, forward: Flags, backward: Flags) -> list[dict[str, Any]]: ...
-
-
 class Worker:
     """One daemon thread per run that owns all I/O."""
 
-    def __init__(self, settings: AgentSettings, run_id: str, run_doc: dict[str, Any], rank: int) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        run_id: str,
+        run_doc: dict[str, Any],
+        rank: int,
+        transport: Transport | None = None,
+    ) -> None:
         self._settings = settings
         self._online = settings.mode == "online"
         self._rank = rank
-        transport = Transport(settings.url, settings.token, settings.request_timeout_s)
+        self._given_transport = transport  # (`init(transport=...)`; else HTTP to settings.url)
+        transport = transport or HttpTransport(settings.url, settings.token, settings.request_timeout_s)
         registration = {"run_id": run_id, "rank": rank, "url": settings.url, "doc": run_doc}
         spool = Spool.create(default_root(), run_id, rank, registration, settings.spool_max_bytes)
-        self.outbox = Outbox(transport, run_id, run_doc, spool)
+        self.losses = Losses()
+        self.outbox = Outbox(transport, run_id, run_doc, spool, self.losses)
         self._run_id, self._run_doc = run_id, run_doc
         self.records: collections.deque[tuple] = collections.deque()
         self._max_records = settings.max_pending_records
-        self.diagnosis: Diagnoser | None = None
-        self.dropped = 0
         self._wake = threading.Event()
         self._absorbing = (
             threading.Lock()
         )  # records become batches under it (the sender's work; close()'s after a timeout)
-        self._read_by: float | None = None  # while close() batches records: when reading them must have ended
         self._stop = False
         self._thread: threading.Thread | None = None
-        # Batches of a relaunch under the same run id must not look like re-sends of the first process's:
-        # number them from the launch time (ms), leaving room for 1000 batches per millisecond.
-        self._seq = int(time.time() * 1000) * 1000
-        self.first_seq = self._seq + 1  # (this launch's first batch)
-        # A relaunch that does not resume: its points at the steps an earlier launch stored are held back (see _resume)
-        self.hold_until: int | None = None
-        self.refusal: dict[str, Any] | None = None  # the event that says so, until a batch holds a point back
-        self._reported_drops = 0
-        self._announce = True  # the first batch says the run is running (see _enqueue)
-        self._waiters: list[tuple[int, threading.Event]] = []
-        self._last_batch_at = 0.0
-        self._decoder = StepDecoder()
-        self.read: collections.deque[list[tuple]] = collections.deque()  # read by the sender, to free (see free_read)
+        self._waiters: list[tuple[int, threading.Event, bool]] = []  # (last batch before, released, spool suffices)
+        self.batcher = Batcher(
+            rank, self.outbox, self.losses, online=self._online, max_points=settings.max_batch_points
+        )
+        self.read: collections.deque[list[tuple]] = (
+            collections.deque()
+        )  # read by the sender, to free (see free_read_records)
 
     # -- training thread side -------------------------------------------------------------
     def record(self, entry: tuple) -> Callable[[tuple], None] | None:
@@ -111,15 +100,14 @@ class Worker:
         if self._thread is None:
             self._start()
         records = self.records
-        if len(records) >= self._max_records and entry[0] in _DATA:
-            self.dropped += 1
-            if self.dropped == 1:
+        if len(records) >= self._max_records and entry[0] in DATA_KINDS:
+            if self.losses.add(BUFFER_FULL):
                 log.warning("ampwatch: the record buffer is full, dropping records (counted)")
             return None
         records.append(entry)
         return records.append if len(records) + FAST_RECORDS < self._max_records else None
 
-    def free_read(self) -> None:
+    def free_read_records(self) -> None:
         """On the training thread, every few dozen steps: free the records the sender has read. Freeing a tensor lets go
         of the GIL; on the sender each one handed the GIL to the training thread and waited to have it back (see
         bench/NOTES.md), here nobody waits."""
@@ -146,19 +134,22 @@ class Worker:
         self.outbox.close()
         if self.outbox.spool is not None:
             self.outbox.spool.close()  # (the child's copy of the lock's file: the lock stays the parent's)
-        self.outbox = Outbox(Transport(self._settings.url, self._settings.token, self._settings.request_timeout_s),
-                             self._run_id, self._run_doc, None)  # fmt: skip
-        self._seq = int(time.time() * 1000) * 1000
-        self._announce = False  # (the parent's run: its status is the parent's to say)
+        transport = self._given_transport or HttpTransport(
+            self._settings.url, self._settings.token, self._settings.request_timeout_s
+        )
+        self.losses = Losses()  # (the parent's losses are the parent's to report)
+        self.outbox = Outbox(transport, self._run_id, self._run_doc, None, self.losses)
+        self.batcher.restart_in_child(self.outbox, self.losses)
 
     def wake(self) -> None:
         """Read what was recorded now, not at the next flush interval (never blocks)."""
         self._wake.set()
 
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until everything recorded so far was delivered; False on timeout."""
+    def flush(self, timeout_s: float, *, spooled: bool = False) -> bool:
+        """Wait until everything recorded so far was delivered (`spooled`: or is kept in the spool, from where it
+        is retried); False on timeout."""
         done = threading.Event()
-        self.record((FLUSH, done))
+        self.record((FLUSH, done, spooled))
         self._wake.set()
         return done.wait(timeout_s)
 
@@ -175,26 +166,28 @@ class Worker:
             # The sender may wait on the server for its request timeout: batch what it has not taken in yet here (values
             # on a device that has not computed them within a second more are lost, and counted).
             entries = self._drain()
-            self._read_by = max(deadline, time.monotonic() + 1.0)
+            self.batcher.read_by = max(deadline, time.monotonic() + 1.0)
             try:
                 self._absorb(entries)
             except Exception as error:
-                self.dropped += len(entries)
+                self.losses.add(UNREADABLE, len(entries))
                 log.warning(
                     "ampwatch: %d record(s) could not be read at finish (%s): lost (counted)", len(entries), error
                 )
             finally:
-                self._read_by = None
+                self.batcher.read_by = None
                 self._absorbing.release()
-        self.free_read()  # (the sender is done, or waits on the server: it frees what it reads later itself)
+        self.free_read_records()  # (the sender is done, or waits on the server: it frees what it reads later itself)
         self.outbox.close()
         if not delivered:
-            self.outbox.dropped += (
-                self.outbox.spill()
-            )  # to disk; what the spool cannot take is lost with the process: counted
-        if self.dropped or self.outbox.dropped:
-            log.warning("ampwatch: this run dropped %d record(s) (buffer full, or unreadable) and %d batch(es) (no room on disk "
-                        "or in memory, or rejected); the `%s` series counts them", self.dropped, self.outbox.dropped, DROPPED)  # fmt: skip
+            lost = self.outbox.spill()  # to disk; what the spool cannot take is lost with the process: counted
+            if lost:
+                self.losses.add(SPOOL_FULL, lost)
+        if self.losses.total:
+            said = ", ".join(f"{reason}: {count}" for reason, count in self.losses.counts.items() if count)
+            log.warning("ampwatch: this run dropped %d record(s) and %d batch(es) (%s); the `dropped_records` series "
+                        "counts them, `dropped_records/<reason>` per reason",
+                        self.dropped, self.outbox.dropped, said)  # fmt: skip
         spool = self.outbox.spool
         if spool is not None and delivered and not len(self.outbox):
             spool.discard()
@@ -236,7 +229,7 @@ class Worker:
                 return
 
     def _keep_read(self, entries: list[tuple]) -> None:
-        """Hand records this thread has read to the training thread, which frees them (see free_read)."""
+        """Hand records this thread has read to the training thread, which frees them (see free_read_records)."""
         if entries:
             if len(self.read) >= KEEP_READ:  # (it does not step: a run that only logs values)
                 self.read.popleft()
@@ -250,143 +243,30 @@ class Worker:
         return entries
 
     def _absorb(self, entries: list[tuple]) -> None:
-        """Turn records into batches in the outbox; flush markers wait for what precedes them."""
+        """Turn records into batches in the outbox; a flush marker waits for the batches made of what precedes it."""
         if FLUSH not in map(_KIND, entries):  # the usual case: one chunk
-            self._seal(entries)
+            self.batcher.batch(entries)
             return
         chunk: list[tuple] = []
         for entry in entries:
             if entry[0] == FLUSH:
-                self._seal(chunk)
+                self.batcher.batch(chunk)
                 chunk = []
-                self._waiters.append((self._seq, entry[1]))
+                self._waiters.append((self.batcher.seq, entry[1], entry[2]))
             else:
                 chunk.append(entry)
-        self._seal(chunk)
+        self.batcher.batch(chunk)
 
-    def _seal(self, entries: list[tuple]) -> None:
-        if not entries:
-            return
-        parts: list[
-            Any
-        ] = []  # in order: runs of step records of one kind (lists, decoded column by column), other records
-        for kind, group in itertools.groupby(entries, _KIND):
-            if kind in _STEPS:
-                run = list(group)
-                parts += [run[i : i + STEPS_PER_PASS] for i in range(0, len(run), STEPS_PER_PASS)]
-            else:
-                parts += group
-        try:
-            host = to_host(_tensors(parts), self._read_by)
-        except TimeoutError:
-            raise
-        except Exception:  # a logged tensor the sender cannot read (run.log refuses those it knows of): drop it alone
-            parts = [p for p in parts if self._readable(p)]
-            host = to_host(_tensors(parts), self._read_by)
-        at = 0
-        points: Points = {}
-        events: list[dict[str, Any]] = []
-        status = None
-        count, step = 0, None
-        decoder, diagnosis = self._decoder, self.diagnosis
-        for part in parts:
-            kind = part[0] if part.__class__ is tuple else STEP
-            if kind == STEP:
-                at = (decoder.decode if part[0][0] == STEP else decoder.decode_plain)(part, host, at, points)
-                step = part[-1][1]
-                count = sum(len(series[0]) for series in points.values())
-            elif kind == VALUES:
-                step = part[1]
-                if part[3].__class__ is tuple:
-                    named = list(zip(part[2], part[3]))
-                else:
-                    named = [(part[2][0], float(host[at]))]
-                    at += 1
-                for name, v in named:
-                    series = points.get(name)
-                    if series is None:
-                        series = points[name] = ([], [])
-                    series[0].append(step)
-                    series[1].append(v)
-                count += len(named)
-            elif kind == ORIGIN:
-                _, origin_step, arming, fwd_names, fwd, bwd_names, bwd = part
-                forward = backward = []
-                if fwd is not None:
-                    forward, at = list(zip(fwd_names, host[at : at + len(fwd_names)])), at + len(fwd_names)
-                if bwd is not None:
-                    backward, at = list(zip(bwd_names, host[at : at + len(bwd_names)])), at + len(bwd_names)
-                if diagnosis is not None:
-                    events.extend(diagnosis.origin(origin_step, arming, forward, backward))
-            elif kind == EVENT:
-                events.append(part[2])
-            elif kind == STATUS:
-                status = part[1]
-            if count >= self._settings.max_batch_points:
-                self._enqueue(points, events, None)
-                points, events, count = {}, [], 0
-        if step is not None:  # at the chunk's last step (the buffer was full of data records, so there is one)
-            self._report_drops(points, step)
-        self._enqueue(points, events, status)
-
-    def _readable(self, part: Any) -> bool:
-        """Whether a part's values can be read; if not, it is dropped (counted, and said once), and the rest of its
-        chunk goes on: a run's end must never be lost with it."""
-        try:
-            to_host(_tensors([part]), self._read_by)
-            return True
-        except Exception as error:
-            if part.__class__ is tuple and part[0] == VALUES:
-                self.dropped += 1
-                warn_once("unreadable-" + part[2][0], "ampwatch: a value logged as %r (step %d) cannot be read as a number "
-                          "(%s); dropped, and any like it", part[2][0], part[1], error)  # fmt: skip
-            else:  # a record the agent made itself: a bug of ours
-                self.dropped += len(part) if part.__class__ is list else 1
-                report(self._readable)
-            return False
-
-    def _report_drops(self, points: dict[str, tuple[list[int], list[Any]]], step: int) -> None:
-        """Say on the server how much was dropped, as a cumulative series (a later batch carries it if this one
-        is dropped too)."""
-        dropped = self.dropped + self.outbox.dropped
-        if dropped != self._reported_drops:
-            self._reported_drops = dropped
-            points[DROPPED] = ([step], [float(dropped)])
+    @property
+    def dropped(self) -> int:
+        """Records lost (buffer full, or unreadable)."""
+        return self.losses[BUFFER_FULL] + self.losses[UNREADABLE]
 
     def _heartbeat(self) -> None:
         """An empty batch when nothing else was sent for a while: the server tells hung from dead by it."""
-        due = time.monotonic() - self._last_batch_at >= self._settings.heartbeat_interval_s
+        due = time.monotonic() - self.batcher.last_batch_at >= self._settings.heartbeat_interval_s
         if self._online and not len(self.outbox) and due:
-            self._enqueue({}, [], None, heartbeat=True)
-
-    def _enqueue(self, points: dict, events: list, status: str | None, heartbeat: bool = False) -> None:
-        """One batch of points (host floats, diagnosed here, in one pass over the batch) and events."""
-        points = {name: series for name, series in points.items() if series[0]}  # (a pass makes the standard ones)
-        if self.hold_until is not None and _resume.held_back(points, self.hold_until):
-            events.extend([self.refusal] if self.refusal is not None else [])  # (said once)
-            self.refusal, points = None, {name: series for name, series in points.items() if series[0]}
-        if points and self.diagnosis is not None:
-            events.extend(self.diagnosis.observe_columns(points))
-        if not points and not events and status is None and not heartbeat:
-            return
-        if self._announce:  # this process's first batch: running (a run id used before, a resumed run, may have ended)
-            self._announce, status = False, status or "running"
-        self._last_batch_at = time.monotonic()
-        self._seq += 1
-        body: dict[str, dict[str, str]] = {}
-        last_steps, last_packed = None, ""
-        for name, (steps, values) in points.items():
-            if steps != last_steps:  # (the standard series of a pass share their steps: packed once)
-                last_steps, last_packed = steps, packed(steps, "q")
-            body[name] = {"steps": last_packed, "values": packed(values, "d")}
-        doc = {
-            "rank": self._rank,
-            "seq": self._seq,
-            "points": body,
-            "events": events,
-            "status": status,
-        }
-        self.outbox.add(self._seq, doc, send=self._online)
+            self.batcher.enqueue({}, [], None, heartbeat=True)
 
     def _deliver(self) -> None:
         if self._online:
@@ -394,21 +274,21 @@ class Worker:
         self._release_waiters()
 
     def _release_waiters(self) -> None:
-        first = self.outbox.first_seq if self._online else None
-        pending = first if first is not None else self._seq + 1
-        for _, done in [w for w in self._waiters if w[0] < pending]:
-            done.set()
-        self._waiters = [w for w in self._waiters if w[0] >= pending]
-
-
-def _tensors(parts: list[Any]) -> list[Any]:
-    """The tensors of a chunk's parts (runs of step records and other records), in the order they are decoded."""
-    tensors: list[Any] = []
-    for part in parts:
-        if part.__class__ is list:
-            (step_tensors if part[0][0] == STEP else plain_tensors)(part, tensors)
-        elif part[0] == VALUES and part[3].__class__ is not tuple:
-            tensors.append(part[3])
-        elif part[0] == ORIGIN:
-            tensors.extend(t for t in (part[4], part[6]) if t is not None)
-    return tensors
+        """Wake the flushes whose batches are acknowledged (or, for those that accept it, spooled)."""
+        if not self._waiters:
+            return
+        unsent = self.batcher.seq + 1  # offline: a batch is done once spooled (or counted as dropped)
+        delivered_below = kept_below = unsent
+        if self._online:
+            first = self.outbox.first_seq
+            delivered_below = first if first is not None else unsent
+            first_unstored = self.outbox.first_unstored_seq
+            kept_below = first_unstored if first_unstored is not None else unsent
+        waiting = []
+        for waiter in self._waiters:
+            seq, done, spooled = waiter
+            if seq < (kept_below if spooled else delivered_below):
+                done.set()
+            else:
+                waiting.append(waiter)
+        self._waiters = waiting

@@ -51,7 +51,7 @@ def client_main(url: str, agents: list[int], args: dict[str, Any], start: Any, r
     from ampwatch import _transport
 
     timings: list[tuple[float, int, int]] = []  # (seconds, status, points) per batch request
-    send = _transport.Transport.send
+    send = _transport.HttpTransport.send
 
     def timed(self: Any, method: str, path: str, body: bytes) -> Any:
         started = time.perf_counter()
@@ -61,7 +61,7 @@ def client_main(url: str, agents: list[int], args: dict[str, Any], start: Any, r
             timings.append((time.perf_counter() - started, reply.status, points))
         return reply
 
-    _transport.Transport.send = timed  # type: ignore[method-assign]
+    _transport.HttpTransport.send = timed  # type: ignore[method-assign]
     import ampwatch
 
     spans: dict[int, tuple[float, float, str]] = {}

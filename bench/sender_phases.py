@@ -4,7 +4,7 @@ The benchmark step of `agent_overhead.py` (~1 ms on the CPU) runs for `--seconds
 run that sends to a real `ampwatch server` (SQLite); the sender thread and the server get the other CPU. The
 sender's phases are timed with the thread's CPU clock by wrapping the agent's own functions (private names: this
 is a profiling tool, not an API): reading the records' tensors, decoding them into series, diagnosis, packing,
-JSON, delivery (HTTP), and freeing the records (now ~0: the training thread frees them, see Worker.free_read).
+JSON, delivery (HTTP), and freeing the records (now ~0: the training thread frees them, see Worker.free_read_records).
 
 stall = what the steps that overlap a burst (or end within 4 ms after it) took beyond the mean step outside the
 bursts, per step of the whole run, in two parts: while the sender works on its records (it holds the GIL; the
@@ -64,12 +64,12 @@ def main() -> None:
 
     import torch
 
-    from ampwatch import _origin, _outbox, _steps, _worker
+    from ampwatch import _batcher, _origin, _outbox, _protocol, _steps, _worker
 
     torch.set_num_threads(1)
     totals: dict[str, float] = collections.defaultdict(float)
-    for module, name, label in ((_worker, "to_host", "read"), (_worker, "_tensors", "list tensors"), (_worker, "packed", "pack"),
-                                (_outbox, "encode", "JSON"), (_steps.StepDecoder, "decode_plain", "decode"),
+    for module, name, label in ((_batcher, "to_host", "read"), (_batcher, "_tensors", "list tensors"), (_protocol, "packed", "pack"),
+                                (_outbox, "encode", "JSON"), (_steps.StepDecoder, "decode_lean", "decode"),
                                 (_steps.StepDecoder, "decode", "decode"), (_origin.Diagnosis, "observe_columns", "diagnose"),
                                 (_outbox.Outbox, "deliver", "deliver (HTTP)")):  # fmt: skip
         setattr(module, name, _timed(totals, label, getattr(module, name)))

@@ -12,15 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-EVENT_TYPES = (
-    "skipped_step", "scale_collapse", "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_spike",
-    "loss_spike", "scaler_misuse", "amp_config", "run_crashed", "run_stalled", "checkpoint",
-)  # fmt: skip
-EventType = Literal[
-    "skipped_step", "scale_collapse", "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_spike",
-    "loss_spike", "scaler_misuse", "amp_config", "run_crashed", "run_stalled", "checkpoint",
-]  # fmt: skip
-Severity = Literal["info", "warning", "critical"]
+from ampwatch._protocol import EVENT_TYPES, SEVERITIES
+
+EventType = Literal[EVENT_TYPES]  # type: ignore[valid-type]  # (the agent's list: ampwatch._protocol)
+Severity = Literal[SEVERITIES]  # type: ignore[valid-type]
 RunStatus = Literal["running", "finished", "crashed", "stalled"]
 Health = Literal["ok", "warning", "critical"]
 

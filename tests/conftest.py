@@ -157,6 +157,14 @@ def sqlite_server(sqlite_url: str) -> Iterator[LiveServer]:
     server.stop()
 
 
+@pytest.fixture
+def memory() -> Any:
+    """An in-memory ingest (tests/_memory.py) for tests of the agent's own logic: `ampwatch.init(transport=memory)`."""
+    import _memory
+
+    return _memory.MemoryTransport()
+
+
 class _InternalErrors(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.ERROR)

@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import threading
 
-import httpx
+import _memory
 
 import ampwatch
 
 
-def _steps(client: httpx.Client, run_id: str, name: str) -> list[int]:
-    return client.get(f"/api/v1/runs/{run_id}/series", params={"name": name}).json()[name]["steps"]
+def _steps(memory: _memory.MemoryTransport, run_id: str, name: str) -> list[int]:
+    return memory.series(run_id, name)[name]["steps"]
 
 
 def _senders() -> list[threading.Thread]:
-    return [
-        t for t in threading.enumerate() if t.name == "ampwatch-sender"
-    ]  # the agent's; the server here runs in-process
+    return [t for t in threading.enumerate() if t.name == "ampwatch-sender"]
 
 
-def test_a_sweep_of_runs_in_one_process_finishes_each_and_leaves_no_threads(sqlite_server, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_sweep_of_runs_in_one_process_finishes_each_and_leaves_no_threads(memory, wait_for) -> None:  # type: ignore[no-untyped-def]
     before = _senders()
     ids = []
     for trial in range(12):  # a hyper-parameter sweep: init, train, finish, next
-        run = ampwatch.init("sweep", name=f"trial-{trial}", url=sqlite_server.url, config={"lr": 10.0**-trial})
+        run = ampwatch.init("sweep", name=f"trial-{trial}", transport=memory, config={"lr": 10.0**-trial})
         for step in range(50):
             run.log({"loss": trial + 1.0 / (step + 1)}, step=step)
         assert len(_senders()) == len(before) + 1
@@ -33,16 +31,15 @@ def test_a_sweep_of_runs_in_one_process_finishes_each_and_leaves_no_threads(sqli
             lambda: _senders() == before, timeout_s=5, what="the finished run's sender thread to end"
         )  # not one per run
     assert len(set(ids)) == 12
-    with sqlite_server.client() as client:
-        runs = {r["id"]: r for r in client.get("/api/v1/runs", params={"project": "sweep"}).json()}
-        assert set(runs) == set(ids)
-        assert {r["status"] for r in runs.values()} == {"finished"}
-        for trial, run_id in enumerate(ids):
-            assert _steps(client, run_id, "loss") == list(range(50)), trial
+    runs = {r["id"]: r for r in memory.runs(project="sweep")}
+    assert set(runs) == set(ids)
+    assert {r["status"] for r in runs.values()} == {"finished"}
+    for trial, run_id in enumerate(ids):
+        assert _steps(memory, run_id, "loss") == list(range(50)), trial
 
 
-def test_concurrent_runs_and_threads_sharing_one_run_lose_and_duplicate_nothing(sqlite_server) -> None:  # type: ignore[no-untyped-def]
-    shared = ampwatch.init("threads", name="shared", url=sqlite_server.url)
+def test_concurrent_runs_and_threads_sharing_one_run_lose_and_duplicate_nothing(memory) -> None:  # type: ignore[no-untyped-def]
+    shared = ampwatch.init("threads", name="shared", transport=memory)
     own_runs: list[ampwatch.Run] = []
     lock = threading.Lock()
     start = threading.Barrier(6)
@@ -53,7 +50,7 @@ def test_concurrent_runs_and_threads_sharing_one_run_lose_and_duplicate_nothing(
             shared.log({f"worker{worker}": float(step * worker)}, step=step)
 
     def own_run(worker: int) -> None:
-        run = ampwatch.init("threads", name=f"own-{worker}", url=sqlite_server.url)
+        run = ampwatch.init("threads", name=f"own-{worker}", transport=memory)
         with lock:
             own_runs.append(run)
         start.wait()
@@ -68,14 +65,11 @@ def test_concurrent_runs_and_threads_sharing_one_run_lose_and_duplicate_nothing(
     for thread in threads:
         thread.join(60)
     shared.finish()
-    with sqlite_server.client() as client:
-        for worker in (1, 2, 3):
-            series = client.get(f"/api/v1/runs/{shared.id}/series", params={"name": f"worker{worker}"}).json()[
-                f"worker{worker}"
-            ]
-            assert series["steps"] == list(range(400))
-            assert series["values"] == [float(step * worker) for step in range(400)]
-        assert len(own_runs) == 3
-        for run in own_runs:
-            assert _steps(client, run.id, "loss") == list(range(400))
-            assert client.get(f"/api/v1/runs/{run.id}").json()["status"] == "finished"
+    for worker in (1, 2, 3):
+        series = memory.series(shared.id, f"worker{worker}")[f"worker{worker}"]
+        assert series["steps"] == list(range(400))
+        assert series["values"] == [float(step * worker) for step in range(400)]
+    assert len(own_runs) == 3
+    for run in own_runs:
+        assert _steps(memory, run.id, "loss") == list(range(400))
+        assert memory.run(run.id)["status"] == "finished"

@@ -12,6 +12,7 @@ import pickle
 import time
 from typing import Any
 
+import _memory
 import _runs
 import pytest
 import torch
@@ -42,12 +43,12 @@ def _copies(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
-def test_a_watched_model_copies_and_saves_whole_at_any_time_and_its_copies_are_not_watched() -> None:
+def test_a_watched_model_copies_and_saves_whole_at_any_time_and_its_copies_are_not_watched(memory) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = _FrozenBackbone()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    run = ampwatch.init("guest", "copies", url="http://127.0.0.1:9")
+    run = ampwatch.init("guest", "copies", transport=memory)
     run.watch(model=model, optimizer=optimizer, scaler=scaler)
     _copies(model)  # before any forward (the first-forward check's hook is on)
     probe = run._recorder._probe
@@ -84,13 +85,13 @@ def test_a_watched_model_copies_and_saves_whole_at_any_time_and_its_copies_are_n
         assert torch.equal(loaded(torch.ones(2, 8)), before)
 
 
-def test_a_watched_scaler_in_a_checkpoint_loads_with_weights_only() -> None:
+def test_a_watched_scaler_in_a_checkpoint_loads_with_weights_only(memory) -> None:  # type: ignore[no-untyped-def]
     from torch.amp.grad_scaler import GradScaler, _refresh_per_optimizer_state
 
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    run = ampwatch.init("guest", "checkpoint", url="http://127.0.0.1:9")
+    run = ampwatch.init("guest", "checkpoint", transport=memory)
     run.watch(model=model, optimizer=optimizer, scaler=scaler)
     with torch.autocast("cpu", dtype=torch.float16):
         loss = model(torch.randn(2, 4)).float().sum()
@@ -120,14 +121,14 @@ class _FoldingSGD(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])
 
 
-def test_without_a_scaler_the_norm_is_the_gradients_before_the_optimizer_step_changes_them(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_without_a_scaler_the_norm_is_the_gradients_before_the_optimizer_step_changes_them(memory) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     folding = _FoldingSGD(model.parameters())
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
     adamw.register_step_post_hook(lambda optimizer, args, kwargs: optimizer.zero_grad())  # zero_grad folded into step()
     expected = []
-    with ampwatch.init("guest", "prehook", url=sqlite_server.url) as run:
+    with ampwatch.init("guest", "prehook", transport=memory) as run:
         for optimizer in (folding, adamw):
             run.watch(model=model, optimizer=optimizer)
             for _ in range(10):
@@ -137,25 +138,23 @@ def test_without_a_scaler_the_norm_is_the_gradients_before_the_optimizer_step_ch
                 expected.append(math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters())))
                 optimizer.step()
                 optimizer.zero_grad()
-    with sqlite_server.client() as http:
-        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]
+    series = memory.series(run.id, "grad_norm")["grad_norm"]
     assert series["steps"] == list(range(20))
     assert [round(v, 4) for v in series["values"]] == [round(v, 4) for v in expected]
 
 
-def test_a_torchscript_model_is_watched_without_module_hooks(sqlite_server, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_torchscript_model_is_watched_without_module_hooks(memory, caplog) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     caplog.set_level("WARNING", logger="ampwatch")
-    with ampwatch.init("guest", "script", url=sqlite_server.url) as run:
+    with ampwatch.init("guest", "script", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for _ in range(12):
             _runs.clipped_step(model, optimizer, scaler, torch.randn(4, 8))
     assert "TorchScript model takes no hooks" in caplog.text
-    with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "scale", "grad_norm"]}).json()
+    data = memory.series(run.id, ["loss", "scale", "grad_norm"])
     assert {name: series["steps"] for name, series in data.items()} == dict.fromkeys(
         ("loss", "scale", "grad_norm"), list(range(12))
     )
@@ -167,7 +166,7 @@ def _compiled_step_params(watched: bool) -> list[torch.Tensor]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    run = ampwatch.init("guest", "compile", url="http://127.0.0.1:9") if watched else None
+    run = ampwatch.init("guest", "compile", transport=_memory.MemoryTransport()) if watched else None
     if run is not None:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
     compiled = torch.compile(model)
@@ -187,7 +186,7 @@ def test_a_compiled_model_computes_bitwise_the_same_watched() -> None:
 
 
 @pytest.mark.parametrize("two_optimizers", [False, True])
-def test_sparse_embedding_gradients_count_in_the_norm(sqlite_server, two_optimizers: bool) -> None:  # type: ignore[no-untyped-def]
+def test_sparse_embedding_gradients_count_in_the_norm(memory, two_optimizers: bool) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     embedding, head = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 1)
     model = torch.nn.Sequential(embedding, head)
@@ -200,7 +199,7 @@ def test_sparse_embedding_gradients_count_in_the_norm(sqlite_server, two_optimiz
         optimizers = [torch.optim.SGD(model.parameters(), lr=1e-2)]
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     expected = []
-    with ampwatch.init("guest", "sparse", url=sqlite_server.url) as run:
+    with ampwatch.init("guest", "sparse", transport=memory) as run:
         run.watch(model=model, optimizer=optimizers, scaler=scaler)
         for _ in range(8):
             with torch.autocast("cpu", dtype=torch.float16):
@@ -215,8 +214,7 @@ def test_sparse_embedding_gradients_count_in_the_norm(sqlite_server, two_optimiz
             scaler.update()
             for optimizer in optimizers:
                 optimizer.zero_grad()
-    with sqlite_server.client() as http:
-        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]
+    series = memory.series(run.id, "grad_norm")["grad_norm"]
     assert series["steps"] == list(range(8))
     assert [round(v, 4) for v in series["values"]] == [round(v, 4) for v in expected]
 
@@ -232,13 +230,13 @@ class _Branchy(torch.nn.Module):
         return self.body(self.extra(x) if step % 2 == 0 else x)
 
 
-def test_a_clip_over_the_parameters_that_have_gradients_is_the_norm_of_every_step(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_clip_over_the_parameters_that_have_gradients_is_the_norm_of_every_step(memory) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = _Branchy()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     clipped = []
-    with ampwatch.init("guest", "clip-subset", url=sqlite_server.url) as run:
+    with ampwatch.init("guest", "clip-subset", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(12):
             if step == 9:
@@ -253,7 +251,6 @@ def test_a_clip_over_the_parameters_that_have_gradients_is_the_norm_of_every_ste
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
-    with sqlite_server.client() as http:
-        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()["grad_norm"]
+    series = memory.series(run.id, "grad_norm")["grad_norm"]
     assert series["steps"] == list(range(12))
     assert [round(v, 5) for v in series["values"]] == [round(v, 5) for v in clipped]

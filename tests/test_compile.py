@@ -4,7 +4,6 @@ inductor's C++ build): whether hooks run inside the graph is dynamo's doing, wha
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ def _train(
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    run = ampwatch.init("compile", url=server.url) if watch else None
+    run = ampwatch.init("compile", transport=server) if watch else None
     if run is not None and watch == "model":
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
     compiled = torch.compile(model, backend="aot_eager")
@@ -43,23 +42,22 @@ def _train(
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
-        if step == BAD[0]:
-            time.sleep(0.4)  # let the sender see the non-finite step and arm the probe before the loop goes on
+        if step == BAD[0] and run is not None:
+            assert run.flush()  # the sender sees the non-finite step and arms the probe before the loop goes on
     if run is not None:
         run.finish()
     return [p.detach().clone() for p in model.parameters()], run.id if run is not None else None
 
 
 def _events(server: Any, run_id: str) -> list[dict[str, Any]]:
-    with server.client() as http:
-        return http.get(f"/api/v1/runs/{run_id}/events").json()
+    return server.events(run_id)
 
 
-def test_a_compiled_model_is_named_as_the_origin_and_its_layers_as_the_model_s(sqlite_server) -> None:  # type: ignore[no-untyped-def]
-    plain, _ = _train(sqlite_server, watch=None)
-    params, run_id = _train(sqlite_server, watch="compiled")
+def test_a_compiled_model_is_named_as_the_origin_and_its_layers_as_the_model_s(memory) -> None:  # type: ignore[no-untyped-def]
+    plain, _ = _train(memory, watch=None)
+    params, run_id = _train(memory, watch="compiled")
     assert all(torch.equal(a, b) for a, b in zip(plain, params))  # (the armed probe's hooks stay outside the graph)
-    events = _events(sqlite_server, run_id)
+    events = _events(memory, run_id)
     assert [e["step"] for e in events if e["type"] == "nonfinite_loss" and "origin" not in e["details"]][:1] == [BAD[0]]
     [origin] = [e for e in events if "origin" in e["details"]]
     assert (origin["step"], origin["details"]["origin"], origin["details"]["phase"]) == (
@@ -69,27 +67,25 @@ def test_a_compiled_model_is_named_as_the_origin_and_its_layers_as_the_model_s(s
     )
     assert "the input batch was finite and the output of the compiled model was not" in origin["message"]
     assert "without torch.compile" in origin["message"]
-    with sqlite_server.client() as http:
-        names = set(http.get(f"/api/v1/runs/{run_id}").json()["series"])
+    names = set(memory.run(run_id)["series"])
     assert {"grad_norm/0", "grad_norm/2"} <= names and not [n for n in names if "_orig_mod" in n], names
 
 
-def test_ddp_of_a_compiled_model_is_probed_outside_the_graph_and_named_as_the_model(sqlite_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_ddp_of_a_compiled_model_is_probed_outside_the_graph_and_named_as_the_model(memory, tmp_path) -> None:  # type: ignore[no-untyped-def]
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
     try:
-        _, run_id = _train(sqlite_server, watch="compiled", ddp=True)
+        _, run_id = _train(memory, watch="compiled", ddp=True)
     finally:
         torch.distributed.destroy_process_group()
-    [origin] = [e for e in _events(sqlite_server, run_id) if "origin" in e["details"]]
+    [origin] = [e for e in _events(memory, run_id) if "origin" in e["details"]]
     assert (origin["step"], origin["details"]["origin"]) == (BAD[1], "(compiled model)")
-    with sqlite_server.client() as http:
-        names = set(http.get(f"/api/v1/runs/{run_id}").json()["series"])
+    names = set(memory.run(run_id)["series"])
     assert {"grad_norm/0", "grad_norm/2"} <= names and not [n for n in names if "module" in n], names
 
 
-def test_a_model_compiled_after_watch_is_said_to_hide_its_forward_from_the_probe(sqlite_server) -> None:  # type: ignore[no-untyped-def]
-    _, run_id = _train(sqlite_server, watch="model", steps=12)
-    events = _events(sqlite_server, run_id)
+def test_a_model_compiled_after_watch_is_said_to_hide_its_forward_from_the_probe(memory) -> None:  # type: ignore[no-untyped-def]
+    _, run_id = _train(memory, watch="model", steps=12)
+    events = _events(memory, run_id)
     assert [e["step"] for e in events if e["type"] == "nonfinite_loss"][:1] == [BAD[0]]
     [blind] = [e for e in events if e["details"].get("probe") == "no forward seen"]
     assert (blind["type"], blind["severity"]) == ("amp_config", "warning") and blind["step"] > BAD[0]

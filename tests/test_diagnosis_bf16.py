@@ -5,7 +5,6 @@ that step. The events name that step and what went wrong there, not the batches 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ def _plain(
     """A bf16 loop with no scaler: backward, optimizer step; the loss logged before the step (or not at all)."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with ampwatch.init("diag-bf16", url=server.url) as run:
+    with ampwatch.init("diag-bf16", transport=server) as run:
         run.watch(model=model, optimizer=optimizer)
         for step in range(steps):
             model[3].on = step == sqrt_at
@@ -34,13 +33,13 @@ def _plain(
             optimizer.step()
             optimizer.zero_grad()
             if step == pause_after:
-                time.sleep(0.4)  # the sender sees this step and arms the NaN-origin probe before the loop goes on
+                assert run.flush()  # the sender sees this step and arms the NaN-origin probe before the loop goes on
     return _events(server, run.id)
 
 
-def test_nan_gradients_applied_without_a_scaler_are_named_as_the_cause_afterwards(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_nan_gradients_applied_without_a_scaler_are_named_as_the_cause_afterwards(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "1")
-    events = _plain(sqlite_server, 30, sqrt_at=20)
+    events = _plain(memory, 30, sqrt_at=20)
     [grad] = [e for e in events if e["type"] == "nonfinite_grad" and "origin" not in e["details"]]
     assert grad["step"] == 20 and "The loss is finite, so the backward pass made the NaN" in grad["message"]
     [param] = [e for e in events if e["type"] == "nonfinite_param"]
@@ -50,15 +49,15 @@ def test_nan_gradients_applied_without_a_scaler_are_named_as_the_cause_afterward
     assert all("fp16" not in e["message"] for e in events)
 
 
-def test_a_forward_origin_after_the_parameters_went_nan_names_the_step_that_wrote_them(sqlite_server) -> None:  # type: ignore[no-untyped-def]
-    events = _plain(sqlite_server, 30, nan_batch_at=20, pause_after=20)
+def test_a_forward_origin_after_the_parameters_went_nan_names_the_step_that_wrote_them(memory) -> None:  # type: ignore[no-untyped-def]
+    events = _plain(memory, 30, nan_batch_at=20, pause_after=20)
     [origin] = [e for e in events if e["details"].get("phase") == "forward"]
     assert origin["step"] > 20 and origin["details"]["origin"] == "0"
     assert "most likely because its parameters are non-finite" in origin["message"]
     assert "the optimizer applied step 20's non-finite gradients (from a non-finite loss)" in origin["message"]
 
 
-def test_after_restoring_a_checkpoint_a_second_corruption_is_reported_again(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_after_restoring_a_checkpoint_a_second_corruption_is_reported_again(memory) -> None:  # type: ignore[no-untyped-def]
     checkpoint: dict[str, Any] = {}
 
     def restore(step: int, model: torch.nn.Sequential) -> None:
@@ -68,7 +67,7 @@ def test_after_restoring_a_checkpoint_a_second_corruption_is_reported_again(sqli
             model.load_state_dict(checkpoint)
 
     disabled = torch.amp.GradScaler("cpu", enabled=False)  # nanoGPT under bf16: scaler.scale() still shows the loss
-    events = _loop(sqlite_server, 110, dtype=torch.bfloat16, scaler=disabled, before=restore,
+    events = _loop(memory, 110, dtype=torch.bfloat16, scaler=disabled, before=restore,
                    batch=lambda s, x: x * (float("nan") if s in (20, 70) else 1.0))  # fmt: skip
     params = [e["step"] for e in events if e["type"] == "nonfinite_param"]
     assert len(params) == 2 and 20 <= params[0] < 60 and 70 <= params[1], params
@@ -77,8 +76,8 @@ def test_after_restoring_a_checkpoint_a_second_corruption_is_reported_again(sqli
 
 
 @pytest.mark.parametrize("log_loss", [False, True])
-def test_a_run_without_a_scaler_that_logs_no_loss_is_told_once(sqlite_server, log_loss: bool) -> None:  # type: ignore[no-untyped-def]
-    events = _plain(sqlite_server, 150, log_loss=log_loss)
+def test_a_run_without_a_scaler_that_logs_no_loss_is_told_once(memory, log_loss: bool) -> None:  # type: ignore[no-untyped-def]
+    events = _plain(memory, 150, log_loss=log_loss)
     told = [e for e in events if e["details"].get("check") == "no_loss"]
     if log_loss:
         assert not told

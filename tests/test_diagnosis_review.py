@@ -4,7 +4,6 @@ batch without a scaler, a gradient spike in a loop that clips, and a NaN made be
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ def _regression(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     w = torch.randn(16, 4)
-    with ampwatch.init("diag", url=server.url) as run:
+    with ampwatch.init("diag", transport=server) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(steps):
             x = torch.randn(32, 16)
@@ -43,27 +42,27 @@ def _regression(
             scaler.update()
             optimizer.zero_grad()
             if step == delay_after:
-                time.sleep(0.4)
+                assert run.flush()
             log(run, step, loss, norm)
     return _events(server, run.id)
 
 
-def test_a_grad_norm_the_user_logs_for_a_skipped_step_after_its_record_is_no_nonfinite_grad(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_grad_norm_the_user_logs_for_a_skipped_step_after_its_record_is_no_nonfinite_grad(memory) -> None:  # type: ignore[no-untyped-def]
     # README: log clip_grad_norm_'s value as grad_norm. After update(): the overflow skip woke the sender, which judged
     # the step from its own record; the user's inf for it comes in the next batch, without the scale. It was judged as
     # a run without a scaler: "Inf gradients ... No GradScaler skipped it", critical.
     log = lambda run, step, loss, norm: run.log({"grad_norm": norm}, step=step)  # noqa: E731
-    events = _regression(sqlite_server, 120, log, bad=80, delay_after=80, overflow=True)
+    events = _regression(memory, 120, log, bad=80, delay_after=80, overflow=True)
     assert not [e for e in events if e["type"] == "nonfinite_grad"], [e["message"] for e in events]
     assert ("skipped_step", "info", 80) in [(e["type"], e["severity"], e["step"]) for e in events]
 
 
-def test_a_resumed_run_logging_its_global_step_is_judged_as_a_run_with_a_scaler(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_resumed_run_logging_its_global_step_is_judged_as_a_run_with_a_scaler(memory) -> None:  # type: ignore[no-untyped-def]
     # The loop logs its loss at 10000 + step, steps the agent never records: they were taken for a run without a
     # scaler ("There is no GradScaler to skip the step"), and fed to the rolling median after the agent's later, lower
     # losses of the same batch (false loss spikes).
     events = _regression(
-        sqlite_server,
+        memory,
         400,
         lambda run, step, loss, norm: run.log({"loss": loss, "grad_norm": norm}, step=10000 + step),
         bad=150,
@@ -73,7 +72,7 @@ def test_a_resumed_run_logging_its_global_step_is_judged_as_a_run_with_a_scaler(
     assert 150 in [e["step"] for e in events if e["type"] == "nonfinite_loss"]
 
 
-def test_a_converged_small_batch_classifier_has_no_loss_spikes(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_converged_small_batch_classifier_has_no_loss_spikes(memory) -> None:  # type: ignore[no-untyped-def]
     # Cross-entropy, 16 examples a batch, converging to ~1e-4: a single hard example makes a batch's loss hundreds of
     # times its median and several times its 90th percentile, again and again (23 loss_spike warnings before).
     torch.manual_seed(0)
@@ -84,7 +83,7 @@ def test_a_converged_small_batch_classifier_has_no_loss_spikes(sqlite_server) ->
     scaler = torch.amp.GradScaler("cpu")
     x = torch.randn(2048, 16)
     y = (x[:, 0] + 0.3 * x[:, 1] > 0).long()
-    with ampwatch.init("diag", url=sqlite_server.url) as run:
+    with ampwatch.init("diag", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for _ in range(3000):
             batch = torch.randint(0, len(x), (16,))
@@ -98,14 +97,14 @@ def test_a_converged_small_batch_classifier_has_no_loss_spikes(sqlite_server) ->
             scaler.update()
             optimizer.zero_grad()
     assert loss.item() < 0.01  # (converged)
-    events = _events(sqlite_server, run.id)
+    events = _events(memory, run.id)
     assert not [e for e in events if e["type"] == "loss_spike"], [
         e["message"] for e in events if e["type"] == "loss_spike"
     ]
 
 
 def test_after_a_collapse_from_a_named_backward_nan_skips_are_not_normal_and_bf16_is_not_the_advice(
-    sqlite_server,
+    memory,
 ) -> None:  # type: ignore[no-untyped-def]
     # A sqrt at 0 every 10 steps from 60: the probe names its backward at 90, the scale falls below 1 at 120. The
     # collapse advised "use bf16" (which does not fix sqrt(0)), and each later skip was "Occasional skips are normal".
@@ -113,7 +112,7 @@ def test_after_a_collapse_from_a_named_backward_nan_skips_are_not_normal_and_bf1
         model[3].on = step >= 60 and step % 10 == 0
 
     events = _loop(
-        sqlite_server, 150, scaler=torch.amp.GradScaler("cpu", init_scale=64.0), before=sometimes, pause_after={80, 90}
+        memory, 150, scaler=torch.amp.GradScaler("cpu", init_scale=64.0), before=sometimes, pause_after={80, 90}
     )
     origin = next(e for e in events if "origin" in e["details"])
     assert (origin["step"], origin["details"]["phase"]) == (90, "backward")
@@ -124,30 +123,28 @@ def test_after_a_collapse_from_a_named_backward_nan_skips_are_not_normal_and_bf1
 
 
 def test_nan_from_an_operation_on_two_steps_at_the_scale_steps_were_applied_at_is_not_called_overflow(
-    sqlite_server,
+    memory,
 ) -> None:  # type: ignore[no-untyped-def]
     def twice(step: int, model: torch.nn.Sequential) -> None:
         model[3].on = step in (60, 61)
 
-    events = _loop(sqlite_server, 80, before=twice, pause_after={61})
+    events = _loop(memory, 80, before=twice, pause_after={61})
     [back] = [e for e in events if e["details"].get("recovered")]
     assert back["step"] == 62 and back["details"]["overflow"] is False and back["details"]["nonfinite_grad_step"] == 61
     assert "most likely fp16 overflow" not in back["message"] and "sqrt" in back["message"]
 
 
-def test_nan_skips_between_applied_steps_in_the_first_50_steps_are_not_start_up_calibration(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_nan_skips_between_applied_steps_in_the_first_50_steps_are_not_start_up_calibration(memory) -> None:  # type: ignore[no-untyped-def]
     def sometimes(step: int, model: torch.nn.Sequential) -> None:
         model[3].on = step in (5, 15, 25, 35, 45)
 
-    events = _loop(sqlite_server, 60, before=sometimes)
+    events = _loop(memory, 60, before=sometimes)
     assert not [e for e in events if e["details"].get("calibration")], [e["message"] for e in events]
     grads = [e for e in events if e["type"] == "nonfinite_grad" and "origin" not in e["details"]]
     assert [(e["severity"], e["step"]) for e in grads][:1] == [("warning", 25)]
 
 
-def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_parameters(
-    sqlite_server, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_parameters(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # The parameters are checked after the optimizer step, which wrote the bad batch's NaN into them: the loss event
     # said "(the parameters are non-finite)" of the loss that made them so.
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "5")
@@ -158,7 +155,7 @@ def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_
             x[2, 3] = float("nan")
         return x
 
-    events = _loop(sqlite_server, 20, dtype=torch.bfloat16, scaler=disabled, batch=corrupt)
+    events = _loop(memory, 20, dtype=torch.bfloat16, scaler=disabled, batch=corrupt)
     [loss] = [e for e in events if e["type"] == "nonfinite_loss" and "origin" not in e["details"]]
     assert (
         loss["step"] == 10 and "a bad batch" in loss["message"] and "parameters are non-finite" not in loss["message"]
@@ -170,13 +167,13 @@ def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_
 
 
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
-def test_a_gradient_spike_in_a_loop_that_clips_does_not_say_to_clip(sqlite_server, amp: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_gradient_spike_in_a_loop_that_clips_does_not_say_to_clip(memory, amp: str) -> None:  # type: ignore[no-untyped-def]
     """fp16 with a scaler, or bf16 without one: the spike is seen in the norm before the clip, and the loop is not
     told to clip."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=10**6)  # (low: the spike must not overflow)
-    with ampwatch.init("diag", url=sqlite_server.url) as run:
+    with ampwatch.init("diag", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler if amp == "fp16" else None)
         for step in range(80):
             with torch.autocast("cpu", dtype=torch.float16 if amp == "fp16" else torch.bfloat16):
@@ -194,7 +191,7 @@ def test_a_gradient_spike_in_a_loop_that_clips_does_not_say_to_clip(sqlite_serve
             else:
                 optimizer.step()
             optimizer.zero_grad()
-    [spike] = [e for e in _events(sqlite_server, run.id) if e["type"] == "grad_spike"]
+    [spike] = [e for e in _events(memory, run.id) if e["type"] == "grad_spike"]
     assert spike["step"] == 60 and "Clip gradients" not in spike["message"] and "clip_grad_norm_" in spike["message"]
 
 
@@ -211,12 +208,12 @@ class _Attention(torch.nn.Module):
         return self.proj(weights.to(v.dtype) @ v).mean(1)
 
 
-def test_a_nan_made_between_two_modules_is_not_blamed_on_the_second_alone(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_nan_made_between_two_modules_is_not_blamed_on_the_second_alone(memory) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = _Attention()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    with ampwatch.init("review", "functional-nan", url=sqlite_server.url) as run:
+    with ampwatch.init("review", "functional-nan", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(20):
             mask = torch.ones(4, 6, dtype=torch.bool)
@@ -229,20 +226,19 @@ def test_a_nan_made_between_two_modules_is_not_blamed_on_the_second_alone(sqlite
             scaler.update()
             optimizer.zero_grad()
             if step == 4:
-                time.sleep(0.5)  # the sender reads the NaN and the probe arms for the next ones
-    with sqlite_server.client() as http:
-        [origin] = [e for e in http.get(f"/api/v1/runs/{run.id}/events").json() if "origin" in e["details"]]
+                assert run.flush()  # the sender reads the NaN and the probe arms for the next ones
+    [origin] = [e for e in memory.events(run.id) if "origin" in e["details"]]
     assert (origin["step"], origin["details"]["origin"]) == (12, "proj")
     assert "or it received them from an operation outside any module between `v` and `proj`" in origin["message"]
 
 
-def test_a_nan_made_in_the_loss_of_an_accumulated_micro_batch_is_traced_to_the_loss(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_nan_made_in_the_loss_of_an_accumulated_micro_batch_is_traced_to_the_loss(memory) -> None:  # type: ignore[no-untyped-def]
     """Four micro-batches a step: each has its own forward and backward, and the probe tells them apart (it blamed
     the first layer, whose gradient came from the micro-batch before, just ahead in backward order)."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    with ampwatch.init("diag", url=sqlite_server.url) as run:
+    with ampwatch.init("diag", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(90):
             for micro in range(4):
@@ -256,8 +252,8 @@ def test_a_nan_made_in_the_loss_of_an_accumulated_micro_batch_is_traced_to_the_l
             scaler.update()
             optimizer.zero_grad()
             if step == 61:
-                time.sleep(0.4)  # the sender judges the streak and arms the probe before the loop goes on
-    [origin] = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
+                assert run.flush()  # the sender judges the streak and arms the probe before the loop goes on
+    [origin] = [e for e in _events(memory, run.id) if "origin" in e["details"]]
     assert origin["step"] == 75 and origin["details"] == {**origin["details"], "origin": "(loss)", "phase": "backward"}
     assert "in the loss computation" in origin["message"]
 
@@ -274,9 +270,7 @@ class _Checkpointed(torch.nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_modules_recomputed_by_activation_checkpointing_count_once_in_the_origin(
-    sqlite_server, reentrant: bool
-) -> None:  # type: ignore[no-untyped-def]
+def test_modules_recomputed_by_activation_checkpointing_count_once_in_the_origin(memory, reentrant: bool) -> None:  # type: ignore[no-untyped-def]
     """The recomputation in the backward runs the forward hooks again: its outputs are not a second pass (they were
     counted: "module 3 of 7")."""
     torch.manual_seed(0)
@@ -286,7 +280,7 @@ def test_modules_recomputed_by_activation_checkpointing_count_once_in_the_origin
                                 _Checkpointed(torch.nn.Sequential(explode, torch.nn.Linear(16, 16)), reentrant), torch.nn.Linear(16, 1))  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    with ampwatch.init("review", "checkpointed", url=sqlite_server.url) as run:
+    with ampwatch.init("review", "checkpointed", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(20):
             explode.step = step
@@ -297,8 +291,8 @@ def test_modules_recomputed_by_activation_checkpointing_count_once_in_the_origin
             scaler.update()
             optimizer.zero_grad()
             if step == 4:
-                time.sleep(0.5)  # the sender reads the NaN and the probe arms for the next ones
-    [origin] = [e for e in _events(sqlite_server, run.id) if "origin" in e["details"]]
+                assert run.flush()  # the sender reads the NaN and the probe arms for the next ones
+    [origin] = [e for e in _events(memory, run.id) if "origin" in e["details"]]
     assert (origin["step"], origin["details"]["origin"]) == (12, "2.inner.0")
     assert origin["details"]["order"] == ["(input batch)", "0", "1", "2.inner.0", "2.inner.1", "3"]
     assert "(forward, module 3 of 5 in call order)" in origin["message"]

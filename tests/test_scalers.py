@@ -14,14 +14,14 @@ from _runs import clipped_step
 import ampwatch
 
 
-def test_two_optimizers_with_one_scaler_record_one_step_per_update(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_two_optimizers_with_one_scaler_record_one_step_per_update(memory) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     first = torch.optim.AdamW(model[0].parameters())
     second = torch.optim.SGD(model[2].parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     expected = []
-    with ampwatch.init("scalers", "two-optimizers", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", "two-optimizers", transport=memory) as run:
         run.watch(model=model, optimizer=[first, second], scaler=scaler)
         for _ in range(6):
             with torch.autocast("cpu", dtype=torch.float16):
@@ -34,21 +34,20 @@ def test_two_optimizers_with_one_scaler_record_one_step_per_update(sqlite_server
             scaler.update()
             first.zero_grad()
             second.zero_grad()
-    with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm", "skipped"]}).json()
+    data = memory.series(run.id, ["grad_norm", "skipped"])
     assert data["grad_norm"]["steps"] == list(range(6))
     assert data["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)  # one norm over both optimizers
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="covers the disabled legacy scaler a machine without CUDA builds")
-def test_the_legacy_cuda_scaler_is_watched_without_breaking(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_legacy_cuda_scaler_is_watched_without_breaking(memory) -> None:  # type: ignore[no-untyped-def]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated, and disabled without CUDA
         scaler = torch.cuda.amp.GradScaler()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with ampwatch.init("scalers", "legacy", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", "legacy", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         assert isinstance(scaler, torch.cuda.amp.GradScaler)
         for _ in range(3):
@@ -57,18 +56,17 @@ def test_the_legacy_cuda_scaler_is_watched_without_breaking(sqlite_server) -> No
             scaler.update()
             optimizer.zero_grad()
     assert type(scaler) is torch.cuda.amp.GradScaler
-    with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["loss", "grad_norm"]}).json()
+    data = memory.series(run.id, ["loss", "grad_norm"])
     assert not scaler.is_enabled()  # so steps were counted through the optimizer
     assert data["loss"]["steps"] == data["grad_norm"]["steps"] == [0, 1, 2]
 
 
-def test_state_dict_round_trip_mid_run_keeps_scaling_and_recording(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_state_dict_round_trip_mid_run_keeps_scaling_and_recording(memory) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
-    with ampwatch.init("scalers", "checkpoint", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", "checkpoint", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(6):
             with torch.autocast("cpu", dtype=torch.float16):
@@ -80,8 +78,7 @@ def test_state_dict_round_trip_mid_run_keeps_scaling_and_recording(sqlite_server
             if step == 2:
                 saved = scaler.state_dict()
                 scaler.load_state_dict({**saved, "scale": 64.0})  # resume from a checkpoint with another scale
-    with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "scale"}).json()
+    data = memory.series(run.id, "scale")
     assert data["scale"]["values"] == [512.0, 512.0, 512.0, 64.0, 64.0, 64.0]
 
 
@@ -107,21 +104,20 @@ def _scale_loop(
     return used
 
 
-def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(memory) -> None:  # type: ignore[no-untyped-def]
     def before(step: int, scaler: Any) -> Any:
         if step == 3:  # the agent copies the rule only along with a scale anchor: these setters must re-anchor
             scaler.set_growth_factor(4.0)
         return scaler
 
-    with ampwatch.init("scalers", "growth-rule", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", "growth-rule", transport=memory) as run:
         used = _scale_loop(run, torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2), 8, before)
-    with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "scale"}).json()
+    data = memory.series(run.id, "scale")
     assert used == [8.0, 8.0, 16.0, 16.0, 64.0, 64.0, 256.0, 256.0]
     assert data["scale"]["values"] == used
 
 
-def test_a_new_scaler_watched_mid_run_is_shadowed_from_its_own_scale(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_new_scaler_watched_mid_run_is_shadowed_from_its_own_scale(memory) -> None:  # type: ignore[no-untyped-def]
     # (e.g. a training script that rebuilds its scaler when it resumes from a checkpoint without one)
     def before(step: int, scaler: Any) -> Any:
         if step == 4:
@@ -129,10 +125,9 @@ def test_a_new_scaler_watched_mid_run_is_shadowed_from_its_own_scale(sqlite_serv
             run.watch(scaler=scaler)
         return scaler
 
-    with ampwatch.init("scalers", "new-scaler", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", "new-scaler", transport=memory) as run:
         used = _scale_loop(run, torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2), 8, before)
-    with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["scale", "lr"]}).json()
+    data = memory.series(run.id, ["scale", "lr"])
     assert used == [8.0, 8.0, 16.0, 16.0, 1024.0, 1024.0, 1024.0, 2048.0]
     assert data["scale"]["steps"] == list(range(8))
     assert data["scale"]["values"] == used
@@ -171,7 +166,7 @@ def _clipping_loop(
 @pytest.mark.parametrize("amp", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("how", ["module attribute", "imported before watch", "a subset"])
 def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(
-    sqlite_server, monkeypatch, how: str, amp: str
+    memory, monkeypatch, how: str, amp: str
 ) -> None:  # type: ignore[no-untyped-def]
     """`torch.nn.utils.clip_grad_norm_(model.parameters())` hands its result to the agent, which then skips its
     own norm; a function imported earlier, or a clip of some parameters only, leaves the agent to compute it:
@@ -188,7 +183,7 @@ def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(
         else original
     )
     subset = how == "a subset"
-    with ampwatch.init("scalers", f"clip-{how}-{amp}", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", f"clip-{how}-{amp}", transport=memory) as run:
         expected = _clipping_loop(
             run, 60, clip, (lambda m: m[2].parameters()) if subset else (lambda m: m.parameters()), amp
         )
@@ -198,8 +193,7 @@ def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(
     assert (
         torch.nn.utils.clip_grad_norm_ is original and torch.nn.utils.clip_grad._clip_grads_with_norm_ is inner
     )  # ...and gone after
-    with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()
+    data = memory.series(run.id, "grad_norm")
     assert data["grad_norm"]["steps"] == list(range(60))
     assert data["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
     assert min(expected) > 1e-2  # so a norm of the clipped gradients would fail the comparison
@@ -208,7 +202,7 @@ def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(
     assert len(calls) == 2 * 60 + (4 if how == "module attribute" else 60 + 2)
 
 
-def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(memory) -> None:  # type: ignore[no-untyped-def]
     """Layers unfrozen into a new parameter group while the loop still clips only the old ones: from that step the
     clip's result is no longer the optimizer's norm, and the agent takes its own, before the clip, at that very step."""
     torch.manual_seed(0)
@@ -218,7 +212,7 @@ def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(
     optimizer = torch.optim.SGD(body.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     expected = []
-    with ampwatch.init("scalers", "add-param-group", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", "add-param-group", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(160):
             if step == 120:  # between the agent's planned steps (multiples of 50): on its steady path
@@ -234,24 +228,22 @@ def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
-    with sqlite_server.client() as http:
-        data = http.get(f"/api/v1/runs/{run.id}/series", params={"name": "grad_norm"}).json()
+    data = memory.series(run.id, "grad_norm")
     assert data["grad_norm"]["steps"] == list(range(160))  # step 120's was lost before
     assert data["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
 
 
 def _series_of(server: Any, run_id: str, *names: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    with server.client() as http:
-        return http.get(f"/api/v1/runs/{run_id}/series", params={"name": list(names)}).json()
+    return server.series(run_id, list(names))
 
 
-def test_a_two_step_clip_without_a_scaler_records_the_norm_before_it(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_two_step_clip_without_a_scaler_records_the_norm_before_it(memory) -> None:  # type: ignore[no-untyped-def]
     """torchtitan's clip: `get_total_norm`, then `torch.nn.utils.clip_grads_with_norm_` (a generator of parameters)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     expected, clipped = [], []
-    with ampwatch.init("scalers", "two-step-clip", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", "two-step-clip", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer)
         for _ in range(8):
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -264,24 +256,24 @@ def test_a_two_step_clip_without_a_scaler_records_the_norm_before_it(sqlite_serv
             optimizer.step()
             optimizer.zero_grad()
     assert max(clipped) < 1.1e-3 < min(expected)  # the clip still clipped (the generator reached it whole)
-    assert _series_of(sqlite_server, run.id, "grad_norm")["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
+    assert _series_of(memory, run.id, "grad_norm")["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_the_norm_of_fp16_gradients_does_not_overflow_where_none_of_them_does(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_norm_of_fp16_gradients_does_not_overflow_where_none_of_them_does(memory) -> None:  # type: ignore[no-untyped-def]
     """`model.half()` without a scaler: 65 536 gradients of 400 have a norm of 102 400, past fp16's 65 504."""
     weight = torch.nn.Parameter(torch.zeros(65536, dtype=torch.float16))
     optimizer = torch.optim.SGD([weight], lr=0.0)
-    with ampwatch.init("scalers", "half-norm", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", "half-norm", transport=memory) as run:
         run.watch(optimizer=optimizer)
         for _ in range(3):
             (weight * 400).float().sum().backward()
             optimizer.step()
             optimizer.zero_grad()
-    assert _series_of(sqlite_server, run.id, "grad_norm")["grad_norm"]["values"] == [102400.0] * 3
+    assert _series_of(memory, run.id, "grad_norm")["grad_norm"]["values"] == [102400.0] * 3
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(sqlite_server, enabled: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(memory, enabled: bool) -> None:  # type: ignore[no-untyped-def]
     import numpy
 
     torch.manual_seed(0)
@@ -289,19 +281,19 @@ def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(sqlite_ser
     optimizer = torch.optim.SGD(model.parameters(), lr=1)  # (an int, as written)
     scaler = torch.amp.GradScaler("cpu", enabled=enabled)  # (disabled: steps through the optimizer's hooks)
     lrs = []
-    with ampwatch.init("scalers", f"lr-types-{enabled}", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", f"lr-types-{enabled}", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(120):  # (past step 100: the steady path's lean steps too)
             if step >= 60:
                 optimizer.param_groups[0]["lr"] = numpy.float32(1e-5 * step)  # a schedule read from a NumPy array
             lrs.append(float(optimizer.param_groups[0]["lr"]))
             clipped_step(model, optimizer, scaler)
-    data = _series_of(sqlite_server, run.id, "lr")["lr"]
+    data = _series_of(memory, run.id, "lr")["lr"]
     assert data["steps"] == list(range(120)) and data["values"] == pytest.approx(lrs)
 
 
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
-def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(sqlite_server, amp: str) -> None:  # type: ignore[no-untyped-def]
+def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(memory, amp: str) -> None:  # type: ignore[no-untyped-def]
     """A guard that skips non-finite updates (`zero_grad(); continue`, no step): with a scaler after backward, on the
     loss; without one after clip_grad_norm_, on its norm. The next step's loss and norm are its own."""
     torch.manual_seed(0)
@@ -309,7 +301,7 @@ def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(sqlite_serv
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu") if amp == "fp16" else None
     losses, norms = [], []
-    with ampwatch.init("scalers", f"dropped-{amp}", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", f"dropped-{amp}", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for iteration in range(12):
             x = torch.randn(4, 8) * (float("nan") if iteration in (3, 7) else 1.0)
@@ -336,7 +328,7 @@ def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(sqlite_serv
                 run.log({"loss": loss})
                 optimizer.step()
             optimizer.zero_grad()
-    data = _series_of(sqlite_server, run.id, "loss", "grad_norm")
+    data = _series_of(memory, run.id, "loss", "grad_norm")
     assert data["loss"] == {"steps": list(range(10)), "values": pytest.approx(losses, rel=1e-6)}
     assert data["grad_norm"]["steps"] == list(range(10))  # (an overflow the scaler skipped reads "Infinity")
     assert [float(v) for v in data["grad_norm"]["values"]] == pytest.approx(norms, rel=1e-5)
@@ -344,7 +336,7 @@ def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(sqlite_serv
 
 @pytest.mark.parametrize("how", ["value", "norm on every micro-batch"])
 def test_clipping_without_a_scaler_by_value_or_on_every_micro_batch_records_the_norm_before_the_last_clip(
-    sqlite_server, how: str
+    memory, how: str
 ) -> None:  # type: ignore[no-untyped-def]
     """`clip_grad_value_` (Accelerate's too) changes the gradients as clip_grad_norm_ does; a clip called on every
     micro-batch (Accelerate's, unguarded by sync_gradients) clips gradients a backward has added to since."""
@@ -352,7 +344,7 @@ def test_clipping_without_a_scaler_by_value_or_on_every_micro_batch_records_the_
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     expected = []
-    with ampwatch.init("scalers", f"clip-{how}", url=sqlite_server.url) as run:
+    with ampwatch.init("scalers", f"clip-{how}", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer)
         for _ in range(6):
             for _micro in range(3):
@@ -367,4 +359,4 @@ def test_clipping_without_a_scaler_by_value_or_on_every_micro_batch_records_the_
             optimizer.step()
             optimizer.zero_grad()
     assert min(expected) > 1e-2
-    assert _series_of(sqlite_server, run.id, "grad_norm")["grad_norm"]["values"] == pytest.approx(expected, rel=1e-4)
+    assert _series_of(memory, run.id, "grad_norm")["grad_norm"]["values"] == pytest.approx(expected, rel=1e-4)

@@ -132,7 +132,7 @@ def test_ctrl_c_ends_the_run_as_crashed_with_its_reason_and_loses_nothing(sqlite
     assert series["loss"]["steps"] == list(range(crash["step"])) and crash["step"] >= last + 1 >= 30
 
 
-def test_the_handler_is_installed_only_from_the_main_thread() -> None:
+def test_the_handler_is_installed_only_from_the_main_thread(memory) -> None:  # type: ignore[no-untyped-def]
     before = signal.getsignal(signal.SIGTERM)
     if before is not signal.SIG_DFL:  # an earlier test of this process installed it: start from the default
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -142,12 +142,12 @@ def test_the_handler_is_installed_only_from_the_main_thread() -> None:
     _run._sigterm.update(previous=None, pid=0)
     try:
         runs: list[ampwatch.Run] = []
-        thread = threading.Thread(target=lambda: runs.append(ampwatch.init("signals", url="http://127.0.0.1:9")))
+        thread = threading.Thread(target=lambda: runs.append(ampwatch.init("signals", transport=memory)))
         thread.start()
         thread.join()
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # not from a worker thread (it would raise there)
         runs[0].finish()
-        run = ampwatch.init("signals", url="http://127.0.0.1:9")
+        run = ampwatch.init("signals", transport=memory)
         assert signal.getsignal(signal.SIGTERM) is _run._on_sigterm
         run.finish()
     finally:
@@ -155,7 +155,7 @@ def test_the_handler_is_installed_only_from_the_main_thread() -> None:
         _run._sigterm.update(saved)
 
 
-def test_as_a_containers_init_the_default_ignore_of_sigterm_is_kept(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_as_a_containers_init_the_default_ignore_of_sigterm_is_kept(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """PID 1 (a container without an init): the kernel ignores SIGTERM's default action there, so a handler
     that marks the run crashed and re-sends the signal would leave training running, recorded as crashed.
     (A real PID 1 needs a PID namespace, which CI may not allow; the process id is what the agent checks.)"""
@@ -167,7 +167,7 @@ def test_as_a_containers_init_the_default_ignore_of_sigterm_is_kept(monkeypatch)
     _run._sigterm.update(previous=None, pid=0)
     monkeypatch.setattr(_run.os, "getpid", lambda: 1)
     try:
-        run = ampwatch.init("signals", url="http://127.0.0.1:9")
+        run = ampwatch.init("signals", transport=memory)
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         monkeypatch.undo()
         run.finish()

@@ -273,8 +273,10 @@ def test_a_batch_the_server_rejects_is_counted_as_dropped(sqlite_server, monkeyp
         with caplog.at_level("WARNING", logger="ampwatch"):
             run.finish()
     assert "1 batch(es)" in caplog.text and "rejected" in caplog.text
-    data = _series(sqlite_server, run.id, ("x", "dropped_records"))
+    data = _series(sqlite_server, run.id, ("x", "dropped_records", "dropped_records/rejected"))
     assert data["x"]["steps"] == [1] and data["dropped_records"]["values"] == [1.0]
+    assert data["dropped_records/rejected"]["values"] == [1.0]
+    assert "rejected: 1" in caplog.text
 
 
 def test_sync_while_an_offline_run_still_writes_uploads_what_is_there_and_keeps_the_folder(

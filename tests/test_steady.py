@@ -44,16 +44,14 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
     batches = [torch.randn(4, 8) for _ in range(STEPS)]
-    with ampwatch.init("steady", url=server.url) as run:
+    with ampwatch.init("steady", transport=server) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step, x in enumerate(batches):
             if run._recorder._steady is not None:  # (private: which path this step begins on)
                 steady_seen.append(step)
             if step == ARMED:
-                run._recorder.arm_step = (
-                    step - 1
-                )  # (private: what the sender's diagnosis asks after a non-finite value)
-                run._recorder.arm_request = True
+                # (private: what the sender's diagnosis asks after a non-finite value)
+                run._recorder.mailbox.arm_step, run._recorder.mailbox.arm_request = step - 1, True
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(x).float().pow(2).mean()
             if step == TWO_LOSSES:  # two micro-batches: their losses are summed
@@ -87,19 +85,18 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
                 scaler.load_state_dict(scaler.state_dict())
             scheduler.step()
             optimizer.zero_grad()
-    with server.client() as http:
-        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": SERIES}).json()
-        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+    series = server.series(run.id, SERIES)
+    events = server.events(run.id)
     return {"series": series, "events": [(e["type"], e["step"], e["details"].get("cause")) for e in events]}
 
 
-def test_a_run_records_the_same_with_and_without_the_steady_path(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_records_the_same_with_and_without_the_steady_path(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "10")
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "14")
     steady: list[int] = []
-    lean = _train(sqlite_server, steady)
-    monkeypatch.setattr(_steady.Steady, "_enter_steady", lambda self: None)
-    full = _train(sqlite_server, [])
+    lean = _train(memory, steady)
+    monkeypatch.setattr(_steady.StepEnd, "_enter_steady", lambda self: None)
+    full = _train(memory, [])
     assert lean == full
     # It was a test of something: each of those steps began on the steady path.
     assert {NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, OTHER_CLIP, ARMED,
@@ -130,9 +127,9 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
     """The sender decodes the steady path's plain records a column at a time: the same points as the step records
     the full path would have made, through a stretch without skips, skips (backoff), growth, non-finite values and
     a missing lr; and so do runs of plain records where those of the steps whose optimizer step ran hold no
-    found_inf (kind RAN), as the sender groups them."""
-    from ampwatch._steps import StepDecoder, plain_tensors, step_tensors
-    from ampwatch._worker import PLAIN, RAN, STEP
+    found_inf (kind APPLIED_STEP), as the sender groups them."""
+    from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
+    from ampwatch._steps import StepDecoder, lean_tensors, step_tensors
 
     losses = [0.5, 0.75, 1.0, 0.5, float("nan"), 0.25, float("inf"), 0.125, 2.0, 1.0, 3.0, 0.0, -1.5]
     skips = [0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1]
@@ -154,32 +151,32 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
         None,
     )
     decoded = []
-    for kind in (STEP, PLAIN, RAN):
+    for kind in (STEP, LEAN_STEP, APPLIED_STEP):
         decoder, points = StepDecoder(), {}
         runs = [[anchor]]
         for start, end in ((0, 1), (1, len(losses))):  # (a stretch of one step, without a skip, then the rest)
             steps = range(start, end)
             if kind == STEP:
                 runs.append([(STEP, s + 1, *tensors[s], True, None, None, lrs[s], None) for s in steps])
-            elif kind == PLAIN:
-                runs.append([(PLAIN, s + 1, *tensors[s], lrs[s]) for s in steps])
+            elif kind == LEAN_STEP:
+                runs.append([(LEAN_STEP, s + 1, *tensors[s], lrs[s]) for s in steps])
             else:  # the skipped steps' records hold found_inf, the others do not: runs of one kind each
                 for s in steps:
                     loss, found, norm = tensors[s]
                     entry = (
-                        (PLAIN, s + 1, loss, found, norm, lrs[s])
+                        (LEAN_STEP, s + 1, loss, found, norm, lrs[s])
                         if skips[s]
-                        else (RAN, s + 1, loss, None, norm, lrs[s])
+                        else (APPLIED_STEP, s + 1, loss, None, norm, lrs[s])
                     )
                     if runs[-1][0][0] != entry[0]:
                         runs.append([])
                     runs[-1].append(entry)
-        assert kind != RAN or len(runs) == 7  # (it was a test of mixed runs: the anchor, then r p r p r p)
+        assert kind != APPLIED_STEP or len(runs) == 7  # (it was a test of mixed runs: the anchor, then r p r p r p)
         for run in runs:
             values: list = []
-            (step_tensors if run[0][0] == STEP else plain_tensors)(run, values)
+            (step_tensors if run[0][0] == STEP else lean_tensors)(run, values)
             host = [v for t in values for v in (t.tolist() if t.dim() else [t.item()])]
-            at = (decoder.decode if run[0][0] == STEP else decoder.decode_plain)(run, host, 0, points)
+            at = (decoder.decode if run[0][0] == STEP else decoder.decode_lean)(run, host, 0, points)
             assert at == len(host)
         decoded.append({name: (steps, [repr(v) for v in vals]) for name, (steps, vals) in points.items()})
     assert decoded[0] == decoded[1] == decoded[2]
@@ -203,27 +200,27 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
     assert decoded[1]["lr"][0] == [s + 1 for s in range(len(lrs)) if lrs[s] is not None]
 
 
-def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A lean step whose optimizer step ran keeps no found_inf (the optimizer's post-step hook says GradScaler did not
     skip it); one GradScaler skipped keeps it. In a loop whose scale grows into fp16 overflows every other step, the
     skipped and scale series are exactly what GradScaler did, and the lean path made both kinds of record."""
+    from ampwatch._protocol import APPLIED_STEP, LEAN_STEP
     from ampwatch._steps import StepDecoder
-    from ampwatch._worker import PLAIN, RAN
 
     kinds: list[tuple[str, int]] = []
-    decode_plain = StepDecoder.decode_plain
+    decode_lean = StepDecoder.decode_lean
 
     def spy(self: StepDecoder, records: list[tuple], *args: Any) -> int:
         kinds.extend((r[0], r[1]) for r in records)
-        return decode_plain(self, records, *args)
+        return decode_lean(self, records, *args)
 
-    monkeypatch.setattr(StepDecoder, "decode_plain", spy)
+    monkeypatch.setattr(StepDecoder, "decode_lean", spy)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # doubles after every good step
     skipped, scales = [], []
-    with ampwatch.init("skips", url=sqlite_server.url) as run:
+    with ampwatch.init("skips", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for _ in range(120):
             with torch.autocast("cpu", dtype=torch.float16):
@@ -237,24 +234,23 @@ def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(sqlite_server, m
             scaler.update()
             skipped.append(1 if scaler.get_scale() < before else 0)  # GradScaler backs off exactly on a skip
             optimizer.zero_grad()
-    with sqlite_server.client() as http:
-        series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["skipped", "scale"]}).json()
+    series = memory.series(run.id, ["skipped", "scale"])
     assert series["skipped"]["steps"] == list(range(120)) and series["skipped"]["values"] == skipped
     assert series["scale"]["values"] == scales  # (the scale each step ran with, shadowed from the skips)
-    ran = {step for kind, step in kinds if kind == RAN}
-    held = {step for kind, step in kinds if kind == PLAIN}
+    ran = {step for kind, step in kinds if kind == APPLIED_STEP}
+    held = {step for kind, step in kinds if kind == LEAN_STEP}
     assert sum(skipped) > 20 and len(ran) > 20 and len(held) > 20  # (it was a test of both)
     assert all(skipped[step] for step in held) and not any(skipped[step] for step in ran)
 
 
-def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_finish(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_finish(memory) -> None:  # type: ignore[no-untyped-def]
     """A loop that steps one optimizer for a while, then the other, and back: the steady path takes each in turn,
     and each keeps one hook of the agent's, however often it comes back; finish() removes them."""
     model = torch.nn.Linear(4, 1)
     first, second = (torch.optim.SGD(model.parameters(), lr=1e-3) for _ in range(2))
     scaler = torch.amp.GradScaler("cpu")
     steady = set()
-    with ampwatch.init("alternating", url=sqlite_server.url) as run:
+    with ampwatch.init("alternating", transport=memory) as run:
         run.watch(model=model, optimizer=[first, second], scaler=scaler)
         for step in range(400):
             optimizer = first if (step // 60) % 2 == 0 else second
@@ -266,14 +262,14 @@ def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_fini
     assert not first._optimizer_step_post_hooks and not second._optimizer_step_post_hooks
 
 
-def test_a_clip_of_one_tensor_records_its_norm_and_never_goes_lean(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_clip_of_one_tensor_records_its_norm_and_never_goes_lean(memory) -> None:  # type: ignore[no-untyped-def]
     """clip_grad_norm_ given a lone tensor (here the model's one parameter, 0-dim) covers the optimizer's parameters,
     so its norm is the step's; but it is not a list, so the lean hooks (which compare lists) never apply."""
     weight = torch.nn.Parameter(torch.tensor(0.5))
     optimizer = torch.optim.SGD([weight], lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
     clipped, lean = [], []
-    with ampwatch.init("lone-tensor", url=sqlite_server.url) as run:
+    with ampwatch.init("lone-tensor", transport=memory) as run:
         run.watch(optimizer=optimizer, scaler=scaler)
         for _ in range(120):
             lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
@@ -286,14 +282,13 @@ def test_a_clip_of_one_tensor_records_its_norm_and_never_goes_lean(sqlite_server
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
-    with sqlite_server.client() as http:
-        norms = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm"]}).json()["grad_norm"]
+    norms = memory.series(run.id, ["grad_norm"])["grad_norm"]
     assert norms["steps"] == list(range(120))
     assert norms["values"] == pytest.approx(clipped, rel=1e-6)
     assert not any(lean)
 
 
-def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_changes(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_changes(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Each plan of plain steps puts the lean hooks in place; built for the same scaler, optimizer and clip as the
     last ones, they are the last ones. A clip of the same parameters in another order (another first and last)
     gets hooks of its own, and its norms are still the step's."""
@@ -305,7 +300,7 @@ def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_chang
     scaler = torch.amp.GradScaler("cpu")
     built: list[Any] = []  # the lean scale() of each step that began on the steady path, per half of the run
     clipped = []
-    with ampwatch.init("lean-cache", url=sqlite_server.url) as run:
+    with ampwatch.init("lean-cache", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(100):
             if run._recorder._steady is not None:  # (private: the lean hooks in place)
@@ -319,15 +314,14 @@ def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_chang
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
-    with sqlite_server.client() as http:
-        norms = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm"]}).json()["grad_norm"]
+    norms = memory.series(run.id, ["grad_norm"])["grad_norm"]
     assert norms["values"] == pytest.approx(clipped, rel=1e-6)
     first, second = ({id(hook) for later, hook in built if later == half} for half in (False, True))
     assert len([s for s, _ in built]) > 60  # (most steps were lean: 10 plans of 9 steps)
     assert len(first) == len(second) == 1 and first != second
 
 
-def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(memory) -> None:  # type: ignore[no-untyped-def]
     """scale(outputs=...), unscale_(optimizer=...), step(optimizer=...), update(new_scale=None): the lean hooks take
     GradScaler's keywords as the full ones do (they once named the optimizer otherwise: a TypeError in the loop)."""
     torch.manual_seed(0)
@@ -335,7 +329,7 @@ def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(sqlit
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
     lean, clipped = [], []
-    with ampwatch.init("keywords", url=sqlite_server.url) as run:
+    with ampwatch.init("keywords", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for _ in range(120):
             lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
@@ -347,14 +341,13 @@ def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(sqlit
             scaler.step(optimizer=optimizer)
             scaler.update(new_scale=None)
             optimizer.zero_grad()
-    with sqlite_server.client() as http:
-        norms = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["grad_norm"]}).json()["grad_norm"]
+    norms = memory.series(run.id, ["grad_norm"])["grad_norm"]
     assert sum(lean) > 100
     values = [float(v) for v in norms["values"]]  # (non-finite values come as the strings JSON has for them)
     assert norms["steps"] == list(range(120)) and values == pytest.approx(clipped, rel=1e-6)
 
 
-def test_a_loop_that_numbers_its_steps_from_one_stays_lean(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_loop_that_numbers_its_steps_from_one_stays_lean(memory) -> None:  # type: ignore[no-untyped-def]
     """run.log(..., step=i + 1) of names that are not standard is ahead of the agent's step every time: only a standard
     name logged ahead keeps the next step off the steady path."""
     torch.manual_seed(0)
@@ -362,7 +355,7 @@ def test_a_loop_that_numbers_its_steps_from_one_stays_lean(sqlite_server) -> Non
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     lean = []
-    with ampwatch.init("steady", "numbered-from-one", url=sqlite_server.url) as run:
+    with ampwatch.init("steady", "numbered-from-one", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for i in range(120):
             lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ampwatch._transport import Transport
+from ampwatch._transport import HttpTransport
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
@@ -46,7 +46,7 @@ def receiver() -> Iterator[tuple[str, type[_Recorder]]]:
 
 def test_batches_share_one_kept_alive_connection(receiver) -> None:  # type: ignore[no-untyped-def]
     url, handler = receiver
-    transport = Transport(url + "/base", None, 5.0)
+    transport = HttpTransport(url + "/base", None, 5.0)
     assert [transport.send("POST", f"/b{i}", b"{}").status for i in range(3)] == [200, 200, 200]
     assert [path for _, path in handler.seen] == ["/base/b0", "/base/b1", "/base/b2"]
     assert len({port for port, _ in handler.seen}) == 1
@@ -56,7 +56,7 @@ def test_batches_share_one_kept_alive_connection(receiver) -> None:  # type: ign
 def test_a_connection_the_server_closed_meanwhile_is_reopened_without_losing_the_request(receiver) -> None:  # type: ignore[no-untyped-def]
     url, handler = receiver
     handler.drop_after_reply = True  # each connection dies after one reply, unannounced
-    transport = Transport(url, None, 5.0)
+    transport = HttpTransport(url, None, 5.0)
     replies = [transport.send("POST", f"/b{i}", b"{}") for i in range(3)]
     assert [r.status for r in replies] == [200, 200, 200], [r.body for r in replies]
     assert [path for _, path in handler.seen] == ["/b0", "/b1", "/b2"]
@@ -65,7 +65,7 @@ def test_a_connection_the_server_closed_meanwhile_is_reopened_without_losing_the
 
 def test_an_unreachable_server_is_status_0(receiver) -> None:  # type: ignore[no-untyped-def]
     url, _ = receiver
-    reply = Transport("http://127.0.0.1:9", None, 2.0).send("POST", "/b", b"{}")
+    reply = HttpTransport("http://127.0.0.1:9", None, 2.0).send("POST", "/b", b"{}")
     assert reply.status == 0 and reply.retryable
 
 
@@ -74,12 +74,12 @@ def test_a_proxy_from_the_environment_is_used(receiver, monkeypatch) -> None:  #
     monkeypatch.setenv("http_proxy", url)
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
-    reply = Transport("http://ampwatch.invalid:8600", None, 5.0).send("POST", "/api/v1/runs/r/batches", b"{}")
+    reply = HttpTransport("http://ampwatch.invalid:8600", None, 5.0).send("POST", "/api/v1/runs/r/batches", b"{}")
     assert reply.status == 200
     assert [path for _, path in handler.seen] == ["http://ampwatch.invalid:8600/api/v1/runs/r/batches"]
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:port", "http://[::1", "ftp://127.0.0.1:9"])
 def test_a_malformed_url_is_an_unreachable_server_never_an_exception(url: str) -> None:
-    reply = Transport(url, None, 1.0).send("POST", "/api/v1/runs/r/batches", b"{}")
+    reply = HttpTransport(url, None, 1.0).send("POST", "/api/v1/runs/r/batches", b"{}")
     assert reply.status == 0 and reply.retryable and reply.body
