@@ -1,6 +1,6 @@
 """The read commands (`ampwatch runs`, `run`, `events`, `series`, `alerts`, `watch`) against a real server filled
 by a real watched torch loop; their exit codes when the server is down, the token is refused or the run is missing;
-`runs delete`/`runs prune` and the runs list's paging against a stand-in of routes another branch adds."""
+`runs delete`/`runs prune` and the runs list's paging."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import shlex
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,11 @@ import pytest
 import torch
 from _runs import clipped_step
 from conftest import free_port
+from sqlalchemy import update
 
 import ampwatch
 from ampwatch import _cli
-from ampwatch.server import auth
+from ampwatch.server import auth, models
 
 
 class Loop:
@@ -241,113 +241,48 @@ def test_watch_exits_0_when_the_run_finishes_across_stream_reconnections(sqlite_
     assert "step 19 " in out and out.rstrip().endswith("run finished")
 
 
-class StandIn:
-    """A stand-in for `DELETE /api/v1/runs/{id}`, `POST /api/v1/runs/prune` and a paginated `GET /api/v1/runs`:
-    routes the server branch adds in parallel with exactly these contracts (the lead switches this to the real
-    server after merging). It answers only requests with the right method, path, body and token."""
-
-    TOKEN = "amw_7_" + "a" * 43
-    RUN = {"id": "r1", "project": "p", "name": "old", "created_at": "2026-01-01T00:00:00Z", "status": "finished"}
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, str, Any]] = []
-        self.deleted: list[str] = []
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                stand_in.handle(self, "GET")
-
-            def do_DELETE(self) -> None:  # noqa: N802
-                stand_in.handle(self, "DELETE")
-
-            def do_POST(self) -> None:  # noqa: N802
-                stand_in.handle(self, "POST")
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
-        raw = request.rfile.read(int(request.headers.get("content-length") or 0))
-        body = json.loads(raw) if raw else None
-        self.requests.append((method, request.path, body))
-        if request.headers.get("authorization") != f"Bearer {self.TOKEN}":
-            return self.reply(request, 401, {"detail": "this server needs a token"})
-        route = (method, request.path)
-        if route == ("GET", "/api/v1/runs/r1"):
-            return self.reply(request, 200, self.RUN)
-        if route == ("DELETE", "/api/v1/runs/r1"):
-            self.deleted.append("r1")
-            return self.reply(request, 204, None)
-        if method == "POST" and request.path == "/api/v1/runs/prune":
-            assert request.headers.get("content-type") == "application/json"
-            assert set(body) == {"older_than_s", "project", "dry_run"} and isinstance(body["older_than_s"], float)
-            runs = [{k: self.RUN[k] for k in ("id", "project", "name", "created_at")}]
-            return self.reply(request, 200, {"runs": runs, "deleted": not body["dry_run"]})
-        pages = {  # page 1 names page 2 by a cursor header, page 2 names page 3 by a Link header
-            "/api/v1/runs?project=p": ({"X-Next-Cursor": "c2"}, [{**self.RUN, "id": "a"}]),
-            "/api/v1/runs?project=p&cursor=c2": ({"Link": '</api/v1/runs?after=b>; rel="next"'},
-                                                 [{**self.RUN, "id": "b"}]),
-            "/api/v1/runs?after=b": ({}, [{**self.RUN, "id": "c"}]),
-        }  # fmt: skip
-        if method == "GET" and request.path in pages:
-            headers, page = pages[request.path]
-            return self.reply(request, 200, page, headers)
-        return self.reply(request, 404, {"detail": f"no route {method} {request.path}"})
-
-    def reply(
-        self, request: BaseHTTPRequestHandler, status: int, body: Any, headers: dict[str, str] | None = None
-    ) -> None:
-        data = b"" if body is None else json.dumps(body).encode()
-        request.send_response(status)
-        for name, value in (headers or {}).items():
-            request.send_header(name, value)
-        request.send_header("content-type", "application/json")
-        request.send_header("content-length", str(len(data)))
-        request.end_headers()
-        request.wfile.write(data)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def _register(http: Any, run_id: str, project: str, name: str) -> None:
+    body = {"project": project, "name": name, "config": {}, "environment": {}}
+    assert http.put(f"/api/v1/runs/{run_id}", json=body).status_code == 200
 
 
-@pytest.fixture
-def stand_in() -> Iterator[StandIn]:
-    server = StandIn()
-    yield server
-    server.close()
+def test_runs_delete_and_prune_remove_runs_from_the_server(sqlite_server, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPWATCH_URL", sqlite_server.url)
+    with sqlite_server.client() as http:
+        for run_id, project, name in (("r1", "p", "old"), ("r2", "p", "recent"), ("r3", "q", "other-old")):
+            _register(http, run_id, project, name)
+    with sqlite_server.app.state.sessions() as session:  # two runs last heard from 100 days ago
+        stale = datetime.now(timezone.utc) - timedelta(days=100)
+        session.execute(update(models.Run).where(models.Run.id.in_(["r1", "r3"])).values(last_seen_at=stale))
+        session.commit()
 
-
-def test_runs_delete_and_prune_send_the_agreed_requests(stand_in, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("AMPWATCH_URL", stand_in.url)
-    monkeypatch.setenv("AMPWATCH_TOKEN", StandIn.TOKEN)
-    code, _, err = _cli_run(capsys, "runs", "delete", "r1")  # stdin is not a terminal here: no one to ask
-    assert code == 2 and "--yes" in err and stand_in.deleted == []
-    code, out, _ = _cli_run(capsys, "runs", "delete", "r1", "--yes")
-    assert code == 0 and "deleted run r1 (p/old" in out and stand_in.deleted == ["r1"]
+    code, _, err = _cli_run(capsys, "runs", "delete", "r2")  # stdin is not a terminal here: no one to ask
+    assert code == 2 and "--yes" in err
+    code, out, _ = _cli_run(capsys, "runs", "delete", "r2", "--yes")
+    assert code == 0 and "deleted run r2 (p/recent" in out
     code, _, err = _cli_run(capsys, "runs", "delete", "r2", "--yes")
-    assert code == 1 and "no route GET /api/v1/runs/r2" in err
+    assert code == 1 and "no run with id 'r2'" in err
 
     code, out, err = _cli_run(capsys, "runs", "prune", "--older-than", "90d", "--project", "p", "--dry-run")
-    assert code == 0 and "r1" in out and "would delete (dry run) 1 run" in err
-    assert stand_in.requests[-1] == (
-        "POST", "/api/v1/runs/prune", {"older_than_s": 90 * 86400.0, "project": "p", "dry_run": True}
-    )  # fmt: skip
-    code, out, _ = _cli_run(capsys, "runs", "prune", "--older-than", "12h", "--json")
-    assert code == 0 and _strict(out)["deleted"] is True
-    assert stand_in.requests[-1][2] == {"older_than_s": 43200.0, "project": None, "dry_run": False}
-    assert _cli_run(capsys, "runs", "prune", "--older-than", "30m", "--token", "amw_1_" + "b" * 43)[0] == 1
+    assert code == 0 and "r1" in out and "r3" not in out and "would delete (dry run) 1 run" in err
+    with sqlite_server.client() as http:
+        assert http.get("/api/v1/runs/r1").status_code == 200  # a dry run removes nothing
+    code, out, _ = _cli_run(capsys, "runs", "prune", "--older-than", "90d", "--json")
+    doc = _strict(out)
+    assert code == 0 and doc["deleted"] is True and sorted(r["id"] for r in doc["runs"]) == ["r1", "r3"]
+    with sqlite_server.client() as http:
+        assert [http.get(f"/api/v1/runs/{r}").status_code for r in ("r1", "r3")] == [404, 404]
+    code, out, _ = _cli_run(capsys, "runs", "prune", "--older-than", "90d", "--json")
+    assert code == 0 and _strict(out)["runs"] == []
 
 
-def test_runs_follows_the_next_page_cursor_or_link(stand_in, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("AMPWATCH_TOKEN", StandIn.TOKEN)
-    code, out, _ = _cli_run(capsys, "runs", "--project", "p", "--json", "--url", stand_in.url)
-    assert code == 0 and [r["id"] for r in _strict(out)] == ["a", "b", "c"]
+def test_runs_follows_the_next_page_cursor(sqlite_server, capsys) -> None:  # type: ignore[no-untyped-def]
+    with sqlite_server.client() as http:  # more runs than the server's first page holds (100)
+        for i in range(105):
+            _register(http, f"page-{i:03d}", "paged", f"run-{i}")
+        assert len(http.get("/api/v1/runs", params={"project": "paged"}).json()) == 100
+    code, out, _ = _cli_run(capsys, "runs", "--project", "paged", "--json", "--url", sqlite_server.url)
+    assert code == 0 and sorted(r["id"] for r in _strict(out)) == [f"page-{i:03d}" for i in range(105)]
 
 
 def test_the_documented_examples_run(filled, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
