@@ -51,6 +51,22 @@ def test_the_rules_page_shows_rules_in_words_toggles_them_and_tests_a_channel(al
         assert http.get(f"/api/v1/alert-rules/{rule_id}").json()["enabled"] is False
 
 
+def test_the_rules_page_adds_an_alertmanager_channel_and_tests_it(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+    server = alert_server(alert_webhook_url="")
+    with server.client() as http:
+        assert '<option value="alertmanager"' in http.get("/alerts/rules").text
+        added = http.post(
+            "/alerts/channels", data={"name": "am", "kind": "alertmanager", "url": receiver.url}, follow_redirects=True
+        )
+        assert "channel am added" in added.text
+        channel = http.get("/api/v1/alert-channels").json()[0]
+        assert channel["kind"] == "alertmanager"
+        tested = http.post(f"/alerts/channels/{channel['id']}/test", follow_redirects=True)
+        assert "test to am: delivered" in tested.text
+        [posted] = receiver.bodies("/api/v2/alerts")  # Alertmanager's API: a list of alerts with labels
+        assert isinstance(posted, list) and posted[0]["labels"]["alertname"]
+
+
 def _rule(**fields: str) -> dict[str, str]:
     return {"kind": "threshold", "name": "loss_high", "series": "loss", "aggregation": "mean", "window_steps": "5",
             "op": ">", "threshold": "10", "for": "3 steps", "project": "p", "severity": "critical", **fields}  # fmt: skip
