@@ -16,6 +16,8 @@ NO_LOSS_AFTER = 100  # steps with a gradient norm and no loss, without a scaler,
 class Episodes:
     """Part of `ampwatch._diagnose.Analyzer`: its attributes are the Analyzer's."""
 
+    _episode: tuple[int, str] | None  # (declared here for the type checker: the Analyzer sets it)
+
     def _went_bad(self: Any, step: int, what: str) -> None:
         """`what` ("loss", "gradients" or "gradients, no loss") was non-finite at `step`; an episode begins there unless one is going on."""
         if self._episode is None:

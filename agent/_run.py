@@ -22,7 +22,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from ampwatch import _resume
 from ampwatch._guard import guarded, warn_once
@@ -135,7 +135,7 @@ class Run:
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> Literal[False]:
         if _is_failure(exc):
             guarded(self._finish, "crashed", exc)
         else:

@@ -127,8 +127,9 @@ def _wrappers(scaler: Any, state: dict[str, Any]) -> dict[str, Any]:
         for name in (RECORDER, *HOOKED):
             plain.pop(name, None)
         if protocol >= 2:  # (object's own form for these: torch.load(weights_only=True) allows no other)
-            return (copyreg.__newobj__, (cls,), plain)
-        return (copyreg._reconstructor, (cls, object, None), plain)
+            # (typeshed's copyreg leaves out __newobj__ and _reconstructor: hence the two ignores)
+            return (copyreg.__newobj__, (cls,), plain)  # type: ignore[attr-defined]
+        return (copyreg._reconstructor, (cls, object, None), plain)  # type: ignore[attr-defined]
 
     hooks = {"scale": scale, "unscale_": unscale_, "step": step, "update": update, "__reduce_ex__": reduce_ex}
     for name, hook in hooks.items():

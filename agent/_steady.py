@@ -42,6 +42,8 @@ class StepEnd:
     training thread."""
 
     __slots__ = ()
+    _ran: bool | None  # (the Recorder's slots, declared here for the type checker)
+    _anchor: tuple[Any, Any] | None
 
     def _finish_step(self: Any, found: Any, rule: tuple[float, float, int] | None) -> None:
         """Record this iteration at its step (what the user logged under a standard name wins); `found`: the

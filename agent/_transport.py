@@ -96,8 +96,8 @@ class HttpTransport:
         try:
             if self._conn is None:
                 self._conn = self._connect()
-            self._conn.request(method, self._base_path + path, body, self._headers)  # type: ignore[union-attr]
-            reply = self._conn.getresponse()  # type: ignore[union-attr]
+            self._conn.request(method, self._base_path + path, body, self._headers)
+            reply = self._conn.getresponse()
             text = reply.read().decode(errors="replace")
         except (OSError, http.client.HTTPException, ValueError) as error:  # refused, reset, timed out, bad URL
             self.close()

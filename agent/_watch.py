@@ -81,8 +81,8 @@ class Recorder(StepEnd):
         self._unscaled: Any = None  # the optimizer between its unscale_ and step
         self._deferred: Any = None  # the optimizer whose norm waits for clip_grad_norm_
         # what is watched
-        self._tensor: type = type(None)  # torch.Tensor and torch._foreach_norm once watching
-        self._foreach_norm: Callable[[list[Any]], list[Any]] | None = None
+        self._tensor: type[Any] = type(None)  # torch.Tensor and torch._foreach_norm once watching
+        self._foreach_norm: Any = None  # (called only while watching: see watch())
         self._torch: Any = None
         self._hooks: list[Any] = []
         self._step_hooks: tuple[Any, ...] = ()  # the optimizer's step hooks that count steps without an enabled scaler

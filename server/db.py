@@ -39,7 +39,7 @@ def make_engine(url: str) -> Engine:
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_S})
 
     @event.listens_for(engine, "connect")
-    def _pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    def _pragmas(dbapi_connection, _record) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a commit survives a killed process
@@ -58,13 +58,13 @@ def _serialize_writers(engine: Engine) -> None:
     lock = threading.Lock()
 
     @event.listens_for(engine, "before_cursor_execute")
-    def _before_write(conn, _cursor, statement: str, *_: object) -> None:  # type: ignore[no-untyped-def]
+    def _before_write(conn, _cursor, statement: str, *_: object) -> None:
         info = conn.connection.info
         if _HOLDS_LOCK not in info and statement.lstrip()[:6].upper().startswith(_WRITES):
             info[_HOLDS_LOCK] = lock.acquire(timeout=BUSY_TIMEOUT_S)  # False: waited long enough, go on without
 
     @event.listens_for(engine.pool, "checkin")
-    def _release(_dbapi_connection, record) -> None:  # type: ignore[no-untyped-def]
+    def _release(_dbapi_connection, record) -> None:
         if record.info.pop(_HOLDS_LOCK, False):
             lock.release()
 

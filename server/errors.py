@@ -25,7 +25,11 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _error(error: dict[str, Any]) -> dict[str, Any]:
-    out = {"type": error.get("type"), "loc": [str(p) for p in error.get("loc", ())], "msg": str(error.get("msg"))}
+    out: dict[str, Any] = {
+        "type": error.get("type"),
+        "loc": [str(p) for p in error.get("loc", ())],
+        "msg": str(error.get("msg")),
+    }
     if "input" in error:
         secret = any(_SECRET.search(part) for part in out["loc"])  # proxies and logs may keep error bodies
         text = "'***'" if secret else repr(_masked(error["input"]))

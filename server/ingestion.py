@@ -4,9 +4,9 @@ events, the run's vitals, the point feed, and the event rules' alerts commit tog
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select, text
+from sqlalchemy import Table, select, text
 from sqlalchemy.orm import Session
 
 from ampwatch.server import alerts, fanout, models, rollups, vitals
@@ -25,7 +25,7 @@ def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
     the ranks of one launch sending it at once. A run stays in the project it was created in."""
     run = session.get(models.Run, run_id)
     if run is None:
-        project_table = models.Project.__table__
+        project_table = cast(Table, models.Project.__table__)
         session.execute(
             _insert(session, project_table).values(name=body.project, created_at=now()).on_conflict_do_nothing()
         )
@@ -35,16 +35,19 @@ def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
                    name=body.name, config=body.config, environment=body.environment)  # fmt: skip
         # (another rank's insert may be under way: this one then waits for it and leaves its row alone)
         created = session.execute(
-            _insert(session, models.Run.__table__).values(**row).on_conflict_do_nothing().returning(models.Run.id)
+            _insert(session, cast(Table, models.Run.__table__))
+            .values(**row)
+            .on_conflict_do_nothing()
+            .returning(models.Run.id)
         )
         if created.first() is not None:
-            run = session.get(models.Run, run_id)
+            run = cast(models.Run, session.get(models.Run, run_id))  # (just inserted)
             alerts.on_batch(session, run=run, events=[], new_step=None, status=None, stamp=stamp)  # its liveness row
             fanout.ingested(session, run_id)
             session.commit()
             return run
-        run = session.get(models.Run, run_id)
-    run.name, run.config, run.environment = body.name, body.config, body.environment  # type: ignore[union-attr]
+        run = cast(models.Run, session.get(models.Run, run_id))  # (another rank's insert: the row is there)
+    run.name, run.config, run.environment = body.name, body.config, body.environment
     session.commit()
     return run
 
@@ -55,7 +58,7 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     if run is None:
         raise UnknownRun(run_id)
     stamp = now()
-    claim = _insert(session, models.Batch.__table__).values(
+    claim = _insert(session, cast(Table, models.Batch.__table__)).values(
         run_id=run_id, rank=batch.rank, seq=batch.seq, received_at=stamp
     )
     if session.execute(claim.on_conflict_do_nothing().returning(models.Batch.seq)).first() is None:
@@ -152,7 +155,7 @@ def _series_ids(session: Session, run_id: str, names: list[str]) -> dict[str, in
     missing = [n for n in names if n not in ids]
     if missing:
         session.execute(
-            _insert(session, models.Series.__table__).on_conflict_do_nothing(),
+            _insert(session, cast(Table, models.Series.__table__)).on_conflict_do_nothing(),
             [{"run_id": run_id, "name": n} for n in missing],
         )
         ids.update(_known_series(session, run_id, missing))

@@ -135,7 +135,7 @@ def _known_blocks(session: Session, rank: int, keys: list[tuple[int, int]]) -> d
         )  # fmt: skip
         for row in connection.exec_driver_sql(sql, (*sids, rank, lo, hi)):
             if (row[0], row[1]) in wanted:
-                out[(row[0], row[1])] = tuple(row[2:])  # type: ignore[assignment]
+                out[(row[0], row[1])] = tuple(row[2:])
     return out
 
 

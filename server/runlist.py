@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, case, func, or_, select
+from sqlalchemy import SQLColumnExpression, and_, case, func, or_, select
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.elements import ColumnElement
 
 from ampwatch.server import models
 from ampwatch.server.db import utc
@@ -45,9 +44,9 @@ class RunFilter:
     descending: bool = True
 
 
-def _key(sort: str, descending: bool) -> ColumnElement[Any]:
+def _key(sort: str, descending: bool) -> SQLColumnExpression[Any]:
     R = models.Run
-    columns: dict[str, ColumnElement[Any]] = {
+    columns: dict[str, SQLColumnExpression[Any]] = {
         "started": R.created_at, "seen": R.last_seen_at, "name": R.name, "status": R.status,
         "project": models.Project.name,
         "step": func.coalesce(R.last_step, _NO_STEP[descending]),

@@ -147,7 +147,8 @@ class RunOut(BaseModel):
     series: list[str] = []
     ranks: list[int] = Field([], description="The ranks that sent batches (GET /runs/{id} only).")
     stored_steps: dict[str, int] = Field(
-        {}, description="The last step stored per rank (PUT /runs/{id} only): a relaunch that does not resume sees it."
+        default={},
+        description="The last step stored per rank (PUT /runs/{id} only): a relaunch that does not resume sees it.",
     )
     skip_rate: float | None = Field(None, description="Share of skipped steps among rank 0's last 1000 steps.")
     scale: float | Literal["NaN", "Infinity", "-Infinity"] | None = Field(None, description="The latest loss scale.")

@@ -310,7 +310,7 @@ def _block_max(
     params = {"ids": ids, "rank": rank, "lo": lo // BLOCK_STEPS, "hi": hi // BLOCK_STEPS}
     for sid, block, value in session.execute(query, params):
         row, k = out[sid], (block * BLOCK_STEPS - lo) // width
-        row[k] = value if row[k] is None or value > row[k] else row[k]  # type: ignore[operator]
+        row[k] = value if row[k] is None or value > row[k] else row[k]
     return out
 
 

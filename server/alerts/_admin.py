@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
 from sqlalchemy import select
@@ -218,11 +218,12 @@ def alert_detail(session: Session, *, alert_id: int) -> AlertDetailOut | None:
     ).all()
     by_flip: dict[int, list[DeliveryOut]] = {}
     for d, channel in rows:
-        by_flip.setdefault(d.flip_id, []).append(DeliveryOut(
+        by_flip.setdefault(cast(int, d.flip_id), []).append(DeliveryOut(
             id=d.id, channel=channel, attempt=d.attempt, status=d.status, due_at=utc(d.due_at),
             finished_at=utc(d.finished_at) if d.finished_at else None, response_status=d.response_status, error=d.error))  # fmt: skip
     return AlertDetailOut(
-        id=alert.id, run_id=alert.run_id, rule=alert.rule, severity=alert.severity, state=alert.state,
+        id=alert.id, run_id=alert.run_id, rule=alert.rule, severity=alert.severity,
+        state=cast(Literal["pending", "firing", "resolved"], alert.state),
         started_at=utc(alert.started_at), resolved_at=utc(alert.resolved_at) if alert.resolved_at else None,
         summary=alert.summary, rank=None if alert.rank < 0 else alert.rank, step=alert.step, last_step=alert.last_step,
         count=alert.count, fired_at=utc(alert.fired_at) if alert.fired_at else None, details=alert.details,

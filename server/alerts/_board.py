@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import cast
 
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
@@ -49,7 +50,7 @@ def _notified(session: Session, alert_ids: list[int]) -> dict[int, str]:
     outcomes: dict[int, list[tuple[str, str, str | None]]] = {f.id: [] for f in flips}
     query = select(D.flip_id, C.name, D.status, D.error).join(C, C.id == D.channel_id)
     for flip_id, name, status, error in session.execute(query.where(D.flip_id.in_(list(outcomes))).order_by(D.id)):
-        outcomes[flip_id].append((name, status, error))
+        outcomes[cast(int, flip_id)].append((name, status, error))  # (not None: the query selects by it)
     return {flip.alert_id: _outcome(flip, outcomes[flip.id]) for flip in flips}
 
 

@@ -142,6 +142,7 @@ class _Pinned:
     while keeping the name for TLS certificate checks (SMTP_SSL and starttls use `_host`)."""
 
     address = ""
+    _host: str  # (smtplib sets it in __init__; its stubs leave it out)
 
     def _get_socket(self, host: str, port: int, timeout: float) -> socket.socket:
         return super()._get_socket(self.address, port, timeout)  # type: ignore[misc]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 import random
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import httpx
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server import models
@@ -45,7 +45,7 @@ def claim_due(session: Session, *, stamp: datetime, limit: int, group_wait_s: fl
             update(D).where(D.id == row.id, D.status == "queued").values(status="sending", claimed_at=stamp)
             .execution_options(synchronize_session=False)
         )  # fmt: skip
-        if done.rowcount == 1:
+        if cast(CursorResult[Any], done).rowcount == 1:
             groups.setdefault(key, []).append(row.id)
     session.commit()
     return list(groups.values())
@@ -145,7 +145,7 @@ def recover_stale(session: Session, *, stamp: datetime, timeout_s: float) -> int
             update(D).where(D.id == delivery_id, D.status == "sending").values(status="claimed")
             .execution_options(synchronize_session=False)
         )  # fmt: skip
-        if done.rowcount == 1:
+        if cast(CursorResult[Any], done).rowcount == 1:
             record(
                 session,
                 delivery_id,

@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import operator
 from datetime import datetime, timedelta
+from typing import Any, cast
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import CursorResult, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
@@ -52,10 +53,10 @@ def claim(session: Session, run_id: str, stamp: datetime) -> bool:
 
 
 def _take_lease(session: Session, run_id: str, stamp: datetime) -> bool:
-    return session.execute(
+    return cast(CursorResult[Any], session.execute(
         update(L).where(L.run_id == run_id, or_(L.lease_until.is_(None), L.lease_until < stamp))
         .values(lease_until=stamp + timedelta(seconds=LEASE_S)).execution_options(synchronize_session=False)
-    ).rowcount == 1  # fmt: skip
+    )).rowcount == 1  # fmt: skip
 
 
 def release(session: Session, run_id: str, seen: datetime | None) -> None:
@@ -167,7 +168,7 @@ def _measure(
     measured: dict[int, tuple[float, int]] = {}
     series = series_id(session, run_id=run.id, name=rule.series or "")
     for rank in series_ranks(session, series) if series is not None else ():
-        tail = series_tail(session, series, rank=rank, after=floor - 1, limit=window)
+        tail = series_tail(session, cast(int, series), rank=rank, after=floor - 1, limit=window)
         if len(tail) == window:
             measured[rank] = (aggregate(rule.aggregation or "mean", [v for _, v in tail]), tail[0][0])
     return measured

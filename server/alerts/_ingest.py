@@ -7,8 +7,9 @@ queued notifications commit with the event. Sending happens elsewhere, so a slow
 from __future__ import annotations
 
 from datetime import datetime
+from typing import cast
 
-from sqlalchemy import select
+from sqlalchemy import Table, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models, vitals
@@ -42,7 +43,9 @@ def ensure_liveness(session: Session, run_id: str) -> models.RunLiveness:
     """The run's liveness row, created if missing (safe when two processes race to create it)."""
     row = session.get(models.RunLiveness, run_id)
     if row is None:
-        session.execute(insert(session, models.RunLiveness.__table__).values(run_id=run_id).on_conflict_do_nothing())
+        session.execute(
+            insert(session, cast(Table, models.RunLiveness.__table__)).values(run_id=run_id).on_conflict_do_nothing()
+        )
         row = session.get(models.RunLiveness, run_id)
     assert row is not None
     return row

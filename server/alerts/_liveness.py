@@ -5,9 +5,11 @@ Each decision is a conditional UPDATE on the run's own row, so one process makes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
@@ -25,10 +27,10 @@ def detect_crashed(session: Session, settings: Settings, stamp: datetime) -> int
         select(Run.id).where(Run.status.in_(("running", "stalled")), Run.last_seen_at < cutoff).limit(500)
     ).all()
     for run_id in silent:
-        claimed = session.execute(
+        claimed = cast(CursorResult[Any], session.execute(
             update(Run).where(Run.id == run_id, Run.status.in_(("running", "stalled")), Run.last_seen_at < cutoff)
             .values(status="crashed").execution_options(synchronize_session=False)
-        ).rowcount  # fmt: skip
+        )).rowcount  # fmt: skip
         if claimed == 1:
             _crashed(session, run_id, stamp)
         session.commit()
@@ -62,7 +64,8 @@ def detect_stalled(session: Session, settings: Settings, stamp: datetime) -> int
                Liveness.last_step_at.is_not(None), Liveness.step_time_s.is_not(None))
     ).all()  # fmt: skip
     marked = 0
-    for run_id, last_step_at, step_time_s in rows:
+    # (the query leaves out rows whose last_step_at or step_time_s is None)
+    for run_id, last_step_at, step_time_s in cast(Sequence[tuple[str, datetime, float]], rows):
         limit_s = max(settings.stall_min_s, settings.stall_factor * step_time_s)
         if (stamp - utc(last_step_at)).total_seconds() > limit_s and _mark_stalled(
             session, run_id, stamp, limit_s, step_time_s
@@ -73,14 +76,14 @@ def detect_stalled(session: Session, settings: Settings, stamp: datetime) -> int
 
 def _mark_stalled(session: Session, run_id: str, stamp: datetime, limit_s: float, step_time_s: float) -> bool:
     cutoff = stamp - timedelta(seconds=limit_s)
-    claimed = session.execute(
+    claimed = cast(CursorResult[Any], session.execute(
         update(Liveness).where(Liveness.run_id == run_id, Liveness.detected.is_(None), Liveness.last_step_at < cutoff)
         .values(detected="stalled").execution_options(synchronize_session=False)
-    ).rowcount  # fmt: skip
-    moved = claimed == 1 and session.execute(
+    )).rowcount  # fmt: skip
+    moved = claimed == 1 and cast(CursorResult[Any], session.execute(
         update(Run).where(Run.id == run_id, Run.status == "running").values(status="stalled")
         .execution_options(synchronize_session=False)
-    ).rowcount == 1  # fmt: skip
+    )).rowcount == 1  # fmt: skip
     if not moved:
         session.rollback()
         return False

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select
+from sqlalchemy import Table, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
@@ -54,7 +54,9 @@ def seed_builtins(session: Session) -> None:
     """Insert the built-in rules that are missing; a person's edits to them are kept. Safe on replicas."""
     stamp = now()
     rows = [{**rule, "source": "builtin", "created_at": stamp, "updated_at": stamp} for rule in BUILTINS]
-    session.execute(insert(session, models.AlertRule.__table__).on_conflict_do_nothing(index_elements=["name"]), rows)
+    session.execute(
+        insert(session, cast(Table, models.AlertRule.__table__)).on_conflict_do_nothing(index_elements=["name"]), rows
+    )
     session.commit()
 
 

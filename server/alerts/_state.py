@@ -9,9 +9,9 @@ queued in the same transaction.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import delete, or_, select, update
+from sqlalchemy import CursorResult, Table, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
@@ -55,7 +55,7 @@ def _try_open(
         details=details,
     )  # fmt: skip
     stmt = (
-        insert(session, Alert.__table__)
+        insert(session, cast(Table, Alert.__table__))
         .values(**values)
         .on_conflict_do_nothing(index_elements=["rule", "run_id", "rank"], index_where=models.ACTIVE_ALERT)
     )
@@ -96,7 +96,7 @@ def transition(
         update(Alert).where(Alert.id == alert.id, Alert.state == old).values(state=new, updated_at=stamp, **values)
         .execution_options(synchronize_session=False)
     )  # fmt: skip
-    if done.rowcount != 1:
+    if cast(CursorResult[Any], done).rowcount != 1:
         session.expire(alert)
         return False
     session.expire(alert)
@@ -141,7 +141,7 @@ def remind(session: Session, alert: Alert, rule: models.AlertRule | None, *, sta
         .values(last_notified_at=stamp).execution_options(synchronize_session=False)
     )  # fmt: skip
     session.expire(alert)
-    if done.rowcount != 1:
+    if cast(CursorResult[Any], done).rowcount != 1:
         return False
     flip(session, alert, "firing", "firing", step=alert.last_step, reason="reminder: still firing", stamp=stamp)
     return True
@@ -164,7 +164,7 @@ def unsuppress(session: Session, alert: Alert, *, stamp: datetime) -> bool:
         .values(last_notified_at=stamp).execution_options(synchronize_session=False)
     )  # fmt: skip
     session.expire(alert)
-    if done.rowcount != 1:
+    if cast(CursorResult[Any], done).rowcount != 1:
         return False
     row = models.AlertFlip(alert_id=alert.id, created_at=stamp, old_state="firing", new_state="firing", step=alert.last_step,
                            reason="no longer silenced or inhibited: still firing", suppressed=None)  # fmt: skip

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 SCOPES = ("private", "public", "loopback")
@@ -74,7 +74,7 @@ def resolve(host: str, port: int, scope: str) -> str:
     if scope == "loopback":
         return "127.0.0.1"  # `localhost`, without asking DNS
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    addresses = [ipaddress.ip_address(cast(str, info[4][0]).split("%")[0]) for info in infos]
     for address in addresses:
         _check(address, host, scope)
     if not addresses:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 from fastapi import APIRouter, HTTPException, Path, Request
 from sqlalchemy import func, select
@@ -22,7 +22,8 @@ def register_run(run_id: RunId, body: RunIn, request: Request, session: SessionD
     """Create or refresh a run; idempotent. The reply says the last step stored per rank (`stored_steps`)."""
     _check_project(request, session, run_id, body.project)
     run = db.retrying(session, lambda: ingestion.register_run(session, run_id=run_id, body=body))  # idempotent
-    out = run_out(run, session.get(models.Project, run.project_id).name, settings)  # (a run keeps its first project)
+    project = cast(models.Project, session.get(models.Project, run.project_id))  # (the run's row refers to it)
+    out = run_out(run, project.name, settings)  # (a run keeps its first project)
     F = models.PointFeed  # (one row per stored batch with points: the last step stored per rank, for a relaunch)
     stored = session.execute(select(F.rank, func.max(F.last_step)).where(F.run_id == run_id).group_by(F.rank))
     out.stored_steps = {str(rank): int(step) for rank, step in stored}

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Literal, cast
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
 from ampwatch.server import auth, models, queries, runlist, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.deps import SessionDep, SettingsDep
-from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, AlertOut, EventOut, RunOut
+from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, AlertOut, EventOut, Health, RunOut, RunStatus
 from ampwatch.server.settings import Settings
 from ampwatch.server.values import to_json
 
@@ -26,11 +26,13 @@ def run_out(
     """A run as the API shows it; with `firing` (by severity), its firing alerts too."""
     counts = vitals.of(run, firing) if firing is not None else {"firing": None, "firing_by_severity": None}
     return RunOut(
-        id=run.id, project=project, name=run.name, status=run.status, health=run.health,
+        id=run.id, project=project, name=run.name, status=cast(RunStatus, run.status),
+        health=cast(Health, run.health),
         created_at=utc(run.created_at), last_seen_at=utc(run.last_seen_at),
         finished_at=utc(run.finished_at) if run.finished_at else None, last_step=run.last_step,
         config=run.config, environment=run.environment, url=f"{settings.base_url}/runs/{run.id}",
-        series=series or [], ranks=ranks or [], skip_rate=run.skip_rate, scale=vitals.scale_json(run),
+        series=series or [], ranks=ranks or [], skip_rate=run.skip_rate,
+        scale=cast("float | Literal['NaN', 'Infinity', '-Infinity'] | None", vitals.scale_json(run)),
         firing=counts["firing"], firing_by_severity=counts["firing_by_severity"],
     )  # fmt: skip
 
@@ -171,7 +173,7 @@ def list_alerts(
             run_id=a.run_id,
             rule=a.rule,
             severity=a.severity,
-            state=a.state,
+            state=cast(Literal["pending", "firing", "resolved"], a.state),
             started_at=utc(a.started_at),
             resolved_at=utc(a.resolved_at) if a.resolved_at else None,
             summary=a.summary,
