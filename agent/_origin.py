@@ -244,17 +244,20 @@ class Diagnosis:
             # module processed just before it, or of functional code between the two (for the very first, by the loss).
             index, received = first_bwd  # type: ignore[misc]
             module = backward[index - 1][0] if index > 0 else INPUT
+            diverged = self.analyzer.diverged
+            diverging = bool(diverged) and step - diverged[0] <= MAX_DIVERGED_STEPS  # (then no operation is to blame)
             if module != INPUT:  # (else the first of its pass: the loss made it)
+                example = "a functional call in a parent's forward" if diverging else (
+                    "a functional call such as torch.sqrt in a parent's forward")  # fmt: skip
                 where = (f"in the backward of `{module}`, or of an operation outside any module between `{received}` and "
-                         f"`{module}` (a functional call such as torch.sqrt in a parent's forward): the gradient `{module}` "
+                         f"`{module}` ({example}): the gradient `{module}` "
                          f"received was finite and the one passed on to `{received}` was not")  # fmt: skip
             else:
                 module = "(loss)"
                 where = (f"in the loss computation: the gradient of the last module's output (`{received}`) is already "
                          "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
                          "division by 0)")  # fmt: skip
-            diverged = self.analyzer.diverged
-            if diverged and step - diverged[0] <= MAX_DIVERGED_STEPS:  # (then no operation there is to blame)
+            if diverging:
                 look = (f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and the "
                         "gradients outgrew what the dtype holds there. Lower the learning rate.")  # fmt: skip
             else:

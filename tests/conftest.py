@@ -31,6 +31,7 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
 REQUIRE_BROWSER = bool(os.environ.get("AMPWATCH_REQUIRE_BROWSER"))  # read at import: `_agent_env` clears AMPWATCH_*
+LEAKS = os.environ.get("AMPWATCH_TEST_LEAKS")  # a file to note the tests that leave a run open in (read at import)
 PG_ADMIN_URL = os.environ.get("AMPWATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -189,6 +190,20 @@ def _no_internal_agent_errors(request: pytest.FixtureRequest) -> Iterator[None]:
         agent_log.removeHandler(handler)
     if handler.messages and request.node.get_closest_marker("internal_errors") is None:
         pytest.fail("the agent logged an internal error:\n" + "\n".join(handler.messages), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_watching(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A run a test leaves open keeps its hooks on torch (`clip_grad_norm_` wrapped) for the tests after it: take
+    them off at the end of each test (its run still ends at exit), and note which test left it open."""
+    from ampwatch import _run
+
+    yield
+    for run in list(_run._UNFINISHED):
+        run._recorder.unwatch()
+        if LEAKS:
+            with open(LEAKS, "a") as out:
+                out.write(f"{request.node.nodeid}\n")
 
 
 @pytest.fixture(autouse=True)
