@@ -138,10 +138,14 @@ class Batcher:
         except Exception as error:
             if part.__class__ is tuple and part[0] == VALUES:
                 self._losses.add(UNREADABLE)
-                warn_once("unreadable-" + part[2][0],
-                          "ampwatch: a value logged as %r (step %d) cannot be read as a number (%s); dropped, "
-                          "and any like it",
-                          part[2][0], part[1], error)  # fmt: skip
+                warn_once(
+                    "unreadable-" + part[2][0],
+                    "ampwatch: a value logged as %r (step %d) cannot be read as a number (%s); dropped, "
+                    "and any like it",
+                    part[2][0],
+                    part[1],
+                    error,
+                )
             else:  # a record the agent made itself: a bug of ours
                 self._losses.add(UNREADABLE, len(part) if part.__class__ is list else 1)
                 report(self._readable)

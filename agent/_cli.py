@@ -18,8 +18,12 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--db", metavar="URL", help="database URL (default sqlite:///ampwatch.db, or AMPWATCH_DATABASE_URL)"
     )
-    server.add_argument("--insecure", action="store_true", default=None,
-                        help="allow a non-loopback address without any access token (or AMPWATCH_INSECURE=1)")  # fmt: skip
+    server.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="allow a non-loopback address without any access token (or AMPWATCH_INSECURE=1)",
+    )
 
     demo = commands.add_parser("demo", help="start a server and a small CPU training that goes unstable on purpose")
     demo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -46,8 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     token = commands.add_parser("token", help="manage access tokens (stored hashed in the database)")
     token_commands = token.add_subparsers(dest="token_command", required=True, metavar="TOKEN_COMMAND")
     create = token_commands.add_parser("create", help="create a token and print it (it is shown only once)")
-    create.add_argument("--role", choices=("ingest", "read", "admin"), required=True,
-                        help="ingest: agents send data; read: dashboard and read API; admin: everything")  # fmt: skip
+    create.add_argument(
+        "--role",
+        choices=("ingest", "read", "admin"),
+        required=True,
+        help="ingest: agents send data; read: dashboard and read API; admin: everything",
+    )
     create.add_argument("--project", help="limit an ingest token to one project")
     create.add_argument("--name", default="", help="a label to recognise it by")
     token_commands.add_parser("list", help="list tokens (never their secrets)")
@@ -80,8 +88,13 @@ def _client_commands(commands: argparse._SubParsersAction) -> None:
     delete.add_argument("id", help="the run's id")
     delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     prune = runs_commands.add_parser("prune", help="delete runs created longer ago than a duration (admin token)")
-    prune.add_argument("--older-than", type=duration_s, required=True, metavar="DURATION",
-                       help="age such as 90d, 12h, 30m (s, m, h, d, w)")  # fmt: skip
+    prune.add_argument(
+        "--older-than",
+        type=duration_s,
+        required=True,
+        metavar="DURATION",
+        help="age such as 90d, 12h, 30m (s, m, h, d, w)",
+    )
     prune.add_argument("--project", help="only this project's runs")
     prune.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     prune.add_argument("--json", action="store_true", help="one JSON document instead of a table")
@@ -100,8 +113,9 @@ def _client_commands(commands: argparse._SubParsersAction) -> None:
     output = series.add_mutually_exclusive_group()
     output.add_argument("--csv", action="store_true", help="CSV: step, then one column per series")
     output.add_argument("--json", action="store_true", help="the API's {name: {steps, values}} document")
-    series.add_argument("--max-points", type=int, metavar="N",
-                        help="about N points per series, keeping spikes and non-finite values")  # fmt: skip
+    series.add_argument(
+        "--max-points", type=int, metavar="N", help="about N points per series, keeping spikes and non-finite values"
+    )
 
     alerts = commands.add_parser("alerts", help="list alerts, newest first")
     alerts.add_argument("--run", metavar="ID", help="only this run's alerts")
@@ -116,9 +130,12 @@ def _client_commands(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="the rollback plan: the checkpoint to restore and the steps to skip")
     plan.add_argument("id", help="the run's id")
     plan_output = plan.add_mutually_exclusive_group()
-    plan_output.add_argument("--format", choices=("json", "lightning", "megatron"),
-                             help="json: the plan; lightning: skip_batches.json; megatron: the --iterations-to-skip "
-                                  "list (default: a summary for people)")  # fmt: skip
+    plan_output.add_argument(
+        "--format",
+        choices=("json", "lightning", "megatron"),
+        help="json: the plan; lightning: skip_batches.json; megatron: the --iterations-to-skip "
+        "list (default: a summary for people)",
+    )
     plan_output.add_argument("--json", action="store_true", help="the plan as one JSON document (--format json)")
     plan.add_argument("--output", "-o", metavar="FILE", help="write it to FILE instead of stdout")
     for sub in (runs, delete, prune, one, events, series, alerts, watch, plan):

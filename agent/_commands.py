@@ -60,8 +60,15 @@ class Client:
         self.token = token
         self.timeout_s = timeout_s
 
-    def open(self, method: str, path: str, query: dict[str, Any] | None = None, body: Any = None,
-             headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Any:  # fmt: skip
+    def open(
+        self,
+        method: str,
+        path: str,
+        query: dict[str, Any] | None = None,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         """The open response (a context manager) of one request; `path` may be a full URL the server gave."""
         target = path if "://" in path else self.url + path
         if query:
@@ -114,10 +121,10 @@ class Client:
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     """`--url` and `--token`; SUPPRESS keeps a subcommand from overwriting what its parent command parsed."""
-    parser.add_argument("--url", default=argparse.SUPPRESS,
-                        help=f"the server (default AMPWATCH_URL, or {DEFAULT_URL})")  # fmt: skip
-    parser.add_argument("--token", default=argparse.SUPPRESS,
-                        help="a read token, admin to delete (default AMPWATCH_TOKEN)")  # fmt: skip
+    parser.add_argument("--url", default=argparse.SUPPRESS, help=f"the server (default AMPWATCH_URL, or {DEFAULT_URL})")
+    parser.add_argument(
+        "--token", default=argparse.SUPPRESS, help="a read token, admin to delete (default AMPWATCH_TOKEN)"
+    )
 
 
 def client_of(args: argparse.Namespace) -> Client:
@@ -128,9 +135,14 @@ def client_of(args: argparse.Namespace) -> Client:
 def run(args: argparse.Namespace) -> int:
     """Run one parsed client command; failures are one line on stderr and the exit code."""
     commands: dict[str, Callable[[Client, argparse.Namespace], int]] = {
-        "runs": _runs, "run": _run, "events": _events, "series": _series, "alerts": _alerts, "watch": _watch,
+        "runs": _runs,
+        "run": _run,
+        "events": _events,
+        "series": _series,
+        "alerts": _alerts,
+        "watch": _watch,
         "plan": _plan,
-    }  # fmt: skip
+    }
     try:
         return commands[args.command](client_of(args), args)
     except CommandError as error:
@@ -193,8 +205,10 @@ def _runs(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(runs)
         return 0
-    rows = [[r["id"], r["project"], r["name"], r["status"], r["health"], r["last_step"], _time(r["last_seen_at"])]
-            for r in runs]  # fmt: skip
+    rows = [
+        [r["id"], r["project"], r["name"], r["status"], r["health"], r["last_step"], _time(r["last_seen_at"])]
+        for r in runs
+    ]
     print(table(["ID", "PROJECT", "NAME", "STATUS", "HEALTH", "STEP", "LAST SEEN (UTC)"], rows))
     return 0
 
@@ -204,11 +218,20 @@ def _run(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(found)
         return 0
-    fields = [("id", found["id"]), ("project", found["project"]), ("name", found["name"]),
-              ("status", found["status"]), ("health", found["health"]), ("last step", found["last_step"]),
-              ("created", _time(found["created_at"])), ("last seen", _time(found["last_seen_at"])),
-              ("finished", _time(found["finished_at"])), ("ranks", ", ".join(map(str, found["ranks"])) or None),
-              ("series", ", ".join(found["series"]) or None), ("page", found["url"])]  # fmt: skip
+    fields = [
+        ("id", found["id"]),
+        ("project", found["project"]),
+        ("name", found["name"]),
+        ("status", found["status"]),
+        ("health", found["health"]),
+        ("last step", found["last_step"]),
+        ("created", _time(found["created_at"])),
+        ("last seen", _time(found["last_seen_at"])),
+        ("finished", _time(found["finished_at"])),
+        ("ranks", ", ".join(map(str, found["ranks"])) or None),
+        ("series", ", ".join(found["series"]) or None),
+        ("page", found["url"]),
+    ]
     print(table(["FIELD", "VALUE"], [list(f) for f in fields]))
     return 0
 
@@ -255,8 +278,19 @@ def _alerts(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(alerts)
         return 0
-    rows = [[a["id"], a["run_id"], a["severity"], a["state"], a["rule"], _time(a["started_at"]),
-             _time(a["resolved_at"]), a["summary"]] for a in alerts]  # fmt: skip
+    rows = [
+        [
+            a["id"],
+            a["run_id"],
+            a["severity"],
+            a["state"],
+            a["rule"],
+            _time(a["started_at"]),
+            _time(a["resolved_at"]),
+            a["summary"],
+        ]
+        for a in alerts
+    ]
     print(table(["ID", "RUN", "SEVERITY", "STATE", "RULE", "STARTED (UTC)", "RESOLVED", "SUMMARY"], rows))
     return 0
 
@@ -317,11 +351,17 @@ def _plan_text(doc: dict[str, Any]) -> str:
     if trouble is None:
         return doc["summary"] + "\n"
     critical = ", ".join(f"{e['type']} at step {e['step']}" for e in trouble["critical"])
-    restore = "-" if checkpoint is None else f"step {checkpoint['step']}" + (
-        f" ({checkpoint['path']})" if checkpoint["path"] else "")  # fmt: skip
-    fields = [["trouble began", f"step {trouble['first_step']} ({trouble['first_sign']['type']})"],
-              ["critical", critical], ["restore", restore if checkpoint else "none before the trouble: start over"],
-              ["skip steps", f"{skip['from']}-{skip['to']} ({len(skip['steps'])} steps)"]]  # fmt: skip
+    restore = (
+        "-"
+        if checkpoint is None
+        else f"step {checkpoint['step']}" + (f" ({checkpoint['path']})" if checkpoint["path"] else "")
+    )
+    fields = [
+        ["trouble began", f"step {trouble['first_step']} ({trouble['first_sign']['type']})"],
+        ["critical", critical],
+        ["restore", restore if checkpoint else "none before the trouble: start over"],
+        ["skip steps", f"{skip['from']}-{skip['to']} ({len(skip['steps'])} steps)"],
+    ]
     return doc["summary"] + "\n\n" + table(["PLAN", "VALUE"], fields) + "\n"
 
 
@@ -367,10 +407,15 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
     found = client.get(f"/api/v1/runs/{_quoted(args.id)}")
     newest = client.get(f"/api/v1/runs/{_quoted(args.id)}/events", limit=1)
     # The stream starts where these reads left off: what is stored while it connects is shown, nothing before.
-    start = {"after_step": found["last_step"] if found["last_step"] is not None else -1,
-             "after_event": newest[-1]["id"] if newest else 0}  # fmt: skip
-    print(f"watching run {found['id']} ({found['project']}/{found['name']}): {found['status']}, "
-          f"step {found['last_step'] if found['last_step'] is not None else '-'}", flush=True)  # fmt: skip
+    start = {
+        "after_step": found["last_step"] if found["last_step"] is not None else -1,
+        "after_event": newest[-1]["id"] if newest else 0,
+    }
+    print(
+        f"watching run {found['id']} ({found['project']}/{found['name']}): {found['status']}, "
+        f"step {found['last_step'] if found['last_step'] is not None else '-'}",
+        flush=True,
+    )
     messages: queue.Queue[tuple[str, Any] | BaseException] = queue.Queue()
 
     def follow() -> None:

@@ -109,8 +109,13 @@ class Analyzer(Trends, Episodes):
     def _absorb_calm(self, c: Columns) -> bool:
         """If nothing in these series can raise an event, update the state as `observe` would and say so."""
         skipped, loss, norm, lr = c.get("skipped"), c.get("loss"), c.get("grad_norm"), c.get("lr")
-        if (self._streak or self._grad_spiking or self._loss_spiking or self._below_floor
-                or (skipped and (self.calibrating or any(skipped[1])))):  # fmt: skip
+        if (
+            self._streak
+            or self._grad_spiking
+            or self._loss_spiking
+            or self._below_floor
+            or (skipped and (self.calibrating or any(skipped[1])))
+        ):
             return False
         for name in ("loss", "scale", "grad_norm", "param_norm"):  # a sum is finite only if every value is
             if name in c and not math.isfinite(sum(c[name][1])):
@@ -195,34 +200,60 @@ class Analyzer(Trends, Episodes):
             if self.calibrating and step >= self.t.calibration_steps:
                 self.calibrating = False
                 if self._calibration_skips:
-                    out.append(self.event(step, "skipped_step", "info",
-                        f"Start-up calibration: {self._calibration_skips} skipped step(s) while GradScaler searched for "
-                        f"its loss scale ({pow2(self._calibration_start or scale)} at the first skip, {pow2(scale)} now). "
-                        "This is normal.",
-                        {"calibration": True, "skips": self._calibration_skips, "scale": scale}))  # fmt: skip
+                    out.append(
+                        self.event(
+                            step,
+                            "skipped_step",
+                            "info",
+                            f"Start-up calibration: {self._calibration_skips} skipped step(s) while GradScaler searched for "
+                            f"its loss scale ({pow2(self._calibration_start or scale)} at the first skip, {pow2(scale)} now). "
+                            "This is normal.",
+                            {"calibration": True, "skips": self._calibration_skips, "scale": scale},
+                        )
+                    )
             elif self._nan_alarm is not None:  # the evidence the NaN-gradient event could not have yet
                 overflow = self._streak_start_scale > self._applied_scale  # (they began only once the scale had grown)
                 diverged = self._diverged_at(step)
-                why = (f"came after {diverged}: the updates diverged, most likely from too high a learning rate, until "
-                       "the values overflowed. Lower the learning rate (or warm it up longer)." if diverged else
-                       "stopped once the scale was lower, so they were most likely fp16 overflow (gradients or activations too "
-                       "large for fp16 at the higher scale; inf - inf is NaN) rather than an operation that makes NaN. If they "
-                       "come back at this scale or lower, look for one that does on some batches (sqrt, log, a division by "
-                       "0); if the scale keeps having to fall, for activations that keep growing (bf16 has the range of fp32)."
-                       if overflow else
-                       f"began at loss scale {pow2(self._streak_start_scale)}, a scale steps had been applied at, so not "
-                       "because the scale had grown too high: most likely an operation that makes NaN on some batches (look "
-                       "for sqrt, log, pow or a norm of zero, or a division by a value that can be 0), or a batch whose "
-                       "gradients are too large for fp16. If they come back, the NaN-origin probe names where.")  # fmt: skip
-                out.append(self.event(step, "skipped_step", "info",
-                    f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}. The NaN "
-                    f"gradients reported at step {self._nan_alarm} {why}",
-                    {"recovered": True, "streak": self._streak, "scale": scale, "overflow": overflow,
-                     "nonfinite_grad_step": self._nan_alarm}))  # fmt: skip
+                why = (
+                    f"came after {diverged}: the updates diverged, most likely from too high a learning rate, until "
+                    "the values overflowed. Lower the learning rate (or warm it up longer)."
+                    if diverged
+                    else "stopped once the scale was lower, so they were most likely fp16 overflow (gradients or activations too "
+                    "large for fp16 at the higher scale; inf - inf is NaN) rather than an operation that makes NaN. If they "
+                    "come back at this scale or lower, look for one that does on some batches (sqrt, log, a division by "
+                    "0); if the scale keeps having to fall, for activations that keep growing (bf16 has the range of fp32)."
+                    if overflow
+                    else f"began at loss scale {pow2(self._streak_start_scale)}, a scale steps had been applied at, so not "
+                    "because the scale had grown too high: most likely an operation that makes NaN on some batches (look "
+                    "for sqrt, log, pow or a norm of zero, or a division by a value that can be 0), or a batch whose "
+                    "gradients are too large for fp16. If they come back, the NaN-origin probe names where."
+                )
+                out.append(
+                    self.event(
+                        step,
+                        "skipped_step",
+                        "info",
+                        f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}. The NaN "
+                        f"gradients reported at step {self._nan_alarm} {why}",
+                        {
+                            "recovered": True,
+                            "streak": self._streak,
+                            "scale": scale,
+                            "overflow": overflow,
+                            "nonfinite_grad_step": self._nan_alarm,
+                        },
+                    )
+                )
             elif self._streak >= self.t.warn_streak and not self.calibrating:
-                out.append(self.event(step, "skipped_step", "info",
-                    f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}.",
-                    {"recovered": True, "streak": self._streak, "scale": scale}))  # fmt: skip
+                out.append(
+                    self.event(
+                        step,
+                        "skipped_step",
+                        "info",
+                        f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}.",
+                        {"recovered": True, "streak": self._streak, "scale": scale},
+                    )
+                )
             self._streak, self._collapsed, self._nan_alarm = 0, False, None
             self._below_floor = self._below_floor and scale < self.t.scale_floor
             self._stepped, self._applied_scale = True, scale
@@ -236,8 +267,13 @@ class Analyzer(Trends, Episodes):
             recent.popleft()
         # Still skipping when calibration should be long over, or NaN gradients with a finite loss at a scale steps were
         # applied at (calibration only searches downwards from too high a scale): not calibration.
-        nan_again = (self._stepped and scale <= self._applied_scale and norm is not None and math.isnan(norm)
-                     and (loss is None or math.isfinite(loss)))  # fmt: skip
+        nan_again = (
+            self._stepped
+            and scale <= self._applied_scale
+            and norm is not None
+            and math.isnan(norm)
+            and (loss is None or math.isfinite(loss))
+        )
         if self.calibrating and (step >= self.t.calibration_steps or nan_again):
             self.calibrating = False
         if self.calibrating and (loss is None or math.isfinite(loss)):  # (a NaN loss is a bad batch, told as such)
@@ -255,28 +291,52 @@ class Analyzer(Trends, Episodes):
         if (below or streak) and not self._collapsed:
             self._collapsed, self._below_floor = True, self._below_floor or below
             if self._streak > 1:
-                what = (f"{self._streak} consecutive skipped steps, scale {pow2(self._streak_start_scale)} → {pow2(scale / 2)}. "
-                        "Every step is being thrown away")  # fmt: skip
+                what = (
+                    f"{self._streak} consecutive skipped steps, scale {pow2(self._streak_start_scale)} → {pow2(scale / 2)}. "
+                    "Every step is being thrown away"
+                )
             else:  # skips that come back again and again, each halving the scale
-                what = (f"the scale fell to {pow2(scale / 2)} at step {step}, below {self.t.scale_floor:g}, after skips that keep "
-                        f"coming back ({len(recent)} in the last {self.t.window} steps)")  # fmt: skip
-            out.append(self.event(step, "scale_collapse", "critical",
-                f"Loss scale collapse: {what}: the gradients overflow or are NaN at any scale. {self._param_note()}"
-                f"{self._collapse_advice(step)}",
-                {"streak": self._streak, "scale_before": self._streak_start_scale, "scale_after": scale / 2}))  # fmt: skip
+                what = (
+                    f"the scale fell to {pow2(scale / 2)} at step {step}, below {self.t.scale_floor:g}, after skips that keep "
+                    f"coming back ({len(recent)} in the last {self.t.window} steps)"
+                )
+            out.append(
+                self.event(
+                    step,
+                    "scale_collapse",
+                    "critical",
+                    f"Loss scale collapse: {what}: the gradients overflow or are NaN at any scale. {self._param_note()}"
+                    f"{self._collapse_advice(step)}",
+                    {"streak": self._streak, "scale_before": self._streak_start_scale, "scale_after": scale / 2},
+                )
+            )
         elif self.calibrating or self._collapsed or self._below_floor:
             return  # (below the floor, the scale_collapse event said it: no skip is normal scaling there)
         elif self._streak == 1 and loss is not None and not math.isfinite(loss):
             return  # the nonfinite_loss event says it all
         elif self._streak == 1:
             kind = "NaN" if norm is not None and math.isnan(norm) else "inf"
-            out.append(self.event(step, "skipped_step", "info",
-                f"Step {step} skipped: {kind} in the scaled gradients; loss scale {pow2(scale)} → {pow2(scale / 2)}. "
-                "Occasional skips are normal dynamic loss scaling.", {"scale_before": scale, "scale_after": scale / 2}))  # fmt: skip
+            out.append(
+                self.event(
+                    step,
+                    "skipped_step",
+                    "info",
+                    f"Step {step} skipped: {kind} in the scaled gradients; loss scale {pow2(scale)} → {pow2(scale / 2)}. "
+                    "Occasional skips are normal dynamic loss scaling.",
+                    {"scale_before": scale, "scale_after": scale / 2},
+                )
+            )
         elif self._streak == self.t.warn_streak:
-            out.append(self.event(step, "skipped_step", "warning",
-                f"{self._streak} consecutive skipped steps (loss scale now {pow2(scale / 2)}): more than fp16 overflow "
-                "usually causes. Watch for a scale collapse.", {"streak": self._streak, "scale_after": scale / 2}))  # fmt: skip
+            out.append(
+                self.event(
+                    step,
+                    "skipped_step",
+                    "warning",
+                    f"{self._streak} consecutive skipped steps (loss scale now {pow2(scale / 2)}): more than fp16 overflow "
+                    "usually causes. Watch for a scale collapse.",
+                    {"streak": self._streak, "scale_after": scale / 2},
+                )
+            )
 
     # -- non-finite values -----------------------------------------------------------------
     def _check_loss(
@@ -302,19 +362,35 @@ class Analyzer(Trends, Episodes):
         elif not self._scaled:
             fate = "There is no GradScaler to skip the step: the optimizer may now write NaN into the parameters."
         elif skipped is None:  # a value the user logged (see _logged)
-            fate = ("GradScaler skips a step whose loss is non-finite (its gradients are too), so that step most likely did "
-                    "not change the parameters.")  # fmt: skip
+            fate = (
+                "GradScaler skips a step whose loss is non-finite (its gradients are too), so that step most likely did "
+                "not change the parameters."
+            )
         else:
-            fate = (f"Yet GradScaler applied step {step}, so its gradients were finite: this loss is most likely another "
-                    "step's (the step passed to run.log counts otherwise than the agent, which counts optimizer steps from "
-                    "0), or a part of it no parameter depends on is non-finite.")  # fmt: skip
+            fate = (
+                f"Yet GradScaler applied step {step}, so its gradients were finite: this loss is most likely another "
+                "step's (the step passed to run.log counts otherwise than the agent, which counts optimizer steps from "
+                "0), or a part of it no parameter depends on is non-finite."
+            )
         diverged = self._diverged_at(step)
-        why = ("the parameters are non-finite" if self._param_bad else f"most likely the parameters: {applied}" if applied
-               else f"the updates diverged before it: {diverged}; most likely too high a learning rate" if diverged
-               else "a bad batch, or a layer that overflows")  # fmt: skip
-        out.append(self.event(step, "nonfinite_loss", "critical",
-            f"{what} loss at step {step}: the forward pass produced a non-finite value ({why}). {fate}",
-            {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped), "grad_norm_trend": self._trend()}))  # fmt: skip
+        why = (
+            "the parameters are non-finite"
+            if self._param_bad
+            else f"most likely the parameters: {applied}"
+            if applied
+            else f"the updates diverged before it: {diverged}; most likely too high a learning rate"
+            if diverged
+            else "a bad batch, or a layer that overflows"
+        )
+        out.append(
+            self.event(
+                step,
+                "nonfinite_loss",
+                "critical",
+                f"{what} loss at step {step}: the forward pass produced a non-finite value ({why}). {fate}",
+                {"loss": _spell(loss), "scale": scale, "skipped": bool(skipped), "grad_norm_trend": self._trend()},
+            )
+        )
 
     def _check_grad(
         self, step: int, norm: float, loss: float | None, skipped: bool, scale: float | None, out: list[Event]
@@ -362,17 +438,23 @@ class Analyzer(Trends, Episodes):
         look = "look for sqrt, log, pow or a norm of zero, or a division by a value that can be 0"
         diverged = self._diverged_at(step)
         if diverged:  # (not an operation that makes NaN: the values grew until they overflowed)
-            cause = (f"Before it, {diverged}: the updates diverged, most likely from too high a learning rate, until the "
-                     "values overflowed. Lower the learning rate (or warm it up longer); clip_grad_norm_ with a finite "
-                     "max_norm caps each update.")  # fmt: skip
+            cause = (
+                f"Before it, {diverged}: the updates diverged, most likely from too high a learning rate, until the "
+                "values overflowed. Lower the learning rate (or warm it up longer); clip_grad_norm_ with a finite "
+                "max_norm caps each update."
+            )
         elif recurring:
-            cause += (f"it came back at a scale steps were applied at, so most likely an operation makes NaN on some batches "
-                      f"({look}), or the gradients keep growing past what fp16 holds.")  # fmt: skip
+            cause += (
+                f"it came back at a scale steps were applied at, so most likely an operation makes NaN on some batches "
+                f"({look}), or the gradients keep growing past what fp16 holds."
+            )
         elif scaled:  # which of the two, only a lower scale tells (see _check_skip)
             if self._nan_alarm is None:
                 self._nan_alarm = step
-            cause += ("either it overflows fp16 at this scale (inf - inf is NaN), which stops once GradScaler has lowered "
-                      f"the scale enough, or an operation in it makes NaN at any scale: {look}.")  # fmt: skip
+            cause += (
+                "either it overflows fp16 at this scale (inf - inf is NaN), which stops once GradScaler has lowered "
+                f"the scale enough, or an operation in it makes NaN at any scale: {look}."
+            )
         else:
             cause += look + (
                 ", or gradients too large for their dtype (clip them, or lower the learning rate)."
@@ -387,9 +469,19 @@ class Analyzer(Trends, Episodes):
         else:
             count = f"{self._nan_grad_streak} steps in a row" if self._nan_grad_streak > 1 else f"step {step}"
         loss_note = "with a finite loss" if loss is not None else "(no loss recorded)"
-        out.append(self.event(step, "nonfinite_grad", severity, f"{kind} gradients at {count} {loss_note}. {cause}{fate}",
-                              {"streak": self._nan_grad_streak, "loss": _spell(loss) if loss is not None else None,
-                               "grad_norm": _spell(norm)}))  # fmt: skip
+        out.append(
+            self.event(
+                step,
+                "nonfinite_grad",
+                severity,
+                f"{kind} gradients at {count} {loss_note}. {cause}{fate}",
+                {
+                    "streak": self._nan_grad_streak,
+                    "loss": _spell(loss) if loss is not None else None,
+                    "grad_norm": _spell(norm),
+                },
+            )
+        )
 
     def _collapse_advice(self, step: int) -> str:
         """What to do about a collapse: the divergence before it, or what the origin named, if it was; else values fp16
@@ -399,8 +491,10 @@ class Analyzer(Trends, Episodes):
             return f"Before it, {diverged}: most likely too high a learning rate. Lower it (or warm it up longer)."
         module, phase = self._origin or ("", "")
         if phase == "backward":
-            return (f"The NaN-origin event named the backward of `{module}`: an operation there makes NaN at any scale (sqrt, "
-                    "log, pow or a norm at 0), which bf16 does not fix: guard it (an epsilon, a clamp).")  # fmt: skip
+            return (
+                f"The NaN-origin event named the backward of `{module}`: an operation there makes NaN at any scale (sqrt, "
+                "log, pow or a norm at 0), which bf16 does not fix: guard it (an epsilon, a clamp)."
+            )
         if module == "(input batch)":
             return "The NaN-origin event named the input batch: a data problem, which bf16 does not fix: check the data pipeline."
         return "Check the data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows)."
@@ -427,10 +521,17 @@ class Analyzer(Trends, Episodes):
             and not self._scheduler_reported
         ):
             self._scheduler_reported = True
-            out.append(self.event(step, "amp_config", "warning",
-                f"The learning rate changed ({self._last_lr:.6g} → {lr:.6g}) after step {step - 1}, which GradScaler skipped: the "
-                "scheduler advances on skipped steps, so the schedule runs ahead of the optimizer. Step the "
-                "scheduler only when the optimizer stepped.", {"lr_before": self._last_lr, "lr_after": lr}))  # fmt: skip
+            out.append(
+                self.event(
+                    step,
+                    "amp_config",
+                    "warning",
+                    f"The learning rate changed ({self._last_lr:.6g} → {lr:.6g}) after step {step - 1}, which GradScaler skipped: the "
+                    "scheduler advances on skipped steps, so the schedule runs ahead of the optimizer. Step the "
+                    "scheduler only when the optimizer stepped.",
+                    {"lr_before": self._last_lr, "lr_after": lr},
+                )
+            )
         self._last_lr = lr
 
     def event(self, step: int, kind: str, severity: str, message: str, details: dict[str, Any]) -> Event:
@@ -438,8 +539,15 @@ class Analyzer(Trends, Episodes):
         what its origin means.)"""
         if "origin" in details:
             self._origin = (details["origin"], details["phase"])
-        return {"step": step, "rank": self.rank, "type": kind, "severity": severity, "message": message,
-                "details": details, "time": time.time()}  # fmt: skip
+        return {
+            "step": step,
+            "rank": self.rank,
+            "type": kind,
+            "severity": severity,
+            "message": message,
+            "details": details,
+            "time": time.time(),
+        }
 
 
 def _within(steps: list[int], known: list[int]) -> bool:

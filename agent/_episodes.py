@@ -49,25 +49,46 @@ class Episodes:
         episode = self._episode
         if not self._scaled and episode is not None:
             diverged = self.diverged[1] if self.diverged and self.diverged[0] == episode[0] else None
-            made = (f"Step {episode[0]}'s non-finite loss (" + (f"the updates diverged before it: {diverged}; most likely "
-                    "too high a learning rate" if diverged else "the forward pass made it: a bad batch, or a layer") +
-                    ") gave non-finite "
-                    "gradients" if episode[1] == "loss" else f"Step {episode[0]}'s gradients were non-finite under a finite "
-                    "loss (the backward pass made them: see the nonfinite_grad event)" if episode[1] == "gradients" else
-                    f"Step {episode[0]}'s gradients were non-finite (no loss is recorded, so the forward or the backward "
-                    "pass made them: see the nonfinite_grad event)")  # fmt: skip
-            how = (f"{made}, and the optimizer wrote them into the parameters: no GradScaler skips such a step. Restore the "
-                   "last good checkpoint, and skip the update when the gradient norm (the value clip_grad_norm_ returns) is "
-                   "non-finite.")  # fmt: skip
+            made = (
+                f"Step {episode[0]}'s non-finite loss ("
+                + (
+                    f"the updates diverged before it: {diverged}; most likely too high a learning rate"
+                    if diverged
+                    else "the forward pass made it: a bad batch, or a layer"
+                )
+                + ") gave non-finite "
+                "gradients"
+                if episode[1] == "loss"
+                else f"Step {episode[0]}'s gradients were non-finite under a finite "
+                "loss (the backward pass made them: see the nonfinite_grad event)"
+                if episode[1] == "gradients"
+                else f"Step {episode[0]}'s gradients were non-finite (no loss is recorded, so the forward or the backward "
+                "pass made them: see the nonfinite_grad event)"
+            )
+            how = (
+                f"{made}, and the optimizer wrote them into the parameters: no GradScaler skips such a step. Restore the "
+                "last good checkpoint, and skip the update when the gradient norm (the value clip_grad_norm_ returns) is "
+                "non-finite."
+            )
         elif self._nonfinite_loss and self._last_loss is not None and self._last_loss[0] == step:
-            how = (f"The optimizer step after step {step}'s non-finite loss wrote it into them (the loss came from the batch, "
-                   "not from them). Restore the last good checkpoint, and skip the update when the loss is non-finite.")  # fmt: skip
+            how = (
+                f"The optimizer step after step {step}'s non-finite loss wrote it into them (the loss came from the batch, "
+                "not from them). Restore the last good checkpoint, and skip the update when the loss is non-finite."
+            )
         else:
-            how = (f"{'Not a benign fp16 overflow: r' if self._scaled else 'R'}estore the last good checkpoint, and lower the "
-                   "learning rate or find the layer that overflows.")  # fmt: skip
-        out.append(self.event(step, "nonfinite_param", "critical",
-            f"The parameters are non-finite at step {step}: the run cannot recover. {how}",
-            {"param_norm": spell(param_norm), "grad_norm_trend": self._trend()}))  # fmt: skip
+            how = (
+                f"{'Not a benign fp16 overflow: r' if self._scaled else 'R'}estore the last good checkpoint, and lower the "
+                "learning rate or find the layer that overflows."
+            )
+        out.append(
+            self.event(
+                step,
+                "nonfinite_param",
+                "critical",
+                f"The parameters are non-finite at step {step}: the run cannot recover. {how}",
+                {"param_norm": spell(param_norm), "grad_norm_trend": self._trend()},
+            )
+        )
 
     def _param_note(self: Any) -> str:
         """Said in later events while the parameters are known to be non-finite: that, not the data, is the cause."""
@@ -87,10 +108,17 @@ class Episodes:
         self._norm_steps += len(columns["grad_norm"][0]) if "grad_norm" in columns else 0
         if self._norm_steps >= NO_LOSS_AFTER:
             self._loss_seen = True  # (said once)
-            out.append(self.event(columns["grad_norm"][0][-1], "amp_config", "info",
-                "No loss is recorded: without an enabled GradScaler the agent cannot see it (there is no scaler.scale() to "
-                "read it from), so non-finite losses and loss spikes go unseen. Log it with run.log({\"loss\": loss}) before "
-                "optimizer.step() (after it, pass step=).", {"check": "no_loss"}))  # fmt: skip
+            out.append(
+                self.event(
+                    columns["grad_norm"][0][-1],
+                    "amp_config",
+                    "info",
+                    "No loss is recorded: without an enabled GradScaler the agent cannot see it (there is no scaler.scale() to "
+                    'read it from), so non-finite losses and loss spikes go unseen. Log it with run.log({"loss": loss}) before '
+                    "optimizer.step() (after it, pass step=).",
+                    {"check": "no_loss"},
+                )
+            )
 
 
 def spell(value: float) -> float | str:

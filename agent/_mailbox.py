@@ -24,8 +24,15 @@ class Mailbox:
     """What the two threads of a run tell each other (see the module's docstring for who writes what)."""
 
     __slots__ = (
-        "arm_request", "arm_step", "origin_found", "clipping", "max_norm", "optimizers", "wake", "free_read_records",
-    )  # fmt: skip
+        "arm_request",
+        "arm_step",
+        "origin_found",
+        "clipping",
+        "max_norm",
+        "optimizers",
+        "wake",
+        "free_read_records",
+    )
 
     def __init__(self) -> None:
         self.arm_request = False  # sender: arm the probe (the training thread clears it once handled)

@@ -161,9 +161,13 @@ def diagnose(rec: Any, optimizer: Any, error: BaseException) -> None:
     found = classify(signature)
     if found is not None:
         cause, explanation = found
-        details = {"cause": cause, "error": str(error), "stage": signature.stage,
-                   "params_with_grad": signature.params_with_grad,
-                   "replaced_params": signature.replaced_params}  # fmt: skip
+        details = {
+            "cause": cause,
+            "error": str(error),
+            "stage": signature.stage,
+            "params_with_grad": signature.params_with_grad,
+            "replaced_params": signature.replaced_params,
+        }
         rec._misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
 
 
@@ -211,8 +215,13 @@ def clip_raised(rec: Any, error: BaseException) -> None:
         and "clip_nonfinite" not in rec._misuses_told
     ):
         rec._misuses_told.add("clip_nonfinite")
-        rec._misuse("clip_grad_norm_(error_if_nonfinite=True) raised", "clip_nonfinite", CLIP_NONFINITE, "critical",
-                    {"error": str(error)})  # fmt: skip
+        rec._misuse(
+            "clip_grad_norm_(error_if_nonfinite=True) raised",
+            "clip_nonfinite",
+            CLIP_NONFINITE,
+            "critical",
+            {"error": str(error)},
+        )
 
 
 # -- configuration mistakes (amp_config) --------------------------------------------------------
@@ -222,14 +231,22 @@ def watch_config_problems(optimizers: list[Any], scaler: Any) -> list[Problem]:
 
     problems: list[Problem] = []
     if scaler is None and any(map(_accelerate_fp16_on_cpu, optimizers)):
-        problems.append(("HF Accelerate was asked for mixed_precision='fp16' on the CPU, where it builds no "
-                         "GradScaler and no fp16 autocast: this run trains in full fp32 precision. Use "
-                         "mixed_precision='bf16' on the CPU, or a GPU for fp16.",
-                         {"check": "accelerate_fp16_on_cpu", "device": "cpu"}))  # fmt: skip
+        problems.append(
+            (
+                "HF Accelerate was asked for mixed_precision='fp16' on the CPU, where it builds no "
+                "GradScaler and no fp16 autocast: this run trains in full fp32 precision. Use "
+                "mixed_precision='bf16' on the CPU, or a GPU for fp16.",
+                {"check": "accelerate_fp16_on_cpu", "device": "cpu"},
+            )
+        )
     if torch.is_anomaly_enabled():
-        problems.append(("Anomaly detection (torch.autograd.detect_anomaly / set_detect_anomaly) is on: training runs "
-                         "2-2.6x slower and a normal GradScaler skip becomes a crash. Turn it off outside debugging.",
-                         {"check": "anomaly_mode"}))  # fmt: skip
+        problems.append(
+            (
+                "Anomaly detection (torch.autograd.detect_anomaly / set_detect_anomaly) is on: training runs "
+                "2-2.6x slower and a normal GradScaler skip becomes a crash. Turn it off outside debugging.",
+                {"check": "anomaly_mode"},
+            )
+        )
     return problems
 
 
@@ -243,24 +260,32 @@ def forward_config_problem(module: Any, scaler: Any) -> Problem | None:
         d for d in ("cuda", "cpu", "xpu", "mps") if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d)
     }
     if scaler_on and device in on and torch.get_autocast_dtype(device) == torch.bfloat16:
-        return ("GradScaler is enabled with bf16 autocast: bf16 has fp32's range and needs no loss scaling; the "
-                "scaler only adds work and skips. Build it with enabled=False under bf16 (as nanoGPT does).",
-                {"check": "scaler_with_bf16", "device": device})  # fmt: skip
+        return (
+            "GradScaler is enabled with bf16 autocast: bf16 has fp32's range and needs no loss scaling; the "
+            "scaler only adds work and skips. Build it with enabled=False under bf16 (as nanoGPT does).",
+            {"check": "scaler_with_bf16", "device": device},
+        )
     if on and device not in on:
-        return (f"autocast is on for {', '.join(sorted(on))} but the model runs on {device}: its forward runs in "
-                f"full precision. Use torch.autocast('{device}', ...).",
-                {"check": "autocast_device", "device": device})  # fmt: skip
+        return (
+            f"autocast is on for {', '.join(sorted(on))} but the model runs on {device}: its forward runs in "
+            f"full precision. Use torch.autocast('{device}', ...).",
+            {"check": "autocast_device", "device": device},
+        )
     if scaler_on and device not in on:
-        return (f"GradScaler is enabled but the forward runs without autocast on {device}: there is nothing "
-                "to scale. Wrap the forward in torch.autocast, or disable the scaler.",
-                {"check": "scaler_without_autocast", "device": device})  # fmt: skip
+        return (
+            f"GradScaler is enabled but the forward runs without autocast on {device}: there is nothing "
+            "to scale. Wrap the forward in torch.autocast, or disable the scaler.",
+            {"check": "scaler_without_autocast", "device": device},
+        )
     if scaler is not None and not on and getattr(scaler, "_device", None) == "cuda" and not torch.cuda.is_available():
         # (nanoGPT on the CPU: its autocast is a nullcontext there, and torch turns a CUDA GradScaler off without CUDA)
-        return (f"The GradScaler was built for CUDA, which this machine lacks, so it is off (torch disables it there), and "
-                f"the forward runs without autocast on {device}: this run trains in full fp32 precision, whatever dtype "
-                f"the script names. For mixed precision on the CPU, wrap the forward in torch.autocast('{device}', "
-                f"dtype=torch.bfloat16), or float16 with torch.amp.GradScaler('{device}').",
-                {"check": "cuda_scaler_without_cuda", "device": device})  # fmt: skip
+        return (
+            f"The GradScaler was built for CUDA, which this machine lacks, so it is off (torch disables it there), and "
+            f"the forward runs without autocast on {device}: this run trains in full fp32 precision, whatever dtype "
+            f"the script names. For mixed precision on the CPU, wrap the forward in torch.autocast('{device}', "
+            f"dtype=torch.bfloat16), or float16 with torch.amp.GradScaler('{device}').",
+            {"check": "cuda_scaler_without_cuda", "device": device},
+        )
     return None
 
 

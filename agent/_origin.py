@@ -209,34 +209,44 @@ class Diagnosis:
         if first_fwd is not None:
             index, module = first_fwd
             if module == INPUT:
-                message = (f"Origin of the non-finite values at step {step}: the input batch itself contains NaN/Inf, "
-                           "before any layer ran. A data problem, not the model: check the data pipeline.")  # fmt: skip
+                message = (
+                    f"Origin of the non-finite values at step {step}: the input batch itself contains NaN/Inf, "
+                    "before any layer ran. A data problem, not the model: check the data pipeline."
+                )
             elif module == COMPILED:
-                message = (f"Origin of the non-finite values at step {step}: the input batch was finite and the output of "
-                           "the compiled model was not, so one of its modules made them. torch.compile runs them in one "
-                           "graph, which the agent does not hook (that would recompile the model, stall the loop and could "
-                           "change how it computes). To name the module, run the steps from the last checkpoint without "
-                           "torch.compile, watched: the probe names it there.")  # fmt: skip
+                message = (
+                    f"Origin of the non-finite values at step {step}: the input batch was finite and the output of "
+                    "the compiled model was not, so one of its modules made them. torch.compile runs them in one "
+                    "graph, which the agent does not hook (that would recompile the model, stall the loop and could "
+                    "change how it computes). To name the module, run the steps from the last checkpoint without "
+                    "torch.compile, watched: the probe names it there."
+                )
             else:
                 start = next((i for i in range(index, -1, -1) if forward[i][0] == INPUT), -1) + 1  # (its own pass)
                 end = next((i for i in range(index, len(forward)) if forward[i][0] == INPUT), len(forward))
                 modules = [n for n, _ in forward[start:end]]
                 before = modules[modules.index(module) - 1] if modules.index(module) > 0 else None
                 between = f"between `{before}` and `{module}`" if before else f"before `{module}`"
-                message = (f"Origin of the non-finite values at step {step}: first non-finite output: `{module}` "
-                           f"(forward, module {modules.index(module) + 1} of {len(modules)} in call order). Either "
-                           f"`{module}` made them, or it received them from an operation outside any module {between} (a "
-                           "functional call in a parent's forward, such as a softmax over a fully masked row, a log of 0 "
-                           "or a division by 0): every module's output before it was finite.")  # fmt: skip
+                message = (
+                    f"Origin of the non-finite values at step {step}: first non-finite output: `{module}` "
+                    f"(forward, module {modules.index(module) + 1} of {len(modules)} in call order). Either "
+                    f"`{module}` made them, or it received them from an operation outside any module {between} (a "
+                    "functional call in a parent's forward, such as a softmax over a fully masked row, a log of 0 "
+                    "or a division by 0): every module's output before it was finite."
+                )
                 applied = self.analyzer._applied(step)
                 if applied:  # (the parameters, not the data, made them: the first step's origin cannot be traced now)
-                    message = (f"At step {step} the first non-finite output is `{module}`'s, most likely because its "
-                               f"parameters are non-finite: {applied}. Where that step's values came from can no longer "
-                               "be traced: restore a good checkpoint, and the probe names it when it happens again.")  # fmt: skip
+                    message = (
+                        f"At step {step} the first non-finite output is `{module}`'s, most likely because its "
+                        f"parameters are non-finite: {applied}. Where that step's values came from can no longer "
+                        "be traced: restore a good checkpoint, and the probe names it when it happens again."
+                    )
             diverged = self.analyzer.diverged
             if diverged and step - diverged[0] <= MAX_DIVERGED_STEPS and module != INPUT:
-                message += (f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and "
-                            "the values outgrew what the dtype holds there, rather than an operation that makes NaN.")  # fmt: skip
+                message += (
+                    f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and "
+                    "the values outgrew what the dtype holds there, rather than an operation that makes NaN."
+                )
             details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
             kind = "nonfinite_loss"
         else:
@@ -247,24 +257,38 @@ class Diagnosis:
             diverged = self.analyzer.diverged
             diverging = bool(diverged) and step - diverged[0] <= MAX_DIVERGED_STEPS  # (then no operation is to blame)
             if module != INPUT:  # (else the first of its pass: the loss made it)
-                example = "a functional call in a parent's forward" if diverging else (
-                    "a functional call such as torch.sqrt in a parent's forward")  # fmt: skip
-                where = (f"in the backward of `{module}`, or of an operation outside any module between `{received}` and "
-                         f"`{module}` ({example}): the gradient `{module}` "
-                         f"received was finite and the one passed on to `{received}` was not")  # fmt: skip
+                example = (
+                    "a functional call in a parent's forward"
+                    if diverging
+                    else ("a functional call such as torch.sqrt in a parent's forward")
+                )
+                where = (
+                    f"in the backward of `{module}`, or of an operation outside any module between `{received}` and "
+                    f"`{module}` ({example}): the gradient `{module}` "
+                    f"received was finite and the one passed on to `{received}` was not"
+                )
             else:
                 module = "(loss)"
-                where = (f"in the loss computation: the gradient of the last module's output (`{received}`) is already "
-                         "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
-                         "division by 0)")  # fmt: skip
+                where = (
+                    f"in the loss computation: the gradient of the last module's output (`{received}`) is already "
+                    "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
+                    "division by 0)"
+                )
             if diverging:
-                look = (f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and the "
-                        "gradients outgrew what the dtype holds there. Lower the learning rate.")  # fmt: skip
+                look = (
+                    f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and the "
+                    "gradients outgrew what the dtype holds there. Lower the learning rate."
+                )
             else:
-                look = " Look there for sqrt, log, pow or a norm at 0" + (" (or, if steps come back at a lower loss scale, "
-                       "for values too large for fp16)." if self.analyzer._scaled else ".")  # fmt: skip
-            message = (f"Origin of the non-finite gradients at step {step}: they first appear {where}, while every module's "
-                       f"output was finite.{look}")  # fmt: skip
+                look = " Look there for sqrt, log, pow or a norm at 0" + (
+                    " (or, if steps come back at a lower loss scale, for values too large for fp16)."
+                    if self.analyzer._scaled
+                    else "."
+                )
+            message = (
+                f"Origin of the non-finite gradients at step {step}: they first appear {where}, while every module's "
+                f"output was finite.{look}"
+            )
             details = {"origin": module, "phase": "backward", "order": [n for n, _ in backward if n != INPUT]}
             kind = "nonfinite_grad"
         named, length = (module, str(details["phase"])), 0

@@ -229,8 +229,10 @@ class Outbox:
             log.error(
                 "ampwatch: the server refused this run's data (%d: %s). It is kept on disk and retried: set "
                 "AMPWATCH_TOKEN to an ingest token (`ampwatch token create --role ingest` on the server), or upload it "
-                "later with `ampwatch sync --token TOKEN`", reply.status, reply.body[:300],
-            )  # fmt: skip
+                "later with `ampwatch sync --token TOKEN`",
+                reply.status,
+                reply.body[:300],
+            )
         elif self._failures == 1:
             why = reply.body[:300] if reply.status == 0 else f"HTTP {reply.status}"
             log.warning("ampwatch: the server is unreachable or busy (%s); batches are kept and retried", why)

@@ -25,9 +25,19 @@ API_VERSION = 1
 API_PREFIX = f"/api/v{API_VERSION}"
 
 EVENT_TYPES = (
-    "skipped_step", "scale_collapse", "nonfinite_loss", "nonfinite_grad", "nonfinite_param", "grad_spike",
-    "loss_spike", "scaler_misuse", "amp_config", "run_crashed", "run_stalled", "checkpoint",
-)  # fmt: skip
+    "skipped_step",
+    "scale_collapse",
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "nonfinite_param",
+    "grad_spike",
+    "loss_spike",
+    "scaler_misuse",
+    "amp_config",
+    "run_crashed",
+    "run_stalled",
+    "checkpoint",
+)
 SEVERITIES = ("info", "warning", "critical")
 SENT_STATUSES = ("running", "finished", "crashed")  # what a batch's `status` may say (the server adds "stalled")
 MAX_NAME = 200  # the server's limit on project, run and series names

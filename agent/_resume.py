@@ -45,11 +45,13 @@ def check_relaunch(run: Any, reply: dict[str, Any], resume_step: int | None) -> 
     last = stored.get(str(run.rank))
     if resume_step is not None or not isinstance(last, int) or run._worker is None:
         return
-    message = (f"Run {run.id} already holds steps up to {last} of rank {run.rank} from an earlier launch under the same "
-               "run id, and this launch records at those steps again (the agent counts from 0): its points there are "
-               "held back, not stored over them. If it resumes a checkpoint, pass the step it resumes from: "
-               f"ampwatch.init(..., resume_step=N) ({last + 1} continues right after the stored steps); to start a new "
-               "run, use another run id (AMPWATCH_RUN_ID).")  # fmt: skip
+    message = (
+        f"Run {run.id} already holds steps up to {last} of rank {run.rank} from an earlier launch under the same "
+        "run id, and this launch records at those steps again (the agent counts from 0): its points there are "
+        "held back, not stored over them. If it resumes a checkpoint, pass the step it resumes from: "
+        f"ampwatch.init(..., resume_step=N) ({last + 1} continues right after the stored steps); to start a new "
+        "run, use another run id (AMPWATCH_RUN_ID)."
+    )
     worker, batcher = run._worker, run._worker.batcher
     batcher.hold_until = last
     batcher.refusal = _event(run, last, "critical", message, {"check": "relaunch_without_resume", "stored_step": last})
@@ -79,8 +81,11 @@ def _held_back(body: bytes, last: int, event: dict[str, Any] | None) -> tuple[by
     points = {name: (_unpacked(s["steps"], "q"), _unpacked(s["values"], "d")) for name, s in doc["points"].items()}
     if not held_back(points, last):
         return body, False
-    doc["points"] = {name: {"steps": packed(steps, "q"), "values": packed(values, "d")}
-                     for name, (steps, values) in points.items() if steps}  # fmt: skip
+    doc["points"] = {
+        name: {"steps": packed(steps, "q"), "values": packed(values, "d")}
+        for name, (steps, values) in points.items()
+        if steps
+    }
     doc["events"] = doc.get("events", []) + ([event] if event is not None else [])
     return encode(doc), True
 
@@ -93,5 +98,12 @@ def _unpacked(text: str, code: str) -> list[Any]:
 
 
 def _event(run: Any, step: int, severity: str, message: str, details: dict[str, Any]) -> dict[str, Any]:
-    return {"step": step, "rank": run.rank, "type": "amp_config", "severity": severity, "message": message,
-            "details": details, "time": time.time()}  # fmt: skip
+    return {
+        "step": step,
+        "rank": run.rank,
+        "type": "amp_config",
+        "severity": severity,
+        "message": message,
+        "details": details,
+        "time": time.time(),
+    }

@@ -213,8 +213,21 @@ class Run:
             return
         where = None if path is None else str(path).replace("\x00", "\ufffd")[:4000]
         message = f"Checkpoint saved at step {at}" + (f" to {where}" if where else "") + "."
-        self._record((EVENT, at, {"step": at, "rank": self.rank, "type": "checkpoint", "severity": "info",
-                                  "message": message, "details": {"path": where}, "time": time.time()}))  # fmt: skip
+        self._record(
+            (
+                EVENT,
+                at,
+                {
+                    "step": at,
+                    "rank": self.rank,
+                    "type": "checkpoint",
+                    "severity": "info",
+                    "message": message,
+                    "details": {"path": where},
+                    "time": time.time(),
+                },
+            )
+        )
 
     def _finish(self, status: str, exc: BaseException | None) -> None:
         if self._finished:
@@ -234,9 +247,11 @@ class Run:
 
 def _watchable(model: Any, optimizer: Any, scaler: Any) -> tuple[Any, Any, Any]:
     """watch()'s arguments, with any of the wrong kind left out (and said once)."""
-    kinds = (("model", "a torch.nn.Module", ("named_parameters", "register_forward_pre_hook")),
-             ("optimizer", "a torch.optim.Optimizer (or a list of them)", ("param_groups",)),
-             ("scaler", "a GradScaler", ("scale", "is_enabled")))  # fmt: skip
+    kinds = (
+        ("model", "a torch.nn.Module", ("named_parameters", "register_forward_pre_hook")),
+        ("optimizer", "a torch.optim.Optimizer (or a list of them)", ("param_groups",)),
+        ("scaler", "a GradScaler", ("scale", "is_enabled")),
+    )
     kept = []
     for value, (name, kind, needs) in zip((model, optimizer, scaler), kinds):
         items = value if name == "optimizer" and isinstance(value, (list, tuple)) else [value]
@@ -256,8 +271,11 @@ def _watchable(model: Any, optimizer: Any, scaler: Any) -> tuple[Any, Any, Any]:
 def _readable_scalar(tensor: Any) -> bool:
     """A 1-element tensor the sender can read as a real number: dense (strided, not quantized or nested), real,
     with data (not on the meta device)."""
-    return (tensor.numel() == 1 and tensor.layout is sys.modules["torch"].strided
-            and not (tensor.is_complex() or tensor.is_meta or tensor.is_quantized or tensor.is_nested))  # fmt: skip
+    return (
+        tensor.numel() == 1
+        and tensor.layout is sys.modules["torch"].strided
+        and not (tensor.is_complex() or tensor.is_meta or tensor.is_quantized or tensor.is_nested)
+    )
 
 
 def _discard(entry: tuple) -> None:
@@ -362,8 +380,15 @@ def _crash_event(step: int, rank: int, exc: BaseException) -> dict[str, Any]:
         details = {"exception": type(exc).__name__}
     if exc.__traceback__ is not None:
         details["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:]
-    return {"step": step, "rank": rank, "type": "run_crashed", "severity": "critical", "message": message[:2000],
-            "details": details, "time": time.time()}  # fmt: skip
+    return {
+        "step": step,
+        "rank": rank,
+        "type": "run_crashed",
+        "severity": "critical",
+        "message": message[:2000],
+        "details": details,
+        "time": time.time(),
+    }
 
 
 def _rank_and_world_size() -> tuple[int, int]:

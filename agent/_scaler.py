@@ -156,8 +156,12 @@ _before_listeners: set[Any] = set()  # Recorders without an enabled scaler: they
 _before: tuple[Any, ...] = ()  # the latter, as the functions below go through them
 # What changes gradients, wrapped while a Recorder takes the norm before a clip: clip_grad_norm_'s own second half
 # (however clip_grad_norm_ was imported), under its public name too (torchtitan's two-step clip), and value clipping.
-BEFORE = (("torch.nn.utils.clip_grad", "_clip_grads_with_norm_"), ("torch.nn.utils", "clip_grads_with_norm_"),
-          ("torch.nn.utils.clip_grad", "clip_grad_value_"), ("torch.nn.utils", "clip_grad_value_"))  # fmt: skip
+BEFORE = (
+    ("torch.nn.utils.clip_grad", "_clip_grads_with_norm_"),
+    ("torch.nn.utils", "clip_grads_with_norm_"),
+    ("torch.nn.utils.clip_grad", "clip_grad_value_"),
+    ("torch.nn.utils", "clip_grad_value_"),
+)
 _before_wrapped: dict[tuple[str, str], tuple[Any, Any]] = {}  # (module, name) -> (torch's function, ours in its place)
 
 

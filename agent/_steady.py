@@ -116,13 +116,23 @@ class StepEnd:
         """At the end of a full step that planned plain steps ahead: go lean if that step had the pattern."""
         optimizer, scaler = self._last_optimizer, self._scaler
         stage = self._stage_before
-        if (optimizer is None or scaler is None or not scaler._enabled or not self.clip.trusted or self._probing
-                or not self._ever_scaled or stage is None or stage.name != "UNSCALED"
-                or self.clip.params.__class__ is not list or not self.clip.params  # (a clip of one tensor, or none)
-                # (a standard name logged ahead: the full path sees it)
-                or self._user_step >= self.step and self._user_names
-                or getattr(optimizer, "_step_supports_amp_scaling", False)
-                or scaler.__dict__.get(_scaler.RECORDER) is not self):  # fmt: skip
+        if (
+            optimizer is None
+            or scaler is None
+            or not scaler._enabled
+            or not self.clip.trusted
+            or self._probing
+            or not self._ever_scaled
+            or stage is None
+            or stage.name != "UNSCALED"
+            or self.clip.params.__class__ is not list
+            or not self.clip.params  # (a clip of one tensor, or none)
+            # (a standard name logged ahead: the full path sees it)
+            or self._user_step >= self.step
+            and self._user_names
+            or getattr(optimizer, "_step_supports_amp_scaling", False)
+            or scaler.__dict__.get(_scaler.RECORDER) is not self
+        ):
             return
         self._listen_ran(optimizer)
         self._steady = optimizer
@@ -210,9 +220,17 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
         norm_type = args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0) if kwargs else 2.0
         # The clip the full path trusted, a 2-norm over as many parameters, the same first and last ones (comparing
         # them all costs the step ~1.5 us; the full steps, every `param_interval` at most, compare all their ids).
-        if (rec._deferred is opt and rec._norm is None and opt.param_groups is groups and len(groups) == group_count
-                and norm_type == 2.0 and parameters.__class__ is list and len(parameters) == count
-                and parameters[0] is first_param and parameters[-1] is last_param):  # fmt: skip
+        if (
+            rec._deferred is opt
+            and rec._norm is None
+            and opt.param_groups is groups
+            and len(groups) == group_count
+            and norm_type == 2.0
+            and parameters.__class__ is list
+            and len(parameters) == count
+            and parameters[0] is first_param
+            and parameters[-1] is last_param
+        ):
             rec._deferred = None
             rec._norm = total
         else:
@@ -253,15 +271,24 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
                     for found in state["found_inf_per_device"].values():  # noqa: B007 (the last one is kept)
                         count += 1
             # (a step whose norm or step() did not come, as when a loop unscales, then drops the step: the full path)
-            if (count == 1 and new_scale is None and not mailbox.arm_request and scaler._scale is not None
-                    and rec._norm is not None and rec._unscaled is None):  # fmt: skip
+            if (
+                count == 1
+                and new_scale is None
+                and not mailbox.arm_request
+                and scaler._scale is not None
+                and rec._norm is not None
+                and rec._unscaled is None
+            ):
                 # What _finish_step records on a plain step, as a lean record (the user logged no standard name:
                 # that left the steady path); the step ends as every step does.
                 at = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
                 lr = lr if lr.__class__ is float else _real(lr)
-                rec._end_step((APPLIED_STEP if found is None else LEAN_STEP, at, rec._loss, found, rec._norm, lr), at,
-                              found is not None)  # fmt: skip
+                rec._end_step(
+                    (APPLIED_STEP if found is None else LEAN_STEP, at, rec._loss, found, rec._norm, lr),
+                    at,
+                    found is not None,
+                )
                 if at + 1 >= rec._plain_until:
                     rec._end_plain(at)
                 lean = True

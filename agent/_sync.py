@@ -44,8 +44,11 @@ def sync(root: Path, url: str | None, token: str | None) -> int:
             )
         elif outbox.refused:  # refused for good (a body limit, say): kept as .bad files for a person to look at
             failed += 1
-            print(f"{label}: {total - outbox.dropped} of {total} uploaded; {target} refused {outbox.refused} "
-                  f"(see the error above), kept in {folder} as .bad files", file=sys.stderr)  # fmt: skip
+            print(
+                f"{label}: {total - outbox.dropped} of {total} uploaded; {target} refused {outbox.refused} "
+                f"(see the error above), kept in {folder} as .bad files",
+                file=sys.stderr,
+            )
         elif live:
             print(
                 f"{label}: {total} batch(es) uploaded to {target}; a running process still writes there: "

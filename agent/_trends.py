@@ -58,8 +58,10 @@ class Trends:
             # rate that blows the run up multiplies the norm by that within a few steps.
             low = median.lower()
             if low > 0 and value >= factor**2 * low and not spiking:
-                how = (f"{value / low:.0f}× its median over the first {len(median)} steps ({low:.4g}; before "
-                       f"{self.t.warmup} steps a spike is {factor**2:g}× or more)")  # fmt: skip
+                how = (
+                    f"{value / low:.0f}× its median over the first {len(median)} steps ({low:.4g}; before "
+                    f"{self.t.warmup} steps a spike is {factor**2:g}× or more)"
+                )
                 self._spike_event(step, name, value, low, median.spread(), how, out)
                 spiking = True
             elif low > 0 and value < factor * low:
@@ -79,31 +81,44 @@ class Trends:
         lr = self._lr
         diverged = self._divergence(step)
         if diverged:  # (a learning rate too high multiplies the norm step after step: that, not a batch)
-            hint = (f" {diverged[0].upper()}{diverged[1:]}: the updates diverge, most likely from too high a learning rate. "
-                    "Lower it (or warm it up longer); clip_grad_norm_ with a finite max_norm caps each update.")  # fmt: skip
+            hint = (
+                f" {diverged[0].upper()}{diverged[1:]}: the updates diverge, most likely from too high a learning rate. "
+                "Lower it (or warm it up longer); clip_grad_norm_ with a finite max_norm caps each update."
+            )
         elif name == "loss":
             hint = " Check the batch and the learning rate" + (f" ({lr:.3g})." if lr is not None else ".")
         else:  # (with a scaler, an explosion is told apart from an overflow, which GradScaler skips)
             hint = " No step was skipped: this is an explosion, not an fp16 overflow." if self._scaled else ""
             hint += self._clip_hint(value)
             hint += f" The learning rate is {lr:.3g}." if lr is not None else ""
-        out.append(self.event(step, kind, "warning", f"{what} {value:.4g} at step {step} is {how}.{hint}",
-            {name: value, "median": mid, "ratio": value / mid if mid > 0 else None, "spread": spread, "lr": lr}))  # fmt: skip
+        out.append(
+            self.event(
+                step,
+                kind,
+                "warning",
+                f"{what} {value:.4g} at step {step} is {how}.{hint}",
+                {name: value, "median": mid, "ratio": value / mid if mid > 0 else None, "spread": spread, "lr": lr},
+            )
+        )
 
     def _divergence(self: Any, step: int) -> str | None:
         """Whether the gradient norm or the loss climbed to `factor` squared times its recent low (100× for the norm,
         25× for the loss), the value before the last already `factor` times it (a climb over steps, not one bad batch),
         ending at most `DIVERGENCE_GAP` steps before `step`: how much, in how many steps, at what learning rate."""
         parts = []
-        for name, history, factor in (("gradient norm", self._norm_history, self.t.spike_factor),
-                                      ("loss", self._loss_history, self.t.loss_spike_factor)):  # fmt: skip
+        for name, history, factor in (
+            ("gradient norm", self._norm_history, self.t.spike_factor),
+            ("loss", self._loss_history, self.t.loss_spike_factor),
+        ):
             if len(history) < 2 or step - history[-1][0] > DIVERGENCE_GAP:
                 continue
             (last_step, last), before = history[-1], history[-2][1]
             low_step, low = min(history, key=lambda point: point[1])
             if 0 < low and low_step < last_step and last >= factor**2 * low and before >= factor * low:
-                parts.append(f"the {name} grew {last / low:.2g}× in {last_step - low_step} steps (from {low:.3g} at step "
-                             f"{low_step} to {last:.3g} at step {last_step})")  # fmt: skip
+                parts.append(
+                    f"the {name} grew {last / low:.2g}× in {last_step - low_step} steps (from {low:.3g} at step "
+                    f"{low_step} to {last:.3g} at step {last_step})"
+                )
         if not parts:
             return None
         return " and ".join(parts) + (f" while the learning rate was {self._lr:.3g}" if self._lr is not None else "")
@@ -115,13 +130,19 @@ class Trends:
         if not self.clipping:
             return " Clip gradients or lower the learning rate."
         if max_norm is None:  # (a tensor max_norm: not read, that would sync)
-            return (" The loop calls clip_grad_norm_: if its max_norm is below this norm, this update was cut down to it; "
-                    "if it comes back, lower the learning rate or look at the batches it comes on.")  # fmt: skip
+            return (
+                " The loop calls clip_grad_norm_: if its max_norm is below this norm, this update was cut down to it; "
+                "if it comes back, lower the learning rate or look at the batches it comes on."
+            )
         if norm > max_norm:
-            return (f" The loop clips (clip_grad_norm_, max_norm {max_norm:g}), so this update was cut down to {max_norm:g}; "
-                    "if it comes back, lower the learning rate or look at the batches it comes on.")  # fmt: skip
-        return (f" The loop's clip_grad_norm_ (max_norm {max_norm:g}) only measured this norm, it did not cut the update "
-                "down: clip with a lower max_norm or lower the learning rate.")  # fmt: skip
+            return (
+                f" The loop clips (clip_grad_norm_, max_norm {max_norm:g}), so this update was cut down to {max_norm:g}; "
+                "if it comes back, lower the learning rate or look at the batches it comes on."
+            )
+        return (
+            f" The loop's clip_grad_norm_ (max_norm {max_norm:g}) only measured this norm, it did not cut the update "
+            "down: clip with a lower max_norm or lower the learning rate."
+        )
 
     def _trend(self: Any) -> dict[str, float] | None:
         if not self._norm_history:

@@ -39,14 +39,53 @@ class Recorder(StepEnd):
     # Slots, the ones every step reads first: next to each other in memory. Timed in place, the hooks' cost is
     # mostly memory they touch, and a dict of fifty attributes spreads them over many more cache lines.
     __slots__ = (
-        "step", "_loss", "_norm", "_scale_calls", "_unscaled", "_deferred", "_append", "_plain_until", "mailbox",
-        "_record", "_steady", "_full_hooks", "rank", "cadence",
-        "reanchor", "_normed", "_anchor", "_user_step", "_user_names", "_norm_logged_at", "clip",
-        "_tensor", "_foreach_norm", "_hooks",
-        "_scaler", "_optimizers", "_model", "_module_of", "_layer_names", "_probe", "_arming", "_probing",
-        "_layers_due", "_ever_scaled", "_misuses_told", "_last_optimizer", "_stage_before", "_first_forward_hook",
-        "_last_error", "_ran", "_ran_on", "_torch", "_step_hooks", "_woke_at", "_skip_seen", "_grad_mark",
-    )  # fmt: skip
+        "step",
+        "_loss",
+        "_norm",
+        "_scale_calls",
+        "_unscaled",
+        "_deferred",
+        "_append",
+        "_plain_until",
+        "mailbox",
+        "_record",
+        "_steady",
+        "_full_hooks",
+        "rank",
+        "cadence",
+        "reanchor",
+        "_normed",
+        "_anchor",
+        "_user_step",
+        "_user_names",
+        "_norm_logged_at",
+        "clip",
+        "_tensor",
+        "_foreach_norm",
+        "_hooks",
+        "_scaler",
+        "_optimizers",
+        "_model",
+        "_module_of",
+        "_layer_names",
+        "_probe",
+        "_arming",
+        "_probing",
+        "_layers_due",
+        "_ever_scaled",
+        "_misuses_told",
+        "_last_optimizer",
+        "_stage_before",
+        "_first_forward_hook",
+        "_last_error",
+        "_ran",
+        "_ran_on",
+        "_torch",
+        "_step_hooks",
+        "_woke_at",
+        "_skip_seen",
+        "_grad_mark",
+    )
 
     def __init__(
         self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50
@@ -144,9 +183,12 @@ class Recorder(StepEnd):
             if self._probe.hookable:
                 self._first_forward_hook = first.register_forward_pre_hook(Hook(self._first_forward))
             else:
-                warn_once("scripted", "ampwatch: a TorchScript model takes no hooks: its steps, loss, scale and "
-                          "norms are recorded, but not where a NaN came from, nor checks of its forward's "
-                          "autocast")  # fmt: skip
+                warn_once(
+                    "scripted",
+                    "ampwatch: a TorchScript model takes no hooks: its steps, loss, scale and "
+                    "norms are recorded, but not where a NaN came from, nor checks of its forward's "
+                    "autocast",
+                )
         if scaler is not None:
             _scaler.attach(scaler, self)
             self._scaler = scaler
@@ -158,8 +200,10 @@ class Recorder(StepEnd):
         self._step_hooks = ()
         first = self._optimizers[0] if self._optimizers else None
         if first is not None and (self._scaler is None or not self._scaler.is_enabled()):
-            self._step_hooks = (first.register_step_pre_hook(self._before_optimizer_step),
-                                first.register_step_post_hook(self._after_optimizer_step))  # fmt: skip
+            self._step_hooks = (
+                first.register_step_pre_hook(self._before_optimizer_step),
+                first.register_step_post_hook(self._after_optimizer_step),
+            )
         if self._step_hooks or self._scaler is not None and self._scaler.is_enabled():
             _scaler.listen_to_clipping(
                 self, before=bool(self._step_hooks)
@@ -295,8 +339,12 @@ class Recorder(StepEnd):
         self._ran = False if optimizer in self._ran_on else None  # (True once its post-step hook fires)
         if not scaler._enabled:
             return
-        if self._scale_calls == 0 and self._ever_scaled and "unscaled_backward" not in self._misuses_told and any(
-                p.grad is not None for group in optimizer.param_groups for p in group["params"]):  # fmt: skip
+        if (
+            self._scale_calls == 0
+            and self._ever_scaled
+            and "unscaled_backward" not in self._misuses_told
+            and any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+        ):
             self._misuses_told.add("unscaled_backward")
             self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
         if getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -376,8 +424,15 @@ class Recorder(StepEnd):
         self._record((EVENT, self.step, self._event("scaler_misuse", severity, message, {"cause": cause, **details})))
 
     def _event(self, kind: str, severity: str, message: str, details: dict[str, Any]) -> dict[str, Any]:
-        return {"step": self.step, "rank": self.rank, "type": kind, "severity": severity, "message": message,
-                "details": details, "time": time.time()}  # fmt: skip
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "type": kind,
+            "severity": severity,
+            "message": message,
+            "details": details,
+            "time": time.time(),
+        }
 
 
 def _unwrap(optimizer: Any) -> Any:

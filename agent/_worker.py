@@ -185,16 +185,24 @@ class Worker:
                 self.losses.add(SPOOL_FULL, lost)
         if self.losses.total:
             said = ", ".join(f"{reason}: {count}" for reason, count in self.losses.counts.items() if count)
-            log.warning("ampwatch: this run dropped %d record(s) and %d batch(es) (%s); the `dropped_records` series "
-                        "counts them, `dropped_records/<reason>` per reason",
-                        self.dropped, self.outbox.dropped, said)  # fmt: skip
+            log.warning(
+                "ampwatch: this run dropped %d record(s) and %d batch(es) (%s); the `dropped_records` series "
+                "counts them, `dropped_records/<reason>` per reason",
+                self.dropped,
+                self.outbox.dropped,
+                said,
+            )
         spool = self.outbox.spool
         if spool is not None and delivered and not len(self.outbox):
             spool.discard()
         elif spool is not None:
             spool.close()
-            log.warning("ampwatch: %d batch(es) wait in %s; upload them with: ampwatch sync %s",
-                        len(spool.pending()), spool.folder, spool.folder.parent)  # fmt: skip
+            log.warning(
+                "ampwatch: %d batch(es) wait in %s; upload them with: ampwatch sync %s",
+                len(spool.pending()),
+                spool.folder,
+                spool.folder.parent,
+            )
         return delivered
 
     def _start(self) -> None:

@@ -82,8 +82,18 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        command = [sys.executable, "-m", "ampwatch._cli", "server", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--db", db_url]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "ampwatch._cli",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--db",
+            db_url,
+        ]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         if cpus:  # before it starts any thread: they all inherit these
             os.sched_setaffinity(self.process.pid, cpus)

@@ -122,8 +122,12 @@ class Wandb(Condition):
 
         def after(step: int, scaler: Any, loss: Any, norm: Any, scale_before: float) -> None:
             scale_after = scaler.get_scale()
-            values = {"loss": loss.item(), "scale": scale_before, "skipped": float(scale_after < scale_before),
-                      "grad_norm": norm.item()}  # fmt: skip
+            values = {
+                "loss": loss.item(),
+                "scale": scale_before,
+                "skipped": float(scale_after < scale_before),
+                "grad_norm": norm.item(),
+            }
             run.log(values, step=step)
 
         return Variant(trainer.scaler, after, read_scale=True, clip=ORIGINAL_CLIP_GRAD_NORM)
@@ -162,8 +166,15 @@ def make_conditions(names: list[str], server_url: str, tmp: str) -> tuple[list[C
         if name == "none":
             continue
         if name in ("ampwatch", "ampwatch+log", "ampwatch-off", "ampwatch-own-norm"):
-            conditions.append(Ampwatch(name, server_url, log_loss=name == "ampwatch+log", disabled=name == "ampwatch-off",
-                                       own_norm=name == "ampwatch-own-norm"))  # fmt: skip
+            conditions.append(
+                Ampwatch(
+                    name,
+                    server_url,
+                    log_loss=name == "ampwatch+log",
+                    disabled=name == "ampwatch-off",
+                    own_norm=name == "ampwatch-own-norm",
+                )
+            )
         elif name in ("tensorboard", "wandb"):
             if importlib.util.find_spec(name) is None:
                 notes.append(f"{name} row skipped: the {name} package is not installed (pip install {name})")

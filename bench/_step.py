@@ -69,10 +69,12 @@ def build(hidden: int, batch: int, seed: int = 0) -> Trainer:
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.GELU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+        torch.nn.Linear(64, hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.GELU(),
         torch.nn.Linear(hidden, 10),
-    )  # fmt: skip
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return Trainer(
         model, optimizer, torch.amp.GradScaler("cpu"), torch.randn(batch, 64), torch.randint(0, 10, (batch,))

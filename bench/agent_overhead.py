@@ -67,9 +67,20 @@ from _step import Trainer, build, calibrate, time_steps  # noqa: E402
 
 TARGET_OVERHEAD = 0.02
 TRIM = 0.01  # of the pair differences left out at each end of the on-thread mean
-HOST_READ_METHODS = frozenset({
-    "item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__", "cpu", "numpy", "__array__",
-})  # fmt: skip
+HOST_READ_METHODS = frozenset(
+    {
+        "item",
+        "tolist",
+        "__bool__",
+        "__float__",
+        "__int__",
+        "__index__",
+        "__complex__",
+        "cpu",
+        "numpy",
+        "__array__",
+    }
+)
 
 
 # -- measuring ------------------------------------------------------------------------------
@@ -110,8 +121,16 @@ def paired_block(
     condition.stop()
 
 
-def sustained_rounds(trainer: Trainer, conditions: list[Condition], rounds: int, steps: int, warm: int,
-                     rng: random.Random, results: dict[str, Result], server_pid: int) -> None:  # fmt: skip
+def sustained_rounds(
+    trainer: Trainer,
+    conditions: list[Condition],
+    rounds: int,
+    steps: int,
+    warm: int,
+    rng: random.Random,
+    results: dict[str, Result],
+    server_pid: int,
+) -> None:
     """Whole blocks per condition, shuffled within each round; ratios against the round's `none` block. The
     background and server CPU per step are taken here, where steps come at the loop's own pace (in a pair
     they come half as often, and a sender's per-batch cost would count twice per step)."""
@@ -219,17 +238,21 @@ def print_tables(results: dict[str, Result], base_step_s: float, count_steps: in
     """The timing table and the host-read table."""
     summaries = {}
     print("Timing: overhead as a fraction of the baseline step")
-    header = (f"{'condition':<13} {'on-thread':>9} {'median':>7} {'IQR of pairs':>16} {'background':>10} {'= us':>7} "
-              f"{'ceiling':>8} {'sustained':>9} {'IQR of rounds':>16} {'median step':>11} {'server us':>9}")  # fmt: skip
+    header = (
+        f"{'condition':<13} {'on-thread':>9} {'median':>7} {'IQR of pairs':>16} {'background':>10} {'= us':>7} "
+        f"{'ceiling':>8} {'sustained':>9} {'IQR of rounds':>16} {'median step':>11} {'server us':>9}"
+    )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
         s = summaries[name] = summarize(r)
         step = base_step_s * (1 + (s.sustained if s.sustained == s.sustained else s.on_thread))
-        print(f"{name:<13} {s.on_thread:>+9.2%} {s.on_thread_median:>+7.2%} {s.on_thread_iqr[0]:>+7.1%}..{s.on_thread_iqr[1]:>+7.1%} "
-              f"{s.background:>+10.2%} {s.background * base_step_s * 1e6:>7.1f} {s.ceiling:>+8.2%} "
-              f"{s.sustained:>+9.1%} {s.sustained_iqr[0]:>+7.1%}..{s.sustained_iqr[1]:>+7.1%} {step * 1e3:>8.3f} ms "
-              f"{statistics.fmean(r.server_s) * 1e6 if r.server_s else float('nan'):>9.1f}")  # fmt: skip
+        print(
+            f"{name:<13} {s.on_thread:>+9.2%} {s.on_thread_median:>+7.2%} {s.on_thread_iqr[0]:>+7.1%}..{s.on_thread_iqr[1]:>+7.1%} "
+            f"{s.background:>+10.2%} {s.background * base_step_s * 1e6:>7.1f} {s.ceiling:>+8.2%} "
+            f"{s.sustained:>+9.1%} {s.sustained_iqr[0]:>+7.1%}..{s.sustained_iqr[1]:>+7.1%} {step * 1e3:>8.3f} ms "
+            f"{statistics.fmean(r.server_s) * 1e6 if r.server_s else float('nan'):>9.1f}"
+        )
     print()
     print(f"Host reads on the training thread, per step ({count_steps} steps each)")
     print(f"{'condition':<13} {'python reads':>12} {'added':>6} {'_local_scalar_dense':>19} {'added':>6}  by name")
@@ -260,17 +283,30 @@ CPU step counters (no device sync on a GPU)."""
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--conditions", default="none,ampwatch,ampwatch-own-norm,ampwatch+log,ampwatch-off,tensorboard,wandb",
-                        help="comma-separated (default: all; missing packages are skipped with a note)")  # fmt: skip
+    parser.add_argument(
+        "--conditions",
+        default="none,ampwatch,ampwatch-own-norm,ampwatch+log,ampwatch-off,tensorboard,wandb",
+        help="comma-separated (default: all; missing packages are skipped with a note)",
+    )
     parser.add_argument(
         "--target-ms", type=float, default=1.0, help="calibrate the MLP width to this step time (default 1.0)"
     )
     parser.add_argument("--hidden", type=int, help="MLP width; skips calibration")
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: the other core "
-                        "is left to background threads and the server, like a GPU host's spare cores)")  # fmt: skip
-    parser.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin the training thread to the first "
-                        "CPU and the server, sender threads and logger processes to the others")  # fmt: skip
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: the other core "
+        "is left to background threads and the server, like a GPU host's spare cores)",
+    )
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="do not pin the training thread to the first "
+        "CPU and the server, sender threads and logger processes to the others",
+    )
     parser.add_argument("--rounds", type=int, default=6, help="paired blocks per condition, interleaved (default 6)")
     parser.add_argument("--pairs", type=int, default=400, help="step pairs per paired block (default 400)")
     parser.add_argument("--warm", type=int, default=3, help="untimed steps after starting a condition (default 3)")
@@ -311,19 +347,28 @@ def main(argv: list[str] | None = None) -> int:
         step_s = statistics.median(time_steps(trainer, trainer.plain, 100) for _ in range(3))
     else:
         hidden, step_s = calibrate(args.target_ms / 1e3, args.batch)
-    print(f"ampwatch agent overhead: torch {torch.__version__}, {len(cpus)} CPUs, {args.threads} torch thread(s), "
-          f"load average {os.getloadavg()[0]:.2f}\nstep: MLP 64-{hidden}-{hidden}-10, batch {args.batch}, fp16 autocast, "
-          f"AdamW, GradScaler('cpu'), clip_grad_norm_: {step_s * 1e3:.3f} ms at calibration (fastest of 5 blocks)\n"
-          f"paired: {args.rounds} blocks x {args.pairs} pairs per condition; sustained: {args.sustained_rounds} rounds x "
-          f"{args.sustained_steps} steps\n"
-          + (f"CPUs: the training thread on CPU {cpus[0]}; the agent's sender thread and the loggers' threads and "
-             f"processes on CPU(s) {sorted(helpers)} (a GPU host's spare cores), with the local server at nice 19 "
-             "(as if on another machine: it takes the spare CPU only when the senders leave it)" if helpers else
-             "CPUs: not pinned"), flush=True)  # fmt: skip
+    print(
+        f"ampwatch agent overhead: torch {torch.__version__}, {len(cpus)} CPUs, {args.threads} torch thread(s), "
+        f"load average {os.getloadavg()[0]:.2f}\nstep: MLP 64-{hidden}-{hidden}-10, batch {args.batch}, fp16 autocast, "
+        f"AdamW, GradScaler('cpu'), clip_grad_norm_: {step_s * 1e3:.3f} ms at calibration (fastest of 5 blocks)\n"
+        f"paired: {args.rounds} blocks x {args.pairs} pairs per condition; sustained: {args.sustained_rounds} rounds x "
+        f"{args.sustained_steps} steps\n"
+        + (
+            f"CPUs: the training thread on CPU {cpus[0]}; the agent's sender thread and the loggers' threads and "
+            f"processes on CPU(s) {sorted(helpers)} (a GPU host's spare cores), with the local server at nice 19 "
+            "(as if on another machine: it takes the spare CPU only when the senders leave it)"
+            if helpers
+            else "CPUs: not pinned"
+        ),
+        flush=True,
+    )
     names = [c.strip() for c in args.conditions.split(",") if c.strip()]
     rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory(prefix="ampwatch-overhead-") as tmp, scratch_database("sqlite") as db_url, \
-            Server(db_url, Path(tmp) / "server.log", cpus=helpers, nice=19 if helpers else 0) as server:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="ampwatch-overhead-") as tmp,
+        scratch_database("sqlite") as db_url,
+        Server(db_url, Path(tmp) / "server.log", cpus=helpers, nice=19 if helpers else 0) as server,
+    ):
         server.wait_ready()
         with on_cpus(helpers):
             conditions, notes = make_conditions(names, server.url, tmp)
@@ -378,14 +423,18 @@ def main(argv: list[str] | None = None) -> int:
                 verdict = "met end to end in this run, not by the ceiling"
             else:
                 verdict = "MISSED"
-            print(f"\ntarget: ampwatch <= {TARGET_OVERHEAD:.0%} of a step and 0 added host reads -> {verdict} "
-                  f"(on-thread {s.on_thread:+.2%}, ceiling with background {s.ceiling:+.2%}, sustained "
-                  f"{s.sustained:+.1%}, {added:+.2f} reads/step)")  # fmt: skip
+            print(
+                f"\ntarget: ampwatch <= {TARGET_OVERHEAD:.0%} of a step and 0 added host reads -> {verdict} "
+                f"(on-thread {s.on_thread:+.2%}, ceiling with background {s.ceiling:+.2%}, sustained "
+                f"{s.sustained:+.1%}, {added:+.2f} reads/step)"
+            )
         for condition in conditions:
             if isinstance(condition, Ampwatch) and not condition.disabled and condition.run_ids:
                 print(f"server check {condition.name}: {ampwatch_check(server.url, condition.run_ids[-1])}")
-                print(f"one-time cost of the {condition.name} run (not per step): init + watch {condition.setup_s * 1e3:.1f} ms, "
-                      f"finish {condition.finish_s * 1e3:.1f} ms")  # fmt: skip
+                print(
+                    f"one-time cost of the {condition.name} run (not per step): init + watch {condition.setup_s * 1e3:.1f} ms, "
+                    f"finish {condition.finish_s * 1e3:.1f} ms"
+                )
         for condition in conditions:
             if condition.note:
                 notes.append(f"{condition.name}: {condition.note}")

@@ -87,8 +87,11 @@ def main() -> None:
                     _make_runs(server.url, count, args.steps, made)
                     made = count
                     median, low, statements = _measure(db_url, args.passes)
-                    print(f"{backend:<9} {count:>5} {median * 1e3:>10.2f} {low * 1e3:>7.2f} {median * 1e3 / count:>9.2f} "
-                          f"{statements / count:>10.1f}", flush=True)  # fmt: skip
+                    print(
+                        f"{backend:<9} {count:>5} {median * 1e3:>10.2f} {low * 1e3:>7.2f} {median * 1e3 / count:>9.2f} "
+                        f"{statements / count:>10.1f}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -49,10 +49,18 @@ def build(width: int, layers: int, vocab: int, seed: int, device: str) -> tuple[
     import torch
 
     torch.manual_seed(seed)
-    block = lambda: torch.nn.TransformerEncoderLayer(width, max(1, width // 64), 4 * width, dropout=0.0,  # noqa: E731
-                                                     batch_first=True, norm_first=True)  # fmt: skip
-    model = torch.nn.Sequential(torch.nn.Embedding(vocab, width), *[block() for _ in range(layers)],
-                                torch.nn.LayerNorm(width), torch.nn.Linear(width, vocab)).to(device)  # fmt: skip
+
+    def block() -> torch.nn.Module:
+        return torch.nn.TransformerEncoderLayer(
+            width, max(1, width // 64), 4 * width, dropout=0.0, batch_first=True, norm_first=True
+        )
+
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(vocab, width),
+        *[block() for _ in range(layers)],
+        torch.nn.LayerNorm(width),
+        torch.nn.Linear(width, vocab),
+    ).to(device)
     fused = device == "cuda"
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=fused), torch.amp.GradScaler(device)
 
@@ -184,15 +192,21 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: nothing to measure (run with --device cpu to try the script)")
         return 1
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"ampwatch agent on a GPU loop: torch {torch.__version__}, {name}; batch {args.batch} x {args.seq} tokens, "
-          f"fp16 autocast, fused AdamW, GradScaler, clip_grad_norm_; {args.rounds} rounds x {args.steps} steps", flush=True)  # fmt: skip
+    print(
+        f"ampwatch agent on a GPU loop: torch {torch.__version__}, {name}; batch {args.batch} x {args.seq} tokens, "
+        f"fp16 autocast, fused AdamW, GradScaler, clip_grad_norm_; {args.rounds} rounds x {args.steps} steps",
+        flush=True,
+    )
     names = [c for c in args.conditions.split(",") if c]
     if "tensorboard" in names and not _has("torch.utils.tensorboard"):
         names.remove("tensorboard")
         print("tensorboard: not installed, left out")
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory(prefix="ampwatch-gpu-") as tmp, scratch_database("sqlite") as db_url, \
-            Server(db_url, Path(tmp) / "server.log") as server:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="ampwatch-gpu-") as tmp,
+        scratch_database("sqlite") as db_url,
+        Server(db_url, Path(tmp) / "server.log") as server,
+    ):
         server.wait_ready()
         for size in args.sizes.split(","):
             width, layers = (int(v) for v in size.split("x"))
@@ -215,16 +229,21 @@ def main(argv: list[str] | None = None) -> int:
                 for loop in loops:
                     loop.close()
             base = times["none"]
-            print(f"\nmodel width {width}, {layers} layers ({sum(p.numel() for p in loops[0].model.parameters()) / 1e6:.1f} M parameters): "
-                  f"step {statistics.median(base) * 1e3:.3f} ms without a logger")  # fmt: skip
+            print(
+                f"\nmodel width {width}, {layers} layers ({sum(p.numel() for p in loops[0].model.parameters()) / 1e6:.1f} M parameters): "
+                f"step {statistics.median(base) * 1e3:.3f} ms without a logger"
+            )
             print(
                 f"{'condition':<14}{'step ms':>9}{'overhead':>10}{'IQR over rounds':>20}{'paired':>9}{'syncs/step':>12}"
             )
             for n in names:
                 ratios = [(t / b - 1) * 100 for t, b in zip(times[n], base)]
                 q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-                print(f"{n:<14}{statistics.median(times[n]) * 1e3:>9.3f}{q2:>+9.2f}%{q1:>+10.2f}%..{q3:>+6.2f}%"
-                      f"{paired[n] * 100:>+8.2f}%{syncs[n]:>12.2f}", flush=True)  # fmt: skip
+                print(
+                    f"{n:<14}{statistics.median(times[n]) * 1e3:>9.3f}{q2:>+9.2f}%{q1:>+10.2f}%..{q3:>+6.2f}%"
+                    f"{paired[n] * 100:>+8.2f}%{syncs[n]:>12.2f}",
+                    flush=True,
+                )
     return 0
 
 

@@ -106,9 +106,11 @@ def main() -> None:
         added = [(a[k] - p[k]) / 1e3 for p, a, _ in pairs]
         on_lean = [d for d, (_, _, is_lean) in zip(added, pairs) if is_lean]
         other = [d for d, (_, _, is_lean) in zip(added, pairs) if not is_lean]
-        print(f"{name:9s} {_trimmed_mean(added):18.2f} us {statistics.median(added):5.2f} us "
-              f"{statistics.median(on_lean) if on_lean else float('nan'):8.2f} us "
-              f"{statistics.fmean(other) if other else float('nan'):9.2f} us")  # fmt: skip
+        print(
+            f"{name:9s} {_trimmed_mean(added):18.2f} us {statistics.median(added):5.2f} us "
+            f"{statistics.median(on_lean) if on_lean else float('nan'):8.2f} us "
+            f"{statistics.fmean(other) if other else float('nan'):9.2f} us"
+        )
     print(f"lean steps: {sum(lean[skip:]) / len(pairs):.1%} (median per phase); other steps: mean per phase")
 
 

@@ -42,7 +42,7 @@ from _common import (  # noqa: E402
     postgres_problem,
     process_cpu_seconds,
     scratch_database,
-)  # fmt: skip
+)
 
 TARGET_SQLITE_POINTS_S = 200_000
 _NONFINITE = ("NaN", "Infinity", "-Infinity")
@@ -139,8 +139,18 @@ def client_main(job: ClientJob, ready: Any, go: Any, results: Any) -> None:
             break
     end = time.perf_counter()
     conn.close()
-    results.put({"run_id": job.run_id, "start": start, "end": end, "points": points, "steps": steps_done,
-                 "latencies": latencies, "errors": errors, "body_bytes": len(bodies[0])})  # fmt: skip
+    results.put(
+        {
+            "run_id": job.run_id,
+            "start": start,
+            "end": end,
+            "points": points,
+            "steps": steps_done,
+            "latencies": latencies,
+            "errors": errors,
+            "body_bytes": len(bodies[0]),
+        }
+    )
 
 
 def _request(port: int, method: str, path: str, doc: dict[str, Any] | None = None) -> tuple[int, bytes]:
@@ -165,8 +175,19 @@ def run_config(server: Server, backend: str, batch_points: int, args: argparse.N
         status, data = _request(server.port, "PUT", f"/api/v1/runs/{run_id}", {"project": "bench", "name": run_id})
         if status != 200:
             raise RuntimeError(f"registering {run_id} failed ({status}): {data[:300]!r}")
-        jobs.append(ClientJob(server.port, run_id, batch_points, args.points // args.clients, args.layers,
-                              args.nonfinite, args.max_seconds, seed=c + batch_points, packed=not args.json_lists))  # fmt: skip
+        jobs.append(
+            ClientJob(
+                server.port,
+                run_id,
+                batch_points,
+                args.points // args.clients,
+                args.layers,
+                args.nonfinite,
+                args.max_seconds,
+                seed=c + batch_points,
+                packed=not args.json_lists,
+            )
+        )
     procs = [ctx.Process(target=client_main, args=(job, ready, go, results), daemon=True) for job in jobs]
     for p in procs:
         p.start()
@@ -190,13 +211,21 @@ def run_config(server: Server, backend: str, batch_points: int, args: argparse.N
     errors = [e for o in outs for e in o["errors"]]
     verified = all(_stored_steps(server.port, o["run_id"]) == o["steps"] for o in outs)
     return {
-        "backend": backend, "batch_points": batch_points, "clients": args.clients, "requests": len(latencies),
-        "points": points, "wall_s": wall, "points_s": points / wall if wall > 0 else 0.0,
-        "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
+        "backend": backend,
+        "batch_points": batch_points,
+        "clients": args.clients,
+        "requests": len(latencies),
+        "points": points,
+        "wall_s": wall,
+        "points_s": points / wall if wall > 0 else 0.0,
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
         "server_cpu": (cpu1 - cpu0) / wall if wall > 0 else float("nan"),
         "points_per_cpu_s": points / (cpu1 - cpu0) if cpu1 > cpu0 else float("nan"),
-        "body_kib": outs[0]["body_bytes"] / 1024, "errors": errors, "verified": verified,
-    }  # fmt: skip
+        "body_kib": outs[0]["body_bytes"] / 1024,
+        "errors": errors,
+        "verified": verified,
+    }
 
 
 def _start_py_spy(pid: int, profile_dir: str | None, name: str) -> subprocess.Popen[bytes] | None:
@@ -227,17 +256,21 @@ def _stored_steps(port: int, run_id: str) -> int:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = (f"{'backend':<9} {'batch pts':>9} {'body KiB':>8} {'clients':>7} {'requests':>8} {'points':>9} "
-              f"{'points/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'server CPU':>10} {'pts/server CPU-s':>16}  check")  # fmt: skip
+    header = (
+        f"{'backend':<9} {'batch pts':>9} {'body KiB':>8} {'clients':>7} {'requests':>8} {'points':>9} "
+        f"{'points/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'server CPU':>10} {'pts/server CPU-s':>16}  check"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         check = (
             "ok" if r["verified"] and not r["errors"] else f"{len(r['errors'])} errors" if r["errors"] else "MISMATCH"
         )
-        print(f"{r['backend']:<9} {r['batch_points']:>9,} {r['body_kib']:>8.0f} {r['clients']:>7} {r['requests']:>8} "
-              f"{r['points']:>9,} {r['points_s']:>10,.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
-              f"{r['server_cpu']:>9.0%} {r['points_per_cpu_s']:>16,.0f}  {check}")  # fmt: skip
+        print(
+            f"{r['backend']:<9} {r['batch_points']:>9,} {r['body_kib']:>8.0f} {r['clients']:>7} {r['requests']:>8} "
+            f"{r['points']:>9,} {r['points_s']:>10,.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+            f"{r['server_cpu']:>9.0%} {r['points_per_cpu_s']:>16,.0f}  {check}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -293,9 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
-    print(f"ampwatch ingest benchmark: {cpu_count()} CPUs, {args.clients} client process(es), "
-          f"{len(series_names(args.layers))} series per batch, ~{args.points:,} points or {args.max_seconds:g} s per row, "
-          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(
+        f"ampwatch ingest benchmark: {cpu_count()} CPUs, {args.clients} client process(es), "
+        f"{len(series_names(args.layers))} series per batch, ~{args.points:,} points or {args.max_seconds:g} s per row, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     if args.profile:
         if shutil.which("py-spy") is None:
             print("--profile needs py-spy on PATH (pip install py-spy)", file=sys.stderr)

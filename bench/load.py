@@ -143,12 +143,22 @@ def run_backend(backend: str, args: argparse.Namespace, logs: Path) -> dict[str,
     failed = [status for _, status, _ in timings if status != 200]
     points = args.agents * args.steps * args.scalars
     return {
-        "backend": backend, "agents": args.agents, "steps": args.steps, "points": points, "wall_s": wall,
-        "points_s": points / wall, "requests": len(timings), "failed_requests": len(failed),
-        "statuses": sorted(set(failed)), "points_per_request": sum(p for _, _, p in timings) / max(1, len(timings)),
-        "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
-        "max_ms": max(latencies, default=math.nan) * 1e3, "server_cpu": (cpu1 - cpu0) / wall, "problems": problems,
-    }  # fmt: skip
+        "backend": backend,
+        "agents": args.agents,
+        "steps": args.steps,
+        "points": points,
+        "wall_s": wall,
+        "points_s": points / wall,
+        "requests": len(timings),
+        "failed_requests": len(failed),
+        "statuses": sorted(set(failed)),
+        "points_per_request": sum(p for _, _, p in timings) / max(1, len(timings)),
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
+        "max_ms": max(latencies, default=math.nan) * 1e3,
+        "server_cpu": (cpu1 - cpu0) / wall,
+        "problems": problems,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,9 +193,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     offered = args.agents * args.scalars * 1000 / args.step_ms if args.step_ms else math.inf
-    print(f"ampwatch load benchmark: {args.agents} agents x {args.steps} steps x {args.scalars} scalars, step {args.step_ms:g} ms "
-          f"(offered {offered:,.0f} points/s), {args.procs} client processes, {cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    print(
+        f"ampwatch load benchmark: {args.agents} agents x {args.steps} steps x {args.scalars} scalars, step {args.step_ms:g} ms "
+        f"(offered {offered:,.0f} points/s), {args.procs} client processes, {cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     logs = Path(tempfile.mkdtemp(prefix="ampwatch-load-"))
     os.environ["AMPWATCH_SPOOL_DIR"] = str(logs / "spool")  # inherited by the client processes
     os.environ.setdefault("AMPWATCH_FINISH_TIMEOUT_S", str(args.timeout_s))
@@ -198,10 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_backend(backend, args, logs))
         r = rows[-1]
         check = "every point once" if not r["problems"] else "; ".join(r["problems"][:5])
-        print(f"{r['backend']:<9} {r['points']:>10,} points in {r['wall_s']:6.1f} s: {r['points_s']:>9,.0f} points/s sustained, "
-              f"{r['requests']:,} requests ({r['points_per_request']:.0f} points each), latency p50 {r['p50_ms']:.1f} ms "
-              f"p99 {r['p99_ms']:.1f} ms max {r['max_ms']:.0f} ms, {r['failed_requests']} failed {r['statuses']}, "
-              f"server CPU {r['server_cpu']:.0%}: {check}", flush=True)  # fmt: skip
+        print(
+            f"{r['backend']:<9} {r['points']:>10,} points in {r['wall_s']:6.1f} s: {r['points_s']:>9,.0f} points/s sustained, "
+            f"{r['requests']:,} requests ({r['points_per_request']:.0f} points each), latency p50 {r['p50_ms']:.1f} ms "
+            f"p99 {r['p99_ms']:.1f} ms max {r['max_ms']:.0f} ms, {r['failed_requests']} failed {r['statuses']}, "
+            f"server CPU {r['server_cpu']:.0%}: {check}",
+            flush=True,
+        )
     print(
         "sustained = all points / (first agent's first step .. last agent's finish() returning, i.e. all acknowledged);\n"
         "latency = one batch request as the agent's transport sees it; server CPU 100% = one core."

@@ -91,8 +91,11 @@ def main() -> None:
                     _make_runs(server.url, made, count, args.steps)
                     made = count
                     median, low, statements, get_s = _measure(db_url, server.url, args.scrapes)
-                    print(f"{backend:<9} {count:>5} {args.steps:>6} {median * 1e3:>11.2f} {low * 1e3:>7.2f} "
-                          f"{statements:>4} {get_s * 1e3:>7.2f}", flush=True)  # fmt: skip
+                    print(
+                        f"{backend:<9} {count:>5} {args.steps:>6} {median * 1e3:>11.2f} {low * 1e3:>7.2f} "
+                        f"{statements:>4} {get_s * 1e3:>7.2f}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

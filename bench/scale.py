@@ -66,18 +66,54 @@ def fill(app: object, first: int, count: int) -> None:
             )
         for lo in range(first, first + count, 2000):
             ids = range(lo, min(lo + 2000, first + count))
-            connection.execute(insert(models.Run), [{
-                "id": f"run-{i:06d}", "project_id": i % 10 + 1, "name": f"exp-{i}", "status": "finished" if i % 3 else "running",
-                "health": ("ok", "warning", "critical")[i % 3], "config": {"lr": 1e-3}, "environment": {"world_size": 1},
-                "created_at": now - timedelta(seconds=i), "last_seen_at": now - timedelta(seconds=i), "finished_at": None,
-                "last_step": 1000 + i, "skip_rate": 0.01 * (i % 7), "scale": 65536.0, "scale_step": 1000 + i,
-            } for i in ids])  # fmt: skip
-            connection.execute(insert(models.Alert), [{
-                "run_id": f"run-{i:06d}", "rule": "nonfinite_loss", "severity": "critical", "state": "firing",
-                "started_at": now, "resolved_at": None, "summary": "NaN loss", "rule_id": None, "rank": -1, "step": 5,
-                "last_step": 5, "count": 1, "fired_at": now, "cleared_at": None, "last_notified_at": None,
-                "updated_at": now, "details": {},
-            } for i in ids if i % 10 == 0])  # fmt: skip
+            connection.execute(
+                insert(models.Run),
+                [
+                    {
+                        "id": f"run-{i:06d}",
+                        "project_id": i % 10 + 1,
+                        "name": f"exp-{i}",
+                        "status": "finished" if i % 3 else "running",
+                        "health": ("ok", "warning", "critical")[i % 3],
+                        "config": {"lr": 1e-3},
+                        "environment": {"world_size": 1},
+                        "created_at": now - timedelta(seconds=i),
+                        "last_seen_at": now - timedelta(seconds=i),
+                        "finished_at": None,
+                        "last_step": 1000 + i,
+                        "skip_rate": 0.01 * (i % 7),
+                        "scale": 65536.0,
+                        "scale_step": 1000 + i,
+                    }
+                    for i in ids
+                ],
+            )
+            connection.execute(
+                insert(models.Alert),
+                [
+                    {
+                        "run_id": f"run-{i:06d}",
+                        "rule": "nonfinite_loss",
+                        "severity": "critical",
+                        "state": "firing",
+                        "started_at": now,
+                        "resolved_at": None,
+                        "summary": "NaN loss",
+                        "rule_id": None,
+                        "rank": -1,
+                        "step": 5,
+                        "last_step": 5,
+                        "count": 1,
+                        "fired_at": now,
+                        "cleared_at": None,
+                        "last_notified_at": None,
+                        "updated_at": now,
+                        "details": {},
+                    }
+                    for i in ids
+                    if i % 10 == 0
+                ],
+            )
 
 
 def measure(client: TestClient, engine: object, path: str, repeat: int) -> tuple[float, int]:

@@ -68,10 +68,16 @@ def main() -> None:
 
     torch.set_num_threads(1)
     totals: dict[str, float] = collections.defaultdict(float)
-    for module, name, label in ((_batcher, "to_host", "read"), (_batcher, "_tensors", "list tensors"), (_protocol, "packed", "pack"),
-                                (_outbox, "encode", "JSON"), (_steps.StepDecoder, "decode_lean", "decode"),
-                                (_steps.StepDecoder, "decode", "decode"), (_origin.Diagnosis, "observe_columns", "diagnose"),
-                                (_outbox.Outbox, "deliver", "deliver (HTTP)")):  # fmt: skip
+    for module, name, label in (
+        (_batcher, "to_host", "read"),
+        (_batcher, "_tensors", "list tensors"),
+        (_protocol, "packed", "pack"),
+        (_outbox, "encode", "JSON"),
+        (_steps.StepDecoder, "decode_lean", "decode"),
+        (_steps.StepDecoder, "decode", "decode"),
+        (_origin.Diagnosis, "observe_columns", "diagnose"),
+        (_outbox.Outbox, "deliver", "deliver (HTTP)"),
+    ):
         setattr(module, name, _timed(totals, label, getattr(module, name)))
     bursts: list[
         tuple[float, float, float, float]
@@ -100,8 +106,12 @@ def main() -> None:
     hidden = args.hidden or calibrate(1e-3, 64)[0]
     pin = len(os.sched_getaffinity(0)) > 1
     steps: list[tuple[float, float]] = []  # (end, duration)
-    with tempfile.TemporaryDirectory() as tmp, Server(f"sqlite:///{tmp}/db.sqlite", Path(tmp) / "server.log",
-                                                      cpus={1} if pin else None, nice=19 if pin else 0) as server:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Server(
+            f"sqlite:///{tmp}/db.sqlite", Path(tmp) / "server.log", cpus={1} if pin else None, nice=19 if pin else 0
+        ) as server,
+    ):
         server.wait_ready()
         trainer = build(hidden, 64)
         condition = Ampwatch("ampwatch", server.url)
@@ -141,8 +151,10 @@ def main() -> None:
     baseline = sum(outside) / len(outside)
     stall = [sum(d - baseline for (_, d), p in zip(steps, part) if p == which) for which in (1, 2)]
     n = len(steps)
-    print(f"hidden {hidden}: {n} steps in {args.seconds:.0f} s, mean step outside the bursts {baseline * 1e6:.1f} us, "
-          f"{len(measured_bursts)} bursts")  # fmt: skip
+    print(
+        f"hidden {hidden}: {n} steps in {args.seconds:.0f} s, mean step outside the bursts {baseline * 1e6:.1f} us, "
+        f"{len(measured_bursts)} bursts"
+    )
     print(f"sender CPU per step   {sum(b[3] for b in measured_bursts) / n * 1e6:6.2f} us")
     for name, seconds in measured.items():
         print(f"  {name:19s} {seconds / n * 1e6:6.2f} us")

@@ -119,8 +119,16 @@ def series_table(backend: str, pg_admin: str, repeat: int) -> list[dict[str, Any
                     }
                     inside = in_process_ms(engine, f"s{n}", repeat + 1, **query)[1:]  # the first warms the caches
                     wire = http_ms(server.url, f"s{n}", repeat + 1, params)[1:]
-                    rows.append({"backend": backend, "points": n, "query": label, "server_ms": statistics.median(inside),
-                                 "server_p90_ms": percentile(inside, 90), "http_ms": statistics.median(wire)})  # fmt: skip
+                    rows.append(
+                        {
+                            "backend": backend,
+                            "points": n,
+                            "query": label,
+                            "server_ms": statistics.median(inside),
+                            "server_p90_ms": percentile(inside, 90),
+                            "http_ms": statistics.median(wire),
+                        }
+                    )
         engine.dispose()
     return rows
 

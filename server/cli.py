@@ -18,9 +18,11 @@ from ampwatch.server.settings import Settings
 def settings_from(args: argparse.Namespace) -> Settings:
     """Environment settings with the CLI flags on top."""
     flags = {
-        "host": getattr(args, "host", None), "port": getattr(args, "port", None), "database_url": args.db,
+        "host": getattr(args, "host", None),
+        "port": getattr(args, "port", None),
+        "database_url": args.db,
         "insecure": getattr(args, "insecure", None),
-    }  # fmt: skip
+    }
     return Settings(**{k: v for k, v in flags.items() if v is not None})
 
 

@@ -31,8 +31,17 @@ def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
         )
         project_id = session.scalar(select(models.Project.id).where(models.Project.name == body.project))
         stamp = now()
-        row = dict(id=run_id, project_id=project_id, status="running", health="ok", created_at=stamp, last_seen_at=stamp,
-                   name=body.name, config=body.config, environment=body.environment)  # fmt: skip
+        row = dict(
+            id=run_id,
+            project_id=project_id,
+            status="running",
+            health="ok",
+            created_at=stamp,
+            last_seen_at=stamp,
+            name=body.name,
+            config=body.config,
+            environment=body.environment,
+        )
         # (another rank's insert may be under way: this one then waits for it and leaves its row alone)
         created = session.execute(
             _insert(session, cast(Table, models.Run.__table__))
@@ -85,8 +94,15 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     skipped = batch.points.get("skipped")
     world = (run.environment or {}).get("world_size")
     if skipped is not None and skipped.steps and isinstance(world, int) and world > 1:  # (ranks must skip alike)
-        alerts.compare_ranks(session, run=run, rank=batch.rank, world=world, skipped=(skipped.steps, skipped.values),
-                             series_id=series_ids["skipped"], stamp=stamp)  # fmt: skip
+        alerts.compare_ranks(
+            session,
+            run=run,
+            rank=batch.rank,
+            world=world,
+            skipped=(skipped.steps, skipped.values),
+            series_id=series_ids["skipped"],
+            stamp=stamp,
+        )
     # Event rules fire in this transaction: the alert and its queued notifications commit with the batch.
     alerts.on_batch(
         session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp
@@ -179,9 +195,17 @@ def _store_events(session: Session, run_id: str, batch: BatchIn, stamp: datetime
     rows = []
     for e in batch.events:
         time = datetime.fromtimestamp(e.time, timezone.utc) if e.time is not None else stamp
-        rows.append(models.Event(
-            run_id=run_id, step=e.step, rank=batch.rank if e.rank is None else e.rank, type=e.type,
-            severity=e.severity, message=e.message, details=e.details, time=time,
-        ))  # fmt: skip
+        rows.append(
+            models.Event(
+                run_id=run_id,
+                step=e.step,
+                rank=batch.rank if e.rank is None else e.rank,
+                type=e.type,
+                severity=e.severity,
+                message=e.message,
+                details=e.details,
+                time=time,
+            )
+        )
     session.add_all(rows)
     return rows

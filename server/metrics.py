@@ -48,16 +48,28 @@ class Metrics:
 
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.batches = Counter("ampwatch_ingest_batches", "Agent batches received by this process, by outcome: "
-                               "stored, duplicate (a re-send, stored before) or rejected (an error answer).",
-                               ["outcome"], registry=self.registry)  # fmt: skip
+        self.batches = Counter(
+            "ampwatch_ingest_batches",
+            "Agent batches received by this process, by outcome: "
+            "stored, duplicate (a re-send, stored before) or rejected (an error answer).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.points = Counter(
             "ampwatch_ingest_points", "Points stored by this process (re-sends not counted).", registry=self.registry
         )
-        self.latency = Histogram("ampwatch_ingest_batch_seconds", "Time to store one agent batch and answer.",
-                                 buckets=_BATCH_SECONDS, registry=self.registry)  # fmt: skip
-        self.streams = Gauge("ampwatch_streams_open", "Live update streams (SSE) open on this process: stream=run "
-                             "(a run page) or runs (the runs list).", ["stream"], registry=self.registry)  # fmt: skip
+        self.latency = Histogram(
+            "ampwatch_ingest_batch_seconds",
+            "Time to store one agent batch and answer.",
+            buckets=_BATCH_SECONDS,
+            registry=self.registry,
+        )
+        self.streams = Gauge(
+            "ampwatch_streams_open",
+            "Live update streams (SSE) open on this process: stream=run (a run page) or runs (the runs list).",
+            ["stream"],
+            registry=self.registry,
+        )
         for outcome in ("stored", "duplicate", "rejected"):
             self.batches.labels(outcome)
         for stream in ("run", "runs"):
@@ -96,14 +108,20 @@ def _runs_by_status(session: Session) -> Iterator[Metric]:
 def _deliveries(session: Session) -> Iterator[Metric]:
     D = models.AlertDelivery
     counts: dict[str, int] = dict(session.execute(select(D.status, func.count()).group_by(D.status)).all())
-    queue = GaugeMetricFamily("ampwatch_alert_delivery_queue", "Alert notifications waiting to be sent (queued, "
-                              "including retries not yet due) or being sent.", labels=["status"])  # fmt: skip
+    queue = GaugeMetricFamily(
+        "ampwatch_alert_delivery_queue",
+        "Alert notifications waiting to be sent (queued, including retries not yet due) or being sent.",
+        labels=["status"],
+    )
     for status in ("queued", "sending"):
         queue.add_metric([status], counts.get(status, 0))
     yield queue
-    done = CounterMetricFamily("ampwatch_alert_deliveries", "Alert delivery attempts finished, by outcome: "
-                               "delivered, retried (failed for now, tried again), failed, superseded.",
-                               labels=["outcome"])  # fmt: skip
+    done = CounterMetricFamily(
+        "ampwatch_alert_deliveries",
+        "Alert delivery attempts finished, by outcome: "
+        "delivered, retried (failed for now, tried again), failed, superseded.",
+        labels=["outcome"],
+    )
     for outcome in ("delivered", "retried", "failed", "superseded"):
         done.add_metric([outcome], counts.get(outcome, 0))
     yield done
@@ -111,26 +129,31 @@ def _deliveries(session: Session) -> Iterator[Metric]:
 
 def _per_run(session: Session) -> Iterator[Metric]:
     R, P, A = models.Run, models.Project, models.Alert
-    query = (select(R.id, P.name, R.name, R.last_step).join(P, P.id == R.project_id).where(R.status == "running")
-             .order_by(R.last_seen_at.desc()).limit(MAX_RUNS))  # fmt: skip
+    query = (
+        select(R.id, P.name, R.name, R.last_step)
+        .join(P, P.id == R.project_id)
+        .where(R.status == "running")
+        .order_by(R.last_seen_at.desc())
+        .limit(MAX_RUNS)
+    )
     rows = session.execute(query).all()
     runs = {run_id: [run_id, project, name] for run_id, project, name, _ in rows}
     families = {
         "step": GaugeMetricFamily("ampwatch_run_last_step", "The run's last step.", labels=_RUN_LABELS),
         "loss": GaugeMetricFamily(
             "ampwatch_run_loss", "The run's last loss (rank 0); NaN and +Inf as they are.", labels=_RUN_LABELS
-        ),  # fmt: skip
+        ),
         "scale": GaugeMetricFamily(
             "ampwatch_run_loss_scale", "The run's last GradScaler loss scale (rank 0).", labels=_RUN_LABELS
-        ),  # fmt: skip
+        ),
         "skip": GaugeMetricFamily(
             "ampwatch_run_skip_rate",
             f"Share of skipped optimizer steps among the run's last {SKIP_WINDOW_STEPS} steps (rank 0).",
             labels=_RUN_LABELS,
-        ),  # fmt: skip
+        ),
         "firing": GaugeMetricFamily(
             "ampwatch_run_alerts_firing", "Alerts firing on the run, by severity.", labels=[*_RUN_LABELS, "severity"]
-        ),  # fmt: skip
+        ),
     }
     if runs:
         for run_id, _, _, last_step in rows:
@@ -143,8 +166,11 @@ def _per_run(session: Session) -> Iterator[Metric]:
         for run_id, steps, skipped in session.execute(text(_SKIPS).bindparams(ids)):
             if steps:
                 families["skip"].add_metric(runs[run_id], skipped / steps)
-        firing = session.execute(select(A.run_id, A.severity, func.count()).where(A.state == "firing",
-                                 A.run_id.in_(list(runs))).group_by(A.run_id, A.severity)).all()  # fmt: skip
+        firing = session.execute(
+            select(A.run_id, A.severity, func.count())
+            .where(A.state == "firing", A.run_id.in_(list(runs)))
+            .group_by(A.run_id, A.severity)
+        ).all()
         counts = {(run_id, severity): count for run_id, severity, count in firing}
         for run_id, labels in runs.items():
             for severity in _SEVERITIES:

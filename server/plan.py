@@ -24,9 +24,14 @@ from ampwatch.server.db import utc
 from ampwatch.server.schemas import EventOut
 
 SIGN_TYPES = (
-    "grad_spike", "loss_spike", "skipped_step", "nonfinite_loss", "nonfinite_grad", "nonfinite_param",
+    "grad_spike",
+    "loss_spike",
+    "skipped_step",
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "nonfinite_param",
     "scale_collapse",
-)  # fmt: skip
+)
 TRIGGERS = ("nonfinite_param", "scale_collapse", "grad_spike", "loss_spike")  # when critical
 EPISODE_GAP = 100  # signs further apart than this are separate troubles
 MARGIN = 5  # steps skipped after the last critical one: the batches right after a blow-up are suspect too
@@ -37,9 +42,15 @@ FORMATS = ("json", "lightning", "megatron")
 def event_json(event: models.Event) -> dict[str, Any]:
     """An event as the read API shows it (`GET /api/v1/runs/{id}/events`)."""
     return EventOut(
-        id=event.id, step=event.step, rank=event.rank, type=event.type, severity=event.severity,
-        message=event.message, details=event.details, time=utc(event.time),
-    ).model_dump(mode="json")  # fmt: skip
+        id=event.id,
+        step=event.step,
+        rank=event.rank,
+        type=event.type,
+        severity=event.severity,
+        message=event.message,
+        details=event.details,
+        time=utc(event.time),
+    ).model_dump(mode="json")
 
 
 def load(session: Session, run_id: str) -> tuple[list[models.Event], list[models.Event]]:
@@ -63,9 +74,14 @@ def load(session: Session, run_id: str) -> tuple[list[models.Event], list[models
 def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[models.Event]) -> dict[str, Any]:
     """The plan for the run's first episode with a trigger; `trouble` is None when there is none."""
     plan: dict[str, Any] = {
-        "run_id": run_id, "trouble": None, "checkpoint": None, "skip": None, "margin": MARGIN,
-        "episode_gap": EPISODE_GAP, "summary": "No critical numerics event: nothing to roll back.",
-    }  # fmt: skip
+        "run_id": run_id,
+        "trouble": None,
+        "checkpoint": None,
+        "skip": None,
+        "margin": MARGIN,
+        "episode_gap": EPISODE_GAP,
+        "summary": "No critical numerics event: nothing to roll back.",
+    }
     trigger = next((i for i, e in enumerate(signs) if e.severity == "critical" and e.type in TRIGGERS), None)
     if trigger is None:
         return plan
@@ -82,9 +98,12 @@ def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[mo
     checkpoint = before[-1] if before else None
     to = min(last_critical + MARGIN, first_step + MAX_SKIP - 1)
     plan["trouble"] = {
-        "first_step": first_step, "first_sign": event_json(episode[0]), "critical_step": signs[trigger].step,
-        "critical": [event_json(e) for e in critical], "signs": len(episode),
-    }  # fmt: skip
+        "first_step": first_step,
+        "first_sign": event_json(episode[0]),
+        "critical_step": signs[trigger].step,
+        "critical": [event_json(e) for e in critical],
+        "signs": len(episode),
+    }
     plan["checkpoint"] = (
         None
         if checkpoint is None

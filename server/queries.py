@@ -14,11 +14,14 @@ from ampwatch.server.db import IDS_PER_QUERY, now  # noqa: F401  (now: the pages
 
 def run_ranks(session: Session, *, run_id: str) -> list[int]:
     """The ranks the run has sent batches from, in order: one primary-key seek per rank."""
-    rows = session.execute(text(
-        "WITH RECURSIVE r(rank) AS (SELECT min(rank) FROM batches WHERE run_id = :run"
-        " UNION ALL SELECT (SELECT min(rank) FROM batches WHERE run_id = :run AND rank > r.rank) FROM r WHERE r.rank IS NOT NULL)"
-        " SELECT rank FROM r WHERE rank IS NOT NULL"
-    ), {"run": run_id})  # fmt: skip
+    rows = session.execute(
+        text(
+            "WITH RECURSIVE r(rank) AS (SELECT min(rank) FROM batches WHERE run_id = :run"
+            " UNION ALL SELECT (SELECT min(rank) FROM batches WHERE run_id = :run AND rank > r.rank) FROM r WHERE r.rank IS NOT NULL)"
+            " SELECT rank FROM r WHERE rank IS NOT NULL"
+        ),
+        {"run": run_id},
+    )
     return [r[0] for r in rows]
 
 
@@ -28,9 +31,13 @@ def feed_position(session: Session, *, run_id: str) -> int:
 
 
 def list_runs(
-    session: Session, *, project: str | None = None, status: str | None = None, search: str | None = None,
+    session: Session,
+    *,
+    project: str | None = None,
+    status: str | None = None,
+    search: str | None = None,
     seen_after: datetime | None = None,
-) -> list[tuple[models.Run, str]]:  # fmt: skip
+) -> list[tuple[models.Run, str]]:
     """Every matching run with its project's name, newest first (the runs stream's look; pages use
     `ampwatch.server.runlist`); `search` matches part of the run's name, `seen_after` keeps runs heard from since."""
     query = select(models.Run, models.Project.name).join(models.Project)
@@ -85,17 +92,24 @@ def series_names(session: Session, *, run_id: str) -> list[str]:
 
 
 def read_series(
-    session: Session, *, run_id: str, names: list[str], rank: int = 0, max_points: int | None = None,
-    start: int | None = None, end: int | None = None,
-) -> dict[str, tuple[list[int], list[float | None]]]:  # fmt: skip
+    session: Session,
+    *,
+    run_id: str,
+    names: list[str],
+    rank: int = 0,
+    max_points: int | None = None,
+    start: int | None = None,
+    end: int | None = None,
+) -> dict[str, tuple[list[int], list[float | None]]]:
     """Each named series as (steps, values) in step order, within [start, end]; NaN is None. Unknown names
     are empty. With `max_points`, downsampled in SQL keeping per-bucket extremes and every non-finite point."""
     ids = _series_ids_of(session, run_id, names)
     return {
         name: series.read_series(session, series_id=ids[name], rank=rank, start=start, end=end, max_points=max_points)
-        if name in ids else ([], [])
+        if name in ids
+        else ([], [])
         for name in names
-    }  # fmt: skip
+    }
 
 
 def _series_ids_of(session: Session, run_id: str, names: list[str]) -> dict[str, int]:
@@ -106,9 +120,15 @@ def _series_ids_of(session: Session, run_id: str, names: list[str]) -> dict[str,
 
 
 def layer_heatmap(
-    session: Session, *, run_id: str, prefix: str, rank: int = 0, columns: int = 300,
-    start: int | None = None, end: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    session: Session,
+    *,
+    run_id: str,
+    prefix: str,
+    rank: int = 0,
+    columns: int = 300,
+    start: int | None = None,
+    end: int | None = None,
+) -> dict[str, Any]:
     """Series named `prefix…` (e.g. `grad_norm/`) as a layer × step grid, layers in natural order; see `series.grid`."""
     query = select(models.Series.name, models.Series.id).where(
         models.Series.run_id == run_id, models.Series.name.startswith(prefix, autoescape=True)

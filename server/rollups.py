@@ -124,15 +124,18 @@ def _known_blocks(session: Session, rank: int, keys: list[tuple[int, int]]) -> d
     for sid, block in keys:
         per_series.setdefault(sid, []).append(block)
     blocks, sids = [b for _, b in keys], list(per_series)
-    spans = [(sids[i : i + IDS_PER_QUERY], min(blocks), max(blocks)) for i in range(0, len(sids), IDS_PER_QUERY)] if (
-        max(blocks) - min(blocks) < 64) else [([sid], min(bs), max(bs)) for sid, bs in per_series.items()]  # fmt: skip
+    spans = (
+        [(sids[i : i + IDS_PER_QUERY], min(blocks), max(blocks)) for i in range(0, len(sids), IDS_PER_QUERY)]
+        if (max(blocks) - min(blocks) < 64)
+        else [([sid], min(bs), max(bs)) for sid, bs in per_series.items()]
+    )
     wanted = set(keys)
     out: dict[tuple[int, int], Extremes] = {}
     for sids, lo, hi in spans:
         sql = (
             "SELECT series_id, block, min_step, min_value, max_step, max_value, last_step FROM point_blocks"
             f" WHERE series_id IN ({', '.join([mark] * len(sids))}) AND rank = {mark} AND block >= {mark} AND block <= {mark}{lock}"
-        )  # fmt: skip
+        )
         for row in connection.exec_driver_sql(sql, (*sids, rank, lo, hi)):
             if (row[0], row[1]) in wanted:
                 out[(row[0], row[1])] = tuple(row[2:])

@@ -47,11 +47,14 @@ class RunFilter:
 def _key(sort: str, descending: bool) -> SQLColumnExpression[Any]:
     R = models.Run
     columns: dict[str, SQLColumnExpression[Any]] = {
-        "started": R.created_at, "seen": R.last_seen_at, "name": R.name, "status": R.status,
+        "started": R.created_at,
+        "seen": R.last_seen_at,
+        "name": R.name,
+        "status": R.status,
         "project": models.Project.name,
         "step": func.coalesce(R.last_step, _NO_STEP[descending]),
         "health": case({h: rank for rank, h in HEALTH.items()}, value=R.health),  # by severity, not spelling
-    }  # fmt: skip
+    }
     return columns[sort]
 
 
@@ -85,11 +88,14 @@ def page(
 def _value(row: tuple[models.Run, str], sort: str, descending: bool) -> Any:
     run, project = row
     return {
-        "started": lambda: utc(run.created_at).isoformat(), "seen": lambda: utc(run.last_seen_at).isoformat(),
+        "started": lambda: utc(run.created_at).isoformat(),
+        "seen": lambda: utc(run.last_seen_at).isoformat(),
         "step": lambda: run.last_step if run.last_step is not None else _NO_STEP[descending],
-        "name": lambda: run.name, "status": lambda: run.status, "project": lambda: project,
+        "name": lambda: run.name,
+        "status": lambda: run.status,
+        "project": lambda: project,
         "health": lambda: {h: rank for rank, h in HEALTH.items()}[run.health],
-    }[sort]()  # fmt: skip
+    }[sort]()
 
 
 def _encode(sort: str, descending: bool, value: Any, run_id: str) -> str:

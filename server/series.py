@@ -29,10 +29,10 @@ _NONFINITE = "(value IS NULL OR value > 1e308 OR value < -1e308)"  # the predica
 # so that no sum passes :hi: steps go up to the largest BIGINT, and one past it overflows on Postgres.)
 _BUCKETS = {
     "sqlite": "WITH RECURSIVE b(lo, last) AS (SELECT :lo, :lo + min(:w - 1, :hi - :lo)"
-              " UNION ALL SELECT last + 1, last + 1 + min(:w - 1, :hi - last - 1) FROM b WHERE last < :hi)",
+    " UNION ALL SELECT last + 1, last + 1 + min(:w - 1, :hi - last - 1) FROM b WHERE last < :hi)",
     "postgresql": "WITH b AS (SELECT g.lo, g.lo + LEAST(CAST(:w AS bigint) - 1, CAST(:hi AS bigint) - g.lo) AS last"
-                  " FROM generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint), CAST(:w AS bigint)) AS g(lo))",
-}  # fmt: skip
+    " FROM generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint), CAST(:w AS bigint)) AS g(lo))",
+}
 _RANGE = "series_id = :sid AND rank = :rank AND step >= b.lo AND step <= b.last"
 
 # SQLite: a bare column next to a single max() (or min()) comes from the row holding that extreme.
@@ -55,10 +55,13 @@ def _dialect(session: Session) -> str:
 
 def bounds(session: Session, *, series_id: int, rank: int) -> tuple[int, int] | None:
     """The first and last step of a series, by two index seeks; None when it has no points."""
-    row = session.execute(text(
-        "SELECT (SELECT min(step) FROM points WHERE series_id = :sid AND rank = :rank),"
-        " (SELECT max(step) FROM points WHERE series_id = :sid AND rank = :rank)"
-    ), {"sid": series_id, "rank": rank}).one()  # fmt: skip
+    row = session.execute(
+        text(
+            "SELECT (SELECT min(step) FROM points WHERE series_id = :sid AND rank = :rank),"
+            " (SELECT max(step) FROM points WHERE series_id = :sid AND rank = :rank)"
+        ),
+        {"sid": series_id, "rank": rank},
+    ).one()
     return None if row[0] is None else (row[0], row[1])
 
 
@@ -74,9 +77,14 @@ def read_range(session: Session, *, series_id: int, rank: int, lo: int, hi: int)
 
 
 def read_series(
-    session: Session, *, series_id: int, rank: int, start: int | None = None, end: int | None = None,
+    session: Session,
+    *,
+    series_id: int,
+    rank: int,
+    start: int | None = None,
+    end: int | None = None,
     max_points: int | None = None,
-) -> Points:  # fmt: skip
+) -> Points:
     """Points of one series in [start, end]; with `max_points`, when the range holds more points than that,
     per-bucket min and max, the first and the last point, and every non-finite point on top (so at most
     `max_points` finite points)."""
@@ -98,10 +106,13 @@ def read_series(
 def _count(session: Session, series_id: int, rank: int, lo: int, hi: int, limit: int) -> int:
     """How many points lo <= step <= hi, counted no further than `limit` (a short walk of the primary key: a
     sparse series with a dense burst spans more steps than it has points)."""
-    return session.execute(text(
-        "SELECT count(*) FROM (SELECT 1 FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi"
-        " LIMIT :limit) AS p"
-    ), {"sid": series_id, "rank": rank, "lo": lo, "hi": hi, "limit": limit}).scalar_one()  # fmt: skip
+    return session.execute(
+        text(
+            "SELECT count(*) FROM (SELECT 1 FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi"
+            " LIMIT :limit) AS p"
+        ),
+        {"sid": series_id, "rank": rank, "lo": lo, "hi": hi, "limit": limit},
+    ).scalar_one()
 
 
 def _downsample(session: Session, series_id: int, rank: int, lo: int, hi: int, max_points: int) -> Points:
@@ -195,10 +206,13 @@ def _extremes_of(session: Session, params: dict[str, int]) -> set[int]:
 
 
 def _ends(session: Session, series_id: int, rank: int, lo: int, hi: int) -> list[int]:
-    row = session.execute(text(
-        "SELECT (SELECT min(step) FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo),"
-        " (SELECT max(step) FROM points WHERE series_id = :sid AND rank = :rank AND step <= :hi)"
-    ), {"sid": series_id, "rank": rank, "lo": lo, "hi": hi}).one()  # fmt: skip
+    row = session.execute(
+        text(
+            "SELECT (SELECT min(step) FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo),"
+            " (SELECT max(step) FROM points WHERE series_id = :sid AND rank = :rank AND step <= :hi)"
+        ),
+        {"sid": series_id, "rank": rank, "lo": lo, "hi": hi},
+    ).one()
     return [s for s in row if s is not None]
 
 
@@ -212,10 +226,13 @@ def _values_at(session: Session, series_id: int, rank: int, steps: Iterable[int]
 def _finite_extremes(session: Session, series_id: int, rank: int, lo: int, hi: int) -> dict[int, float | None]:
     out: dict[int, float | None] = {}
     for order in ("DESC", "ASC"):
-        row = session.execute(text(
-            "SELECT step, value FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi"
-            f" AND value < :inf AND value > :ninf ORDER BY value {order} LIMIT 1"
-        ), {"sid": series_id, "rank": rank, "lo": lo, "hi": hi, "inf": math.inf, "ninf": -math.inf}).first()  # fmt: skip
+        row = session.execute(
+            text(
+                "SELECT step, value FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi"
+                f" AND value < :inf AND value > :ninf ORDER BY value {order} LIMIT 1"
+            ),
+            {"sid": series_id, "rank": rank, "lo": lo, "hi": hi, "inf": math.inf, "ninf": -math.inf},
+        ).first()
         if row is not None:
             out[row[0]] = row[1]
     return out
@@ -244,10 +261,13 @@ def points_between(
 ) -> list[tuple[str, int, float | None]]:
     """(series name, step, value) of every point of the run with lo <= step <= hi, in step order, at most
     `limit`: one primary-key range per series, so a live stream pays for what is new only."""
-    rows = session.execute(text(
-        "SELECT s.name, p.step, p.value FROM series s JOIN points p ON p.series_id = s.id"
-        " WHERE s.run_id = :run AND p.rank = :rank AND p.step >= :lo AND p.step <= :hi ORDER BY p.step, s.name LIMIT :limit"
-    ), {"run": run_id, "rank": rank, "lo": lo, "hi": hi, "limit": limit})  # fmt: skip
+    rows = session.execute(
+        text(
+            "SELECT s.name, p.step, p.value FROM series s JOIN points p ON p.series_id = s.id"
+            " WHERE s.run_id = :run AND p.rank = :rank AND p.step >= :lo AND p.step <= :hi ORDER BY p.step, s.name LIMIT :limit"
+        ),
+        {"run": run_id, "rank": rank, "lo": lo, "hi": hi, "limit": limit},
+    )
     return [(n, st, v) for n, st, v in rows]
 
 
@@ -294,8 +314,12 @@ def grid(
         for step, value in points.items():
             row, k = cells[sid], (step - lo) // width
             row[k] = _worse(row[k], value)
-    return {"layers": [name for name, _ in layers], "steps": list(range(lo, hi + 1, width)), "width": width,
-            "values": [to_json_cells(cells[i]) for i in ids]}  # fmt: skip
+    return {
+        "layers": [name for name, _ in layers],
+        "steps": list(range(lo, hi + 1, width)),
+        "width": width,
+        "values": [to_json_cells(cells[i]) for i in ids],
+    }
 
 
 def _block_max(

@@ -78,6 +78,8 @@ def of(run: models.Run, firing_by_severity: dict[str, int]) -> dict[str, Any]:
     """The vitals a runs list shows beside the run's own fields (the API's and the stream's `skip_rate`, `scale`,
     `firing`, `firing_by_severity`)."""
     return {
-        "skip_rate": run.skip_rate, "scale": scale_json(run), "firing": sum(firing_by_severity.values()),
+        "skip_rate": run.skip_rate,
+        "scale": scale_json(run),
+        "firing": sum(firing_by_severity.values()),
         "firing_by_severity": {s: firing_by_severity.get(s, 0) for s in SEVERITIES},
-    }  # fmt: skip
+    }

@@ -27,12 +27,12 @@ def context_page(browser: Any, **options: Any) -> Iterator[Any]:
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(f"page error: {error}"))
     page.on("console", lambda msg: msg.type == "error" and errors.append(f"console: {msg.text}"))
-    page.requests = []  # type: ignore[attr-defined]
-    page.on("request", lambda request: page.requests.append(request.url))  # type: ignore[attr-defined]
+    page.requests = []
+    page.on("request", lambda request: page.requests.append(request.url))
     page.expected_errors = []  # type: ignore[attr-defined]  # (text of errors a test causes on purpose)
     yield page
     context.close()
-    assert not [e for e in errors if not any(x in e for x in page.expected_errors)], errors  # type: ignore[attr-defined]
+    assert not [e for e in errors if not any(x in e for x in page.expected_errors)], errors
 
 
 class socket_port:

@@ -27,9 +27,15 @@ from ampwatch.server import Settings, create_app
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 REQUIRE_BROWSER = bool(os.environ.get("AMPWATCH_REQUIRE_BROWSER"))  # read at import: `_agent_env` clears AMPWATCH_*
 LEAKS = os.environ.get("AMPWATCH_TEST_LEAKS")  # a file to note the tests that leave a run open in (read at import)
 PG_ADMIN_URL = os.environ.get("AMPWATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -82,7 +88,7 @@ def pg_url(pg_admin: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def sqlite_url(tmp_path) -> str:  # type: ignore[no-untyped-def]
+def sqlite_url(tmp_path) -> str:
     """A fresh SQLite file for one test."""
     return f"sqlite:///{tmp_path / 'ampwatch.db'}"
 

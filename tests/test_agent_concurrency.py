@@ -17,7 +17,7 @@ def _senders() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "ampwatch-sender"]
 
 
-def test_a_sweep_of_runs_in_one_process_finishes_each_and_leaves_no_threads(memory, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_sweep_of_runs_in_one_process_finishes_each_and_leaves_no_threads(memory, wait_for) -> None:
     before = _senders()
     ids = []
     for trial in range(12):  # a hyper-parameter sweep: init, train, finish, next
@@ -38,7 +38,7 @@ def test_a_sweep_of_runs_in_one_process_finishes_each_and_leaves_no_threads(memo
         assert _steps(memory, run_id, "loss") == list(range(50)), trial
 
 
-def test_concurrent_runs_and_threads_sharing_one_run_lose_and_duplicate_nothing(memory) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_runs_and_threads_sharing_one_run_lose_and_duplicate_nothing(memory) -> None:
     shared = ampwatch.init("threads", name="shared", transport=memory)
     own_runs: list[ampwatch.Run] = []
     lock = threading.Lock()

@@ -43,7 +43,7 @@ def _copies(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
-def test_a_watched_model_copies_and_saves_whole_at_any_time_and_its_copies_are_not_watched(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_watched_model_copies_and_saves_whole_at_any_time_and_its_copies_are_not_watched(memory) -> None:
     torch.manual_seed(0)
     model = _FrozenBackbone()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
@@ -85,7 +85,7 @@ def test_a_watched_model_copies_and_saves_whole_at_any_time_and_its_copies_are_n
         assert torch.equal(loaded(torch.ones(2, 8)), before)
 
 
-def test_a_watched_scaler_in_a_checkpoint_loads_with_weights_only(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_watched_scaler_in_a_checkpoint_loads_with_weights_only(memory) -> None:
     from torch.amp.grad_scaler import GradScaler, _refresh_per_optimizer_state
 
     model = torch.nn.Linear(4, 1)
@@ -121,7 +121,7 @@ class _FoldingSGD(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])
 
 
-def test_without_a_scaler_the_norm_is_the_gradients_before_the_optimizer_step_changes_them(memory) -> None:  # type: ignore[no-untyped-def]
+def test_without_a_scaler_the_norm_is_the_gradients_before_the_optimizer_step_changes_them(memory) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     folding = _FoldingSGD(model.parameters())
@@ -143,7 +143,7 @@ def test_without_a_scaler_the_norm_is_the_gradients_before_the_optimizer_step_ch
     assert [round(v, 4) for v in series["values"]] == [round(v, 4) for v in expected]
 
 
-def test_a_torchscript_model_is_watched_without_module_hooks(memory, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_torchscript_model_is_watched_without_module_hooks(memory, caplog) -> None:
     torch.manual_seed(0)
     model = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -186,7 +186,7 @@ def test_a_compiled_model_computes_bitwise_the_same_watched() -> None:
 
 
 @pytest.mark.parametrize("two_optimizers", [False, True])
-def test_sparse_embedding_gradients_count_in_the_norm(memory, two_optimizers: bool) -> None:  # type: ignore[no-untyped-def]
+def test_sparse_embedding_gradients_count_in_the_norm(memory, two_optimizers: bool) -> None:
     torch.manual_seed(0)
     embedding, head = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 1)
     model = torch.nn.Sequential(embedding, head)
@@ -230,7 +230,7 @@ class _Branchy(torch.nn.Module):
         return self.body(self.extra(x) if step % 2 == 0 else x)
 
 
-def test_a_clip_over_the_parameters_that_have_gradients_is_the_norm_of_every_step(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_clip_over_the_parameters_that_have_gradients_is_the_norm_of_every_step(memory) -> None:
     torch.manual_seed(0)
     model = _Branchy()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)

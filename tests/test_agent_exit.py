@@ -19,7 +19,7 @@ import ampwatch
 )
 def test_a_script_that_never_calls_finish_is_closed_truthfully_at_exit(
     sqlite_server, tmp_path, ending: str, status: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     script = tmp_path / "train.py"
     script.write_text(
         "import ampwatch\n"
@@ -38,7 +38,7 @@ def test_a_script_that_never_calls_finish_is_closed_truthfully_at_exit(
     assert [e["type"] for e in events] == ([] if status == "finished" else ["run_crashed"])
 
 
-def test_dataloader_workers_forked_mid_run_start_no_sender_and_exit_cleanly(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_dataloader_workers_forked_mid_run_start_no_sender_and_exit_cleanly(sqlite_server) -> None:
     dataset = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 4))
     loader = torch.utils.data.DataLoader(dataset, batch_size=8, num_workers=2, multiprocessing_context="fork")
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ print(status, run.id)
 """
 
 
-def test_a_forked_child_that_exits_normally_does_not_finish_its_parents_run(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_forked_child_that_exits_normally_does_not_finish_its_parents_run(sqlite_server) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _FORKING_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=120
     )
@@ -111,12 +111,17 @@ print(run.id)
 """
 
 
-def test_a_forked_child_that_logs_sends_under_its_own_numbers_and_the_parent_loses_nothing(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_forked_child_that_logs_sends_under_its_own_numbers_and_the_parent_loses_nothing(sqlite_server) -> None:
     """The child once sent its batch under the parent's next sequence number, and the server then took the
     parent's own batch for a re-send of it: the parent's step 1 was lost."""
     env = {**os.environ, "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}
-    done = subprocess.run([sys.executable, "-c", _CHILD_LOGS_SCRIPT, sqlite_server.url], capture_output=True, text=True,
-                          timeout=60, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD_LOGS_SCRIPT, sqlite_server.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     run_id = done.stdout.split()[-1]
     with sqlite_server.client() as http:
@@ -147,7 +152,7 @@ print(run.id)
 
 def test_a_real_process_with_forked_dataloader_workers_exits_without_hanging_and_its_run_is_finished(
     sqlite_server,
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _DATALOADER_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=60
     )
@@ -182,7 +187,7 @@ if sys.argv[1] == "finish":
 @pytest.mark.parametrize("ending", ["finish", "exit"])
 def test_a_process_ending_with_thousands_of_steps_still_buffered_exits_cleanly_and_keeps_them(
     sqlite_server, tmp_path, ending: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     # Regression: the sender freed the last records' tensors after finish() had returned; a tensor's release lets
     # go of the GIL, and taking it back during interpreter shutdown aborted the process ("terminate called...").
     env = {
@@ -195,8 +200,12 @@ def test_a_process_ending_with_thousands_of_steps_still_buffered_exits_cleanly_a
         [sys.executable, "-c", _BUFFERED_EXIT_SCRIPT, ending], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    synced = subprocess.run([sys.executable, "-m", "ampwatch._cli", "sync", str(tmp_path), "--url", sqlite_server.url],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    synced = subprocess.run(
+        [sys.executable, "-m", "ampwatch._cli", "sync", str(tmp_path), "--url", sqlite_server.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert synced.returncode == 0, synced.stderr
     with sqlite_server.client() as http:
         [run] = http.get("/api/v1/runs").json()

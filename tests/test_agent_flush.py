@@ -45,7 +45,7 @@ class _Unavailable:
         pass
 
 
-def test_flush_returns_once_what_the_server_did_not_take_is_in_the_spool(monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_flush_returns_once_what_the_server_did_not_take_is_in_the_spool(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path))
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "0.2")
     transport = _Unavailable()
@@ -61,7 +61,7 @@ def test_flush_returns_once_what_the_server_did_not_take_is_in_the_spool(monkeyp
     run.finish()
 
 
-def test_flush_says_false_when_nothing_took_the_batches_in_time(monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_flush_says_false_when_nothing_took_the_batches_in_time(monkeypatch, tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(blocker))  # no spool: the batches are held in memory only
@@ -73,7 +73,7 @@ def test_flush_says_false_when_nothing_took_the_batches_in_time(monkeypatch, tmp
     run.finish()
 
 
-def test_a_disabled_run_has_nothing_to_flush(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_disabled_run_has_nothing_to_flush(monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_MODE", "disabled")
     run = ampwatch.init("flush", "disabled", transport=_memory.MemoryTransport())
     run.log({"x": 1.0})

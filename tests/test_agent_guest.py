@@ -51,7 +51,7 @@ def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_parameters_are_bitwise_identical_with_and_without_the_agent(memory, fused: bool) -> None:  # type: ignore[no-untyped-def]
+def test_parameters_are_bitwise_identical_with_and_without_the_agent(memory, fused: bool) -> None:
     baseline = _train(None, fused=fused)
     with ampwatch.init("guest", "bitwise", transport=memory) as run:
         watched = _train(run, fused=fused)
@@ -59,7 +59,7 @@ def test_parameters_are_bitwise_identical_with_and_without_the_agent(memory, fus
     assert not torch.equal(baseline[0], _train(None, steps=29, fused=fused)[0])  # the comparison can fail
 
 
-def test_training_finishes_and_stays_correct_when_the_server_is_unreachable(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_training_finishes_and_stays_correct_when_the_server_is_unreachable(monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "1")
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -73,7 +73,7 @@ def test_training_finishes_and_stays_correct_when_the_server_is_unreachable(monk
     assert _bitwise_equal(baseline, watched)
 
 
-def test_a_server_that_never_answers_does_not_hold_up_the_loop(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_server_that_never_answers_does_not_hold_up_the_loop(monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "0.5")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -121,7 +121,7 @@ class _HostReads(TorchFunctionMode):
         super().__init__()
         self.counts: Counter[str] = Counter()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in self.NAMES:
             self.counts[name] += 1
@@ -135,14 +135,14 @@ class _DenseReads(TorchDispatchMode):
         super().__init__()
         self.counts: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
             self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_the_agent_adds_zero_host_reads_per_step(memory, fused: bool) -> None:  # type: ignore[no-untyped-def]
+def test_the_agent_adds_zero_host_reads_per_step(memory, fused: bool) -> None:
     def count(run: Any) -> tuple[Counter[str], Counter[str]]:
         with _HostReads() as python_reads, _DenseReads() as dense_reads:
             _train(run, steps=20, fused=fused)
@@ -157,7 +157,7 @@ def test_the_agent_adds_zero_host_reads_per_step(memory, fused: bool) -> None:  
 
 
 @pytest.mark.internal_errors
-def test_an_internal_agent_error_never_reaches_the_training_loop(memory, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_an_internal_agent_error_never_reaches_the_training_loop(memory, monkeypatch, caplog) -> None:
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("agent bug")
 
@@ -172,7 +172,7 @@ def test_an_internal_agent_error_never_reaches_the_training_loop(memory, monkeyp
 
 
 @pytest.mark.internal_errors
-def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_ends(memory, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_ends(memory, monkeypatch, caplog) -> None:
     monkeypatch.setenv(
         "AMPWATCH_FLUSH_INTERVAL_S", "60"
     )  # one pass at finish(): the bad record shares its chunk with the end
@@ -180,7 +180,7 @@ def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_end
         for step in range(20):
             run.log({"x": float(step)}, step=step)
         # Fault injection: a step record holding what is not a tensor, as a bug of the agent's could leave one.
-        run._worker.record((APPLIED_STEP, 20, object(), None, object(), None))  # type: ignore[union-attr]
+        run._worker.record((APPLIED_STEP, 20, object(), None, object(), None))
         run.log({"x": 21.0}, step=21)
     status = memory.run(run.id)["status"]
     series = memory.series(run.id, ["x", "dropped_records", "dropped_records/unreadable"])
@@ -190,22 +190,28 @@ def test_a_record_the_sender_cannot_read_costs_only_itself_and_the_run_still_end
     assert "internal error in Batcher._readable" in caplog.text
 
 
-def test_bad_arguments_never_raise_and_each_is_named_in_a_warning(caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_bad_arguments_never_raise_and_each_is_named_in_a_warning(caplog, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "0.5")  # (nothing can be delivered to that URL: no need to wait)
     run = ampwatch.init("guest", url="not a url at all")
     run.watch(model=object(), optimizer=[object()], scaler="fp16")
-    run.log({"ok": 1.0, "none": None, 3: 1.0, "vector": torch.ones(3), "text": "x"})  # type: ignore[dict-item]
-    run.log("not a dict")  # type: ignore[arg-type]
-    run.log({"x": 1.0}, step="seven")  # type: ignore[arg-type]
+    run.log({"ok": 1.0, "none": None, 3: 1.0, "vector": torch.ones(3), "text": "x"})
+    run.log("not a dict")
+    run.log({"x": 1.0}, step="seven")
     run.finish()
     run.finish()
-    for said in ("watch(model=...) takes a torch.nn.Module, got object", "watch(optimizer=...) takes a torch.optim",
-                 "watch(scaler=...) takes a GradScaler, got str", "'none' is not a real number", "got 3",
-                 "log() takes a dict of names to values, got str", "step must be an integer, got 'seven'"):  # fmt: skip
+    for said in (
+        "watch(model=...) takes a torch.nn.Module, got object",
+        "watch(optimizer=...) takes a torch.optim",
+        "watch(scaler=...) takes a GradScaler, got str",
+        "'none' is not a real number",
+        "got 3",
+        "log() takes a dict of names to values, got str",
+        "step must be an integer, got 'seven'",
+    ):
         assert said in caplog.text, said
 
 
-def test_an_unknown_mode_gives_a_run_that_records_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_an_unknown_mode_gives_a_run_that_records_nothing(monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_MODE", "sideways")
     run = ampwatch.init("guest")
     assert isinstance(run, ampwatch.Run) and run.url is None
@@ -213,7 +219,7 @@ def test_an_unknown_mode_gives_a_run_that_records_nothing(monkeypatch) -> None: 
     run.finish()
 
 
-def test_disabled_mode_sends_nothing(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_disabled_mode_sends_nothing(memory, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_MODE", "disabled")
     with ampwatch.init("guest", "off", transport=memory) as run:
         _train(run, steps=5)
@@ -221,7 +227,7 @@ def test_disabled_mode_sends_nothing(memory, monkeypatch) -> None:  # type: igno
     assert memory.runs() == []
 
 
-def test_an_exception_in_the_loop_marks_the_run_crashed_and_propagates_unchanged(memory) -> None:  # type: ignore[no-untyped-def]
+def test_an_exception_in_the_loop_marks_the_run_crashed_and_propagates_unchanged(memory) -> None:
     error = ValueError("data loader exploded")
     with pytest.raises(ValueError) as raised:
         with ampwatch.init("guest", "crash", transport=memory) as run:
@@ -234,7 +240,7 @@ def test_an_exception_in_the_loop_marks_the_run_crashed_and_propagates_unchanged
     assert "data loader exploded" in events[0]["message"] and "Traceback" in events[0]["details"]["traceback"]
 
 
-def test_a_watched_scaler_still_pickles_deep_copies_and_saves_state(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_watched_scaler_still_pickles_deep_copies_and_saves_state(memory) -> None:
     run = ampwatch.init("guest", transport=memory)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     run.watch(scaler=scaler)
@@ -259,7 +265,7 @@ def test_a_watched_scaler_still_pickles_deep_copies_and_saves_state(memory) -> N
 
 def test_records_dropped_past_the_buffer_cap_are_counted_reported_and_the_run_still_ends(
     memory, monkeypatch, caplog
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     monkeypatch.setenv("AMPWATCH_MAX_PENDING_RECORDS", "10")
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "60")  # the sender sleeps through the loop: the buffer fills
     caplog.set_level("WARNING", logger="ampwatch")
@@ -278,7 +284,7 @@ def test_records_dropped_past_the_buffer_cap_are_counted_reported_and_the_run_st
     assert "dropped 40 record(s)" in caplog.text and "buffer_full: 40" in caplog.text
 
 
-def test_critical_detections_are_also_logged_locally(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_critical_detections_are_also_logged_locally(monkeypatch, caplog) -> None:
     monkeypatch.setenv("AMPWATCH_MODE", "offline")  # no server at all: the person still sees it in the terminal
     caplog.set_level("WARNING", logger="ampwatch")
     with ampwatch.init("guest", "local") as run:
@@ -287,7 +293,7 @@ def test_critical_detections_are_also_logged_locally(monkeypatch, caplog) -> Non
     assert any(m.startswith("ampwatch: NaN loss at step 7:") for m in critical), caplog.text
 
 
-def test_the_sender_reads_the_step_tensors_and_the_training_thread_frees_them(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_sender_reads_the_step_tensors_and_the_training_thread_frees_them(memory, monkeypatch) -> None:
     """A tensor's release lets go of the GIL: freed on the sender, each one handed the GIL to the training thread and
     waited to have it back. The norms clip_grad_norm_ returned (kept until the sender read them) are freed on the
     training thread, every few dozen steps and the rest at finish(); where nothing steps (a run that only logs

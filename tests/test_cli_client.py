@@ -67,7 +67,7 @@ def _strict(text: str) -> Any:
 
 
 @pytest.fixture
-def filled(sqlite_server, wait_for) -> tuple[Any, str]:  # type: ignore[no-untyped-def]
+def filled(sqlite_server, wait_for) -> tuple[Any, str]:
     """A real server holding one finished run with a NaN batch at step 20 and `probe` = Inf at 3; its alert stays
     firing (9 finite losses follow the NaN, one short of what clears a `nonfinite_loss` alert)."""
     with ampwatch.init("cli", name="tiny", url=sqlite_server.url) as run:
@@ -77,7 +77,7 @@ def filled(sqlite_server, wait_for) -> tuple[Any, str]:  # type: ignore[no-untyp
     return sqlite_server, run.id
 
 
-def test_read_commands_print_tables_for_people_and_one_json_document_for_programs(filled, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_read_commands_print_tables_for_people_and_one_json_document_for_programs(filled, capsys, monkeypatch) -> None:
     server, run_id = filled
     monkeypatch.setenv("AMPWATCH_URL", server.url)
 
@@ -108,7 +108,7 @@ def test_read_commands_print_tables_for_people_and_one_json_document_for_program
     assert _strict(_cli_run(capsys, "alerts", "--state", "resolved", "--json")[1]) == []
 
 
-def test_series_prints_exact_values_as_csv_json_or_a_table(filled, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_series_prints_exact_values_as_csv_json_or_a_table(filled, capsys, monkeypatch) -> None:
     server, run_id = filled
     monkeypatch.setenv("AMPWATCH_URL", server.url)
     code, out, _ = _cli_run(capsys, "series", run_id, "probe", "loss", "--json")
@@ -136,7 +136,7 @@ def test_series_prints_exact_values_as_csv_json_or_a_table(filled, capsys, monke
     assert code == 1 and "no series nosuch" in err
 
 
-def test_failures_are_one_line_on_stderr_with_a_nonzero_exit(sqlite_server, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_failures_are_one_line_on_stderr_with_a_nonzero_exit(sqlite_server, capsys, monkeypatch) -> None:
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     code, out, err = _cli_run(capsys, "runs", "--url", closed)
     assert (code, out) == (1, "") and "cannot reach the ampwatch server" in err and err.count("\n") == 1
@@ -154,7 +154,7 @@ def test_failures_are_one_line_on_stderr_with_a_nonzero_exit(sqlite_server, caps
     assert _cli_run(capsys, "alerts", "--state", "pending")[0] == 2
 
 
-def test_a_refused_token_says_which_variable_to_set(sqlite_server, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_token_says_which_variable_to_set(sqlite_server, capsys, monkeypatch) -> None:
     monkeypatch.setattr(sqlite_server.app.state.tokens, "refresh_s", 0.0)  # tokens re-read per request
     with sqlite_server.app.state.sessions() as session:
         read = auth.create_token(session, name="cli", role="read")
@@ -171,7 +171,7 @@ def test_a_refused_token_says_which_variable_to_set(sqlite_server, capsys, monke
     assert (code, _strict(out)) == (0, [])
 
 
-def test_the_client_commands_need_no_server_dependency(filled) -> None:  # type: ignore[no-untyped-def]
+def test_the_client_commands_need_no_server_dependency(filled) -> None:
     server, run_id = filled
     blocked = ("fastapi", "starlette", "sqlalchemy", "pydantic", "httpx", "uvicorn", "torch", "ampwatch.server")
     script = (
@@ -204,7 +204,7 @@ class Watch:
         return code, "".join(self.lines), self.process.stderr.read() if self.process.stderr else ""
 
 
-def _watching(server, run: ampwatch.Run, wait_for) -> Watch:  # type: ignore[no-untyped-def]
+def _watching(server, run: ampwatch.Run, wait_for) -> Watch:
     with server.client() as http:
         wait_for(lambda: http.get(f"/api/v1/runs/{run.id}").status_code == 200, what="the run registered")
     watch = Watch(server.url, run.id)
@@ -212,7 +212,7 @@ def _watching(server, run: ampwatch.Run, wait_for) -> Watch:  # type: ignore[no-
     return watch
 
 
-def test_watch_follows_a_run_and_exits_3_when_a_critical_alert_fires(sqlite_server, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_watch_follows_a_run_and_exits_3_when_a_critical_alert_fires(sqlite_server, wait_for) -> None:
     with ampwatch.init("cli", name="doomed", url=sqlite_server.url) as run:
         loop = Loop(run)
         loop.steps(range(5))
@@ -227,7 +227,7 @@ def test_watch_follows_a_run_and_exits_3_when_a_critical_alert_fires(sqlite_serv
     assert "a critical alert fired" in err
 
 
-def test_watch_exits_0_when_the_run_finishes_across_stream_reconnections(sqlite_server, wait_for, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_watch_exits_0_when_the_run_finishes_across_stream_reconnections(sqlite_server, wait_for, monkeypatch) -> None:
     monkeypatch.setattr(sqlite_server.app.state.settings, "stream_lifetime_s", 0.2)  # watch reconnects all the time
     with ampwatch.init("cli", name="healthy", url=sqlite_server.url) as run:
         loop = Loop(run)
@@ -246,7 +246,7 @@ def _register(http: Any, run_id: str, project: str, name: str) -> None:
     assert http.put(f"/api/v1/runs/{run_id}", json=body).status_code == 200
 
 
-def test_runs_delete_and_prune_remove_runs_from_the_server(sqlite_server, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_runs_delete_and_prune_remove_runs_from_the_server(sqlite_server, capsys, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_URL", sqlite_server.url)
     with sqlite_server.client() as http:
         for run_id, project, name in (("r1", "p", "old"), ("r2", "p", "recent"), ("r3", "q", "other-old")):
@@ -276,7 +276,7 @@ def test_runs_delete_and_prune_remove_runs_from_the_server(sqlite_server, capsys
     assert code == 0 and _strict(out)["runs"] == []
 
 
-def test_runs_follows_the_next_page_cursor(sqlite_server, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_runs_follows_the_next_page_cursor(sqlite_server, capsys) -> None:
     with sqlite_server.client() as http:  # more runs than the server's first page holds (100)
         for i in range(105):
             _register(http, f"page-{i:03d}", "paged", f"run-{i}")
@@ -285,7 +285,7 @@ def test_runs_follows_the_next_page_cursor(sqlite_server, capsys) -> None:  # ty
     assert code == 0 and sorted(r["id"] for r in _strict(out)) == [f"page-{i:03d}" for i in range(105)]
 
 
-def test_the_documented_examples_run(filled, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_documented_examples_run(filled, capsys, monkeypatch) -> None:
     server, run_id = filled
     monkeypatch.setenv("AMPWATCH_URL", server.url)
     page = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
@@ -301,7 +301,7 @@ def test_the_documented_examples_run(filled, capsys, monkeypatch) -> None:  # ty
             assert len(out.splitlines()) >= 2, line  # a header and at least one row
 
 
-def test_watch_of_an_ended_run_says_at_once_whether_a_critical_alert_is_firing(filled, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_watch_of_an_ended_run_says_at_once_whether_a_critical_alert_is_firing(filled, capsys) -> None:
     server, run_id = filled
     code, out, err = _cli_run(capsys, "watch", run_id, "--url", server.url)
     assert code == 3 and "ALERT [critical] nonfinite_loss" in out and "a critical alert fired" in err

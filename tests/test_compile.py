@@ -53,7 +53,7 @@ def _events(server: Any, run_id: str) -> list[dict[str, Any]]:
     return server.events(run_id)
 
 
-def test_a_compiled_model_is_named_as_the_origin_and_its_layers_as_the_model_s(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_compiled_model_is_named_as_the_origin_and_its_layers_as_the_model_s(memory) -> None:
     plain, _ = _train(memory, watch=None)
     params, run_id = _train(memory, watch="compiled")
     assert all(torch.equal(a, b) for a, b in zip(plain, params))  # (the armed probe's hooks stay outside the graph)
@@ -71,7 +71,7 @@ def test_a_compiled_model_is_named_as_the_origin_and_its_layers_as_the_model_s(m
     assert {"grad_norm/0", "grad_norm/2"} <= names and not [n for n in names if "_orig_mod" in n], names
 
 
-def test_ddp_of_a_compiled_model_is_probed_outside_the_graph_and_named_as_the_model(memory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_ddp_of_a_compiled_model_is_probed_outside_the_graph_and_named_as_the_model(memory, tmp_path) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
     try:
         _, run_id = _train(memory, watch="compiled", ddp=True)
@@ -83,7 +83,7 @@ def test_ddp_of_a_compiled_model_is_probed_outside_the_graph_and_named_as_the_mo
     assert {"grad_norm/0", "grad_norm/2"} <= names and not [n for n in names if "module" in n], names
 
 
-def test_a_model_compiled_after_watch_is_said_to_hide_its_forward_from_the_probe(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_model_compiled_after_watch_is_said_to_hide_its_forward_from_the_probe(memory) -> None:
     _, run_id = _train(memory, watch="model", steps=12)
     events = _events(memory, run_id)
     assert [e["step"] for e in events if e["type"] == "nonfinite_loss"][:1] == [BAD[0]]

@@ -195,8 +195,10 @@ def test_server_database_url_is_the_postgres_service_via_psycopg_with_its_creden
     assert url.drivername == "postgresql+psycopg"
     assert (url.host, url.port or 5432) == ("postgres", 5432), "the host is the compose service name"
     assert (url.username, url.password, url.database) == (
-        postgres["POSTGRES_USER"], postgres["POSTGRES_PASSWORD"], postgres["POSTGRES_DB"],
-    )  # fmt: skip
+        postgres["POSTGRES_USER"],
+        postgres["POSTGRES_PASSWORD"],
+        postgres["POSTGRES_DB"],
+    )
 
 
 def test_server_links_name_the_published_address() -> None:

@@ -12,7 +12,7 @@ import ampwatch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_a_fused_amp_loop_with_the_agent_never_synchronizes(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_fused_amp_loop_with_the_agent_never_synchronizes(sqlite_server, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "3")
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "3")
     torch.manual_seed(0)
@@ -49,7 +49,7 @@ def test_a_fused_amp_loop_with_the_agent_never_synchronizes(sqlite_server, monke
     )
 
 
-def test_autocast_on_cuda_around_a_model_left_on_the_cpu_is_an_amp_config_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_autocast_on_cuda_around_a_model_left_on_the_cpu_is_an_amp_config_warning(sqlite_server) -> None:
     model = torch.nn.Linear(8, 1)  # forgot .cuda(): autocast("cuda") does nothing for it
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with ampwatch.init("cuda", "wrong-device", url=sqlite_server.url) as run:
@@ -63,7 +63,7 @@ def test_autocast_on_cuda_around_a_model_left_on_the_cpu_is_an_amp_config_warnin
     assert [e["details"]["check"] for e in events if e["type"] == "amp_config"] == ["autocast_device"]
 
 
-def test_a_loop_on_a_side_stream_is_read_after_its_own_work(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_loop_on_a_side_stream_is_read_after_its_own_work(sqlite_server) -> None:
     # The whole loop runs on a non-default stream (PyTorch's pool streams do not wait for the default one), with
     # ~20 ms of GPU sleep queued ahead of each step: the CPU runs far ahead, and a read on the sender's own stream
     # that did not wait for this one would copy the losses before they are written.

@@ -34,8 +34,13 @@ exec(NO_SHM_OP)
 def one_process(monkeypatch: pytest.MonkeyPatch, free_tcp_port: int) -> Iterator[None]:
     """DeepSpeed starts the process group from torchrun's variables (set here, for one process); the test ends it so
     that no later test runs inside it."""
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(free_tcp_port)}.items():  # fmt: skip
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_tcp_port),
+    }.items():
         monkeypatch.setenv(name, value)
     yield
     if torch.distributed.is_initialized():
@@ -46,9 +51,15 @@ def _engine(precision: dict[str, Any], stage: int = 0) -> Any:
     """A one-process engine with gradient accumulation 2."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, **precision}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        **precision,
+    }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -185,8 +196,13 @@ def test_two_zero2_ranks_report_into_one_run_and_both_skip_one_ranks_bad_batch(s
     script = tmp_path / "train.py"
     script.write_text(TWO_RANKS)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    env = {"SERVER": sqlite_server.url, "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path)),
-           "OMP_NUM_THREADS": "1", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}  # fmt: skip
+    env = {
+        "SERVER": sqlite_server.url,
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+        "OMP_NUM_THREADS": "1",
+        "AMPWATCH_FLUSH_INTERVAL_S": "0.05",
+    }
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     ids = {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("rank")}

@@ -45,7 +45,7 @@ def _model() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), Explode(), SqrtOfZero(), torch.nn.Linear(16, 1))
 
 
-def _events(server, run_id: str) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+def _events(server, run_id: str) -> list[dict[str, Any]]:
     return server.events(run_id)
 
 
@@ -94,7 +94,7 @@ def _of(events: list[dict[str, Any]], *types: str) -> list[tuple[str, str, int]]
     return [(e["type"], e["severity"], e["step"]) for e in events if e["type"] in types]
 
 
-def test_startup_calibration_is_one_info_event_and_no_warning(memory) -> None:  # type: ignore[no-untyped-def]
+def test_startup_calibration_is_one_info_event_and_no_warning(memory) -> None:
     events = _loop(memory, 60, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**22))
     assert [e["severity"] for e in events] and all(e["severity"] == "info" for e in events)
     [calibration] = [e for e in events if e["details"].get("calibration")]
@@ -102,7 +102,7 @@ def test_startup_calibration_is_one_info_event_and_no_warning(memory) -> None:  
     assert calibration["details"]["skips"] >= 2
 
 
-def test_healthy_occasional_skips_are_info_only(memory) -> None:  # type: ignore[no-untyped-def]
+def test_healthy_occasional_skips_are_info_only(memory) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10)
     events = _loop(memory, 120, scaler=scaler, batch=lambda s, x: x * 300)
     skips = [e for e in events if e["type"] == "skipped_step" and not e["details"].get("calibration")]
@@ -110,7 +110,7 @@ def test_healthy_occasional_skips_are_info_only(memory) -> None:  # type: ignore
     assert {e["severity"] for e in events} == {"info"}
 
 
-def test_a_skip_streak_with_a_falling_scale_is_a_scale_collapse(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_skip_streak_with_a_falling_scale_is_a_scale_collapse(memory) -> None:
     # From step 20 every gradient overflows at any scale: 1e38 in the loss.
     events = _loop(memory, 45, batch=lambda s, x: x * (3e37 if s >= 20 else 1.0))
     [collapse] = [e for e in events if e["type"] == "scale_collapse"]
@@ -119,7 +119,7 @@ def test_a_skip_streak_with_a_falling_scale_is_a_scale_collapse(memory) -> None:
     assert collapse["details"]["scale_after"] < collapse["details"]["scale_before"]
 
 
-def test_a_bad_batch_is_a_nonfinite_loss_and_its_next_occurrence_names_the_input(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_batch_is_a_nonfinite_loss_and_its_next_occurrence_names_the_input(memory) -> None:
     def corrupt(step: int, x: torch.Tensor) -> torch.Tensor:
         if step in (5, 15):
             x[2, 3] = float("nan")
@@ -137,7 +137,7 @@ def test_a_bad_batch_is_a_nonfinite_loss_and_its_next_occurrence_names_the_input
     assert "data problem" in origin["message"]
 
 
-def test_a_bad_batch_in_the_first_steps_is_not_told_as_start_up_calibration(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_batch_in_the_first_steps_is_not_told_as_start_up_calibration(memory) -> None:
     def corrupt(step: int, x: torch.Tensor) -> torch.Tensor:
         if step == 20:
             x[2, 3] = float("nan")
@@ -149,7 +149,7 @@ def test_a_bad_batch_in_the_first_steps_is_not_told_as_start_up_calibration(memo
     assert calibration == [], calibration  # ("Start-up calibration: 1 skipped step(s) ... This is normal.")
 
 
-def test_the_origin_probe_names_the_first_layer_whose_output_went_nonfinite(memory) -> None:  # type: ignore[no-untyped-def]
+def test_the_origin_probe_names_the_first_layer_whose_output_went_nonfinite(memory) -> None:
     def explode(step: int, model: torch.nn.Sequential) -> None:
         model[2].at = {4, 12}
 
@@ -160,7 +160,7 @@ def test_the_origin_probe_names_the_first_layer_whose_output_went_nonfinite(memo
     assert "first non-finite output: `2` (forward, module 3 of 5 in call order)" in origin["message"]
 
 
-def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(memory) -> None:  # type: ignore[no-untyped-def]
+def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(memory) -> None:
     def sqrt_at_zero(step: int, model: torch.nn.Sequential) -> None:
         model[3].on = step >= 60  # after start-up calibration, where overflow may make NaN too
 
@@ -168,8 +168,9 @@ def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(memory) 
     grads = _of(events, "nonfinite_grad")
     # One NaN skip can be an overflow; NaN that survives the halved scale is the backward's own.
     assert grads[:2] == [("nonfinite_grad", "warning", 61), ("nonfinite_grad", "critical", 62)]
-    assert [e["details"]["grad_norm"] for e in events if e["type"] == "nonfinite_grad" and "origin" not in e["details"]][:2] == [
-        "NaN", "NaN"]  # (alerts name it)  # fmt: skip
+    assert [
+        e["details"]["grad_norm"] for e in events if e["type"] == "nonfinite_grad" and "origin" not in e["details"]
+    ][:2] == ["NaN", "NaN"]  # (alerts name it)
     assert not _of(events, "nonfinite_loss")
     origin = next(e for e in events if "origin" in e["details"])
     assert origin["details"]["phase"] == "backward" and origin["details"]["origin"] == "3"
@@ -187,7 +188,7 @@ def test_nan_gradients_with_a_finite_loss_are_a_backward_nonfinite_grad(memory) 
 
 def test_nan_gradients_that_stop_at_a_lower_scale_are_called_fp16_overflow_once_the_steps_come_back(
     memory,
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     # After calibration the scale is set to 2^24: the fp16 backward overflows, and in the last layer's weight
     # gradient inf - inf is NaN. Real arithmetic, no NaN put in: it lasts until GradScaler has halved the scale
     # enough. While it lasts the agent cannot tell it from an operation that makes NaN; once steps come back it can.
@@ -203,7 +204,7 @@ def test_nan_gradients_that_stop_at_a_lower_scale_are_called_fp16_overflow_once_
     assert not [e for e in events if e["type"] == "nonfinite_loss"]
 
 
-def test_parameters_gone_nonfinite_without_a_scaler_are_reported(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_parameters_gone_nonfinite_without_a_scaler_are_reported(memory, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "1")
     disabled = torch.amp.GradScaler("cpu", enabled=False)  # bf16: nothing skips a bad step
     events = _loop(
@@ -214,7 +215,7 @@ def test_parameters_gone_nonfinite_without_a_scaler_are_reported(memory, monkeyp
     assert "cannot recover" in next(e for e in events if e["type"] == "nonfinite_param")["message"]
 
 
-def test_a_gradient_explosion_without_a_skip_is_a_grad_spike_and_a_loss_spike(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_gradient_explosion_without_a_skip_is_a_grad_spike_and_a_loss_spike(memory) -> None:
     disabled = torch.amp.GradScaler("cpu", enabled=False)
     events = _loop(memory, 80, dtype=torch.bfloat16, scaler=disabled, target=lambda s: 300.0 if s == 60 else 0.0)
     assert _of(events, "grad_spike") == [("grad_spike", "warning", 60)]
@@ -223,25 +224,25 @@ def test_a_gradient_explosion_without_a_skip_is_a_grad_spike_and_a_loss_spike(me
     assert "fp16" not in message and "Clip gradients" in message  # (bf16: no overflow to tell it from)
 
 
-def test_a_scheduler_stepping_on_skipped_steps_is_an_amp_config_warning(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_scheduler_stepping_on_skipped_steps_is_an_amp_config_warning(memory) -> None:
     # (after start-up calibration, the first calibration_steps steps, whose skips are no schedule's problem)
     events = _loop(memory, 70, scheduler=True, batch=lambda s, x: x * (3e37 if s == 58 else 1))
     [config] = [e for e in events if e["type"] == "amp_config"]
     assert config["step"] == 59 and "scheduler" in config["message"]
 
 
-def test_gradscaler_with_bf16_autocast_is_an_amp_config_warning(memory) -> None:  # type: ignore[no-untyped-def]
+def test_gradscaler_with_bf16_autocast_is_an_amp_config_warning(memory) -> None:
     events = _loop(memory, 3, dtype=torch.bfloat16)
     assert [e["details"]["check"] for e in events if e["type"] == "amp_config"] == ["scaler_with_bf16"]
 
 
-def test_anomaly_detection_left_on_is_an_amp_config_warning(memory) -> None:  # type: ignore[no-untyped-def]
+def test_anomaly_detection_left_on_is_an_amp_config_warning(memory) -> None:
     with torch.autograd.set_detect_anomaly(True, check_nan=False):
         events = _loop(memory, 2)
     assert "anomaly_mode" in [e["details"]["check"] for e in events if e["type"] == "amp_config"]
 
 
-def test_a_healthy_run_has_per_layer_gradient_norms_grouped_by_module(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_healthy_run_has_per_layer_gradient_norms_grouped_by_module(memory, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "5")
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters())
@@ -272,7 +273,7 @@ def test_a_healthy_run_has_per_layer_gradient_norms_grouped_by_module(memory, mo
     assert _events(memory, run.id) == []  # healthy: nothing to say
 
 
-def test_steps_between_the_due_ones_skip_no_per_layer_check_logged_value_or_scale_change(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_steps_between_the_due_ones_skip_no_per_layer_check_logged_value_or_scale_change(memory, monkeypatch) -> None:
     # Most steps take the agent's short path; each step something is due on must still take the full one:
     # per-layer norms, parameter checks, a standard name the user logs, a scale or growth rule changed by hand
     # (at steps 12, 22 and 31 here, which are none of the others: multiples of 5 or 7 or one before a 5).
@@ -305,7 +306,7 @@ def test_steps_between_the_due_ones_skip_no_per_layer_check_logged_value_or_scal
     assert scales[23] == 64.0 and any(b == 4 * a for a, b in zip(scales[32:], scales[33:]))
 
 
-def test_without_a_scaler_the_due_steps_still_take_per_layer_norms_and_parameter_checks(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_without_a_scaler_the_due_steps_still_take_per_layer_norms_and_parameter_checks(memory, monkeypatch) -> None:
     # (bf16: steps are counted through the optimizer, and the steps between the due ones take the short path too)
     monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "5")
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "7")
@@ -326,7 +327,7 @@ def test_without_a_scaler_the_due_steps_still_take_per_layer_norms_and_parameter
     assert run._recorder._plain_until > 0  # (private: the short path was in use)
 
 
-def test_a_gradscaler_without_autocast_is_an_amp_config_warning(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_gradscaler_without_autocast_is_an_amp_config_warning(memory) -> None:
     events = _loop(memory, 3, autocast=False)
     [config] = [e for e in events if e["type"] == "amp_config"]
     assert (config["step"], config["severity"], config["details"]["check"]) == (0, "warning", "scaler_without_autocast")

@@ -16,7 +16,7 @@ from test_diagnosis import _events, _loop, _of
 import ampwatch
 
 
-def test_a_long_startup_calibration_from_a_very_high_scale_is_no_scale_collapse(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_long_startup_calibration_from_a_very_high_scale_is_no_scale_collapse(memory) -> None:
     # From 2^32 the fp16 backward overflows for a dozen steps in a row before the scale is low enough: healthy.
     events = _loop(memory, 60, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**32), batch=lambda s, x: x * 30)
     [calibration] = [e for e in events if e["details"].get("calibration")]
@@ -26,7 +26,7 @@ def test_a_long_startup_calibration_from_a_very_high_scale_is_no_scale_collapse(
 
 def test_nan_gradients_that_keep_coming_back_on_single_steps_are_reported_and_the_scale_below_1_is_a_collapse(
     memory,
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     # A sqrt at 0 on some batches: each makes one NaN skip, the steps between are fine, and each skip halves the scale.
     def sometimes(step: int, model: torch.nn.Sequential) -> None:
         model[3].on = step in (60, 70, 80, 90)
@@ -40,7 +40,7 @@ def test_nan_gradients_that_keep_coming_back_on_single_steps_are_reported_and_th
     assert "below 1" in collapse["message"]
 
 
-def test_inf_gradients_without_a_scaler_are_a_nonfinite_grad(memory) -> None:  # type: ignore[no-untyped-def]
+def test_inf_gradients_without_a_scaler_are_a_nonfinite_grad(memory) -> None:
     # bf16, no scaler: gradients 1e25 times too large are finite but their norm is inf, and Adam's state would be too.
     hooks = []
 
@@ -55,7 +55,7 @@ def test_inf_gradients_without_a_scaler_are_a_nonfinite_grad(memory) -> None:  #
     assert grads[0]["message"].startswith("Inf gradients at step 30 with a finite loss")
 
 
-def test_an_evaluation_pass_without_autocast_before_training_is_no_amp_config_warning(memory) -> None:  # type: ignore[no-untyped-def]
+def test_an_evaluation_pass_without_autocast_before_training_is_no_amp_config_warning(memory) -> None:
     def evaluate_first(step: int, model: torch.nn.Sequential) -> None:
         if step == 0:
             with torch.no_grad():
@@ -99,7 +99,7 @@ class Functional(torch.nn.Module):
         return self.l2(h + torch.sqrt(torch.relu(h) * 0.0) if self.on else h)
 
 
-def test_a_backward_nan_made_between_two_modules_is_placed_between_them(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_backward_nan_made_between_two_modules_is_placed_between_them(memory) -> None:
     model = Functional()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
@@ -115,7 +115,7 @@ def test_a_backward_nan_made_between_two_modules_is_placed_between_them(memory) 
     assert "or of an operation outside any module between `act` and `l2`" in origin["message"]
 
 
-def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(memory) -> None:
     # Linear regression, SGD: at step 300 the learning rate goes just past 2 / the largest curvature, and the run
     # diverges a few % per step, which a rolling high end keeps up with: caught by the steps in a row above 10x the median.
     torch.manual_seed(0)
@@ -146,7 +146,7 @@ def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(mem
 @pytest.mark.parametrize("clip", [True, False], ids=["steady path", "full path"])
 def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_next_bad_batch(
     memory, monkeypatch, clip
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     # Sub-millisecond steps and a 5 s flush interval: the whole loop ends long before the sender's next timed read. A
     # skipped step wakes it (the optimizer's post-step hook says the step did not run: no host read), so the diagnosis
     # sees the first bad batch at once, arms the probe, and the probe names the input batch as the origin of a later one.
@@ -167,7 +167,7 @@ def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_ne
     assert origins and origins[0]["details"]["origin"] == "(input batch)" and 210 <= origins[0]["step"] < 400
 
 
-def test_a_bad_batch_that_comes_back_less_often_than_the_probe_stays_armed_is_still_named(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_batch_that_comes_back_less_often_than_the_probe_stays_armed_is_still_named(memory) -> None:
     # Every 60 steps: each arming of the probe that ends without a hit lasts twice as long as the one before (20, 40,
     # 80 steps), so the third one, armed after step 140, is still armed at step 200 and names the input batch.
     def corrupt(step: int, x: torch.Tensor) -> torch.Tensor:
@@ -217,7 +217,7 @@ def _by_hand(server: Any, steps: int, each: Callable[[int, Any, bool], None]) ->
             each(step, run._recorder, True)
 
 
-def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_again(memory) -> None:  # type: ignore[no-untyped-def]
+def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_again(memory) -> None:
     # The sender reads steps late: an event it reports after the probe was armed for it (or at a step the probe was
     # armed through) would make a second arming find the same origin again.
     requests = {10: 9, 35: 20, 40: 30, 50: 5, 100: 95}  # step -> the step of the event the diagnosis asks an arming for
@@ -236,7 +236,7 @@ def test_an_event_the_last_arming_saw_or_was_armed_after_does_not_arm_the_probe_
 
 
 @pytest.mark.parametrize("order", ["skipped first", "skipped second"])
-def test_a_skip_of_one_of_two_optimizers_wakes_the_sender_whichever_steps_first(memory, monkeypatch, order) -> None:  # type: ignore[no-untyped-def]
+def test_a_skip_of_one_of_two_optimizers_wakes_the_sender_whichever_steps_first(memory, monkeypatch, order) -> None:
     # One scaler, two models and optimizers (the AMP docs' loop): NaN in model 0's batch only, so its step is skipped
     # and the other's runs. The skip must wake the sender (5 s flush interval: the loop is over long before) also when
     # the skipped optimizer steps first and the other's post-step hook fires after it.
@@ -268,7 +268,7 @@ def test_a_skip_of_one_of_two_optimizers_wakes_the_sender_whichever_steps_first(
     assert origins and origins[0]["details"]["origin"] == "(input batch)" and 210 <= origins[0]["step"] < 400
 
 
-def test_a_hit_the_sender_reports_after_the_arming_ended_still_resets_the_next_window(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_hit_the_sender_reports_after_the_arming_ended_still_resets_the_next_window(memory) -> None:
     # In a fast loop the sender may read the probe's hit only after its window ended; the next arming must still take
     # the short window (a hit), not twice the last (a miss).
     windows = []
@@ -286,7 +286,7 @@ def test_a_hit_the_sender_reports_after_the_arming_ended_still_resets_the_next_w
     assert windows == [20, 20, 40]  # the second arming missed (no hit reported for it): the third lasts twice as long
 
 
-def test_once_an_origin_is_named_the_same_bad_batch_does_not_arm_the_probe_again_for_a_while(memory) -> None:  # type: ignore[no-untyped-def]
+def test_once_an_origin_is_named_the_same_bad_batch_does_not_arm_the_probe_again_for_a_while(memory) -> None:
     # A bad batch every 20 steps from step 100: without a quiet period every event past a window re-armed the probe
     # (each arming costs its steps time) and named the same origin again, every 40 steps. (tests/test_demo.py: after a
     # first naming the probe arms again, for the next problem.)

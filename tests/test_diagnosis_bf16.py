@@ -37,7 +37,7 @@ def _plain(
     return _events(server, run.id)
 
 
-def test_nan_gradients_applied_without_a_scaler_are_named_as_the_cause_afterwards(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_nan_gradients_applied_without_a_scaler_are_named_as_the_cause_afterwards(memory, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "1")
     events = _plain(memory, 30, sqrt_at=20)
     [grad] = [e for e in events if e["type"] == "nonfinite_grad" and "origin" not in e["details"]]
@@ -49,7 +49,7 @@ def test_nan_gradients_applied_without_a_scaler_are_named_as_the_cause_afterward
     assert all("fp16" not in e["message"] for e in events)
 
 
-def test_a_forward_origin_after_the_parameters_went_nan_names_the_step_that_wrote_them(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_forward_origin_after_the_parameters_went_nan_names_the_step_that_wrote_them(memory) -> None:
     events = _plain(memory, 30, nan_batch_at=20, pause_after=20)
     [origin] = [e for e in events if e["details"].get("phase") == "forward"]
     assert origin["step"] > 20 and origin["details"]["origin"] == "0"
@@ -57,7 +57,7 @@ def test_a_forward_origin_after_the_parameters_went_nan_names_the_step_that_wrot
     assert "the optimizer applied step 20's non-finite gradients (from a non-finite loss)" in origin["message"]
 
 
-def test_after_restoring_a_checkpoint_a_second_corruption_is_reported_again(memory) -> None:  # type: ignore[no-untyped-def]
+def test_after_restoring_a_checkpoint_a_second_corruption_is_reported_again(memory) -> None:
     checkpoint: dict[str, Any] = {}
 
     def restore(step: int, model: torch.nn.Sequential) -> None:
@@ -67,8 +67,14 @@ def test_after_restoring_a_checkpoint_a_second_corruption_is_reported_again(memo
             model.load_state_dict(checkpoint)
 
     disabled = torch.amp.GradScaler("cpu", enabled=False)  # nanoGPT under bf16: scaler.scale() still shows the loss
-    events = _loop(memory, 110, dtype=torch.bfloat16, scaler=disabled, before=restore,
-                   batch=lambda s, x: x * (float("nan") if s in (20, 70) else 1.0))  # fmt: skip
+    events = _loop(
+        memory,
+        110,
+        dtype=torch.bfloat16,
+        scaler=disabled,
+        before=restore,
+        batch=lambda s, x: x * (float("nan") if s in (20, 70) else 1.0),
+    )
     params = [e["step"] for e in events if e["type"] == "nonfinite_param"]
     assert len(params) == 2 and 20 <= params[0] < 60 and 70 <= params[1], params
     [second] = [e for e in events if e["type"] == "nonfinite_loss" and e["step"] == 70 and "origin" not in e["details"]]
@@ -76,7 +82,7 @@ def test_after_restoring_a_checkpoint_a_second_corruption_is_reported_again(memo
 
 
 @pytest.mark.parametrize("log_loss", [False, True])
-def test_a_run_without_a_scaler_that_logs_no_loss_is_told_once(memory, log_loss: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_without_a_scaler_that_logs_no_loss_is_told_once(memory, log_loss: bool) -> None:
     events = _plain(memory, 150, log_loss=log_loss)
     told = [e for e in events if e["details"].get("check") == "no_loss"]
     if log_loss:

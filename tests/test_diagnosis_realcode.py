@@ -72,20 +72,20 @@ def _warnings(events: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
     return [(e["type"], e["step"], e["message"]) for e in events if e["severity"] != "info"]
 
 
-def test_a_scheduler_stepped_through_start_up_calibration_skips_is_no_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_scheduler_stepped_through_start_up_calibration_skips_is_no_warning(sqlite_server) -> None:
     calibrating = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # (the first steps overflow until the scale is low)
     events = _fp16_loop(sqlite_server, 60, scaler=calibrating, scheduler=True)
     assert any(e["details"].get("calibration") for e in events)  # (the start-up skips did happen)
     assert _warnings(events) == []
 
 
-def test_an_lr_set_from_the_iteration_number_is_no_scheduler_warning_after_a_skip(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_an_lr_set_from_the_iteration_number_is_no_scheduler_warning_after_a_skip(sqlite_server) -> None:
     events = _fp16_loop(sqlite_server, 60, lr_at=nanogpt_lr, overflow_at=frozenset({30}))
     assert [e["step"] for e in events if e["type"] == "skipped_step"] == [30]
     assert _warnings(events) == []
 
 
-def test_a_scheduler_stepped_on_a_skip_after_calibration_is_still_a_warning(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_scheduler_stepped_on_a_skip_after_calibration_is_still_a_warning(sqlite_server) -> None:
     calibrating = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     events = _fp16_loop(sqlite_server, 80, scaler=calibrating, scheduler=True, overflow_at=frozenset({65}))
     [(kind, step, message)] = _warnings(events)
@@ -103,7 +103,7 @@ class SqrtAt(torch.nn.Module):
         return x + torch.sqrt(torch.relu(x) * 0.0) if self.step >= self.at else x
 
 
-def test_a_loop_that_records_no_loss_is_never_told_its_loss_was_finite(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_loop_that_records_no_loss_is_never_told_its_loss_was_finite(sqlite_server) -> None:
     torch.manual_seed(0)
     bad = SqrtAt(110)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), bad, torch.nn.Linear(32, 1))
@@ -144,7 +144,7 @@ def _spike_message(server: Any, max_norm: float) -> str:
     return str(spike["message"])
 
 
-def test_a_clip_that_only_measures_the_norm_is_not_said_to_cut_the_update_down(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_clip_that_only_measures_the_norm_is_not_said_to_cut_the_update_down(sqlite_server) -> None:
     measured = _spike_message(sqlite_server, math.inf)  # (HF's Trainer measures the norm so for its logs)
     assert "cut down" not in measured and "only measured" in measured
     clipped = _spike_message(sqlite_server, 1.0)
@@ -152,7 +152,7 @@ def test_a_clip_that_only_measures_the_norm_is_not_said_to_cut_the_update_down(s
 
 
 @pytest.mark.parametrize("fp16", [False, True])
-def test_an_lr_blow_up_is_told_as_a_divergence_at_that_learning_rate_not_a_nan_operation(sqlite_server, fp16) -> None:  # type: ignore[no-untyped-def]
+def test_an_lr_blow_up_is_told_as_a_divergence_at_that_learning_rate_not_a_nan_operation(sqlite_server, fp16) -> None:
     # nanoGPT's warm-up towards lr=50 (on the CPU it trains in fp32: see the amp_config tests); in fp16 the growing
     # gradients overflow first, so GradScaler skips and the NaN gradients come under a finite loss.
     model = _model()
@@ -184,7 +184,7 @@ def test_an_lr_blow_up_is_told_as_a_divergence_at_that_learning_rate_not_a_nan_o
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_healthy_runs_get_no_warning_and_no_alert(sqlite_server, dtype) -> None:  # type: ignore[no-untyped-def]
+def test_healthy_runs_get_no_warning_and_no_alert(sqlite_server, dtype) -> None:
     """The false-warning budget: zero. A few thousand steps of a healthy plain loop, noisy small batches, nanoGPT's
     warm-up and cosine LR, clipping; fp16 with GradScaler (start-up calibration included), bf16 without."""
     model = _model()
@@ -217,7 +217,7 @@ def test_healthy_runs_get_no_warning_and_no_alert(sqlite_server, dtype) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the pattern is a CUDA script run where there is no CUDA")
-def test_nanogpt_fp16_on_the_cpu_trains_in_fp32_and_is_flagged(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_nanogpt_fp16_on_the_cpu_trains_in_fp32_and_is_flagged(sqlite_server) -> None:
     # nanoGPT, dtype='float16', device='cpu': ctx = nullcontext() on the CPU; GradScaler(enabled=(dtype == 'float16'))
     # built for CUDA, which torch turns off (with a warning) on a machine without it.
     with pytest.warns(UserWarning, match="CUDA is not available"):

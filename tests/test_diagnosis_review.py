@@ -47,7 +47,7 @@ def _regression(
     return _events(server, run.id)
 
 
-def test_a_grad_norm_the_user_logs_for_a_skipped_step_after_its_record_is_no_nonfinite_grad(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_grad_norm_the_user_logs_for_a_skipped_step_after_its_record_is_no_nonfinite_grad(memory) -> None:
     # README: log clip_grad_norm_'s value as grad_norm. After update(): the overflow skip woke the sender, which judged
     # the step from its own record; the user's inf for it comes in the next batch, without the scale. It was judged as
     # a run without a scaler: "Inf gradients ... No GradScaler skipped it", critical.
@@ -57,7 +57,7 @@ def test_a_grad_norm_the_user_logs_for_a_skipped_step_after_its_record_is_no_non
     assert ("skipped_step", "info", 80) in [(e["type"], e["severity"], e["step"]) for e in events]
 
 
-def test_a_resumed_run_logging_its_global_step_is_judged_as_a_run_with_a_scaler(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_resumed_run_logging_its_global_step_is_judged_as_a_run_with_a_scaler(memory) -> None:
     # The loop logs its loss at 10000 + step, steps the agent never records: they were taken for a run without a
     # scaler ("There is no GradScaler to skip the step"), and fed to the rolling median after the agent's later, lower
     # losses of the same batch (false loss spikes).
@@ -72,7 +72,7 @@ def test_a_resumed_run_logging_its_global_step_is_judged_as_a_run_with_a_scaler(
     assert 150 in [e["step"] for e in events if e["type"] == "nonfinite_loss"]
 
 
-def test_a_converged_small_batch_classifier_has_no_loss_spikes(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_converged_small_batch_classifier_has_no_loss_spikes(memory) -> None:
     # Cross-entropy, 16 examples a batch, converging to ~1e-4: a single hard example makes a batch's loss hundreds of
     # times its median and several times its 90th percentile, again and again (23 loss_spike warnings before).
     torch.manual_seed(0)
@@ -105,7 +105,7 @@ def test_a_converged_small_batch_classifier_has_no_loss_spikes(memory) -> None: 
 
 def test_after_a_collapse_from_a_named_backward_nan_skips_are_not_normal_and_bf16_is_not_the_advice(
     memory,
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     # A sqrt at 0 every 10 steps from 60: the probe names its backward at 90, the scale falls below 1 at 120. The
     # collapse advised "use bf16" (which does not fix sqrt(0)), and each later skip was "Occasional skips are normal".
     def sometimes(step: int, model: torch.nn.Sequential) -> None:
@@ -124,7 +124,7 @@ def test_after_a_collapse_from_a_named_backward_nan_skips_are_not_normal_and_bf1
 
 def test_nan_from_an_operation_on_two_steps_at_the_scale_steps_were_applied_at_is_not_called_overflow(
     memory,
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     def twice(step: int, model: torch.nn.Sequential) -> None:
         model[3].on = step in (60, 61)
 
@@ -134,7 +134,7 @@ def test_nan_from_an_operation_on_two_steps_at_the_scale_steps_were_applied_at_i
     assert "most likely fp16 overflow" not in back["message"] and "sqrt" in back["message"]
 
 
-def test_nan_skips_between_applied_steps_in_the_first_50_steps_are_not_start_up_calibration(memory) -> None:  # type: ignore[no-untyped-def]
+def test_nan_skips_between_applied_steps_in_the_first_50_steps_are_not_start_up_calibration(memory) -> None:
     def sometimes(step: int, model: torch.nn.Sequential) -> None:
         model[3].on = step in (5, 15, 25, 35, 45)
 
@@ -144,7 +144,7 @@ def test_nan_skips_between_applied_steps_in_the_first_50_steps_are_not_start_up_
     assert [(e["severity"], e["step"]) for e in grads][:1] == [("warning", 25)]
 
 
-def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_parameters(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_parameters(memory, monkeypatch) -> None:
     # The parameters are checked after the optimizer step, which wrote the bad batch's NaN into them: the loss event
     # said "(the parameters are non-finite)" of the loss that made them so.
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "5")
@@ -167,7 +167,7 @@ def test_a_bad_batch_without_a_scaler_at_a_parameter_check_is_not_blamed_on_the_
 
 
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
-def test_a_gradient_spike_in_a_loop_that_clips_does_not_say_to_clip(memory, amp: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_gradient_spike_in_a_loop_that_clips_does_not_say_to_clip(memory, amp: str) -> None:
     """fp16 with a scaler, or bf16 without one: the spike is seen in the norm before the clip, and the loop is not
     told to clip."""
     model = _model()
@@ -208,7 +208,7 @@ class _Attention(torch.nn.Module):
         return self.proj(weights.to(v.dtype) @ v).mean(1)
 
 
-def test_a_nan_made_between_two_modules_is_not_blamed_on_the_second_alone(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_nan_made_between_two_modules_is_not_blamed_on_the_second_alone(memory) -> None:
     torch.manual_seed(0)
     model = _Attention()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -232,7 +232,7 @@ def test_a_nan_made_between_two_modules_is_not_blamed_on_the_second_alone(memory
     assert "or it received them from an operation outside any module between `v` and `proj`" in origin["message"]
 
 
-def test_a_nan_made_in_the_loss_of_an_accumulated_micro_batch_is_traced_to_the_loss(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_nan_made_in_the_loss_of_an_accumulated_micro_batch_is_traced_to_the_loss(memory) -> None:
     """Four micro-batches a step: each has its own forward and backward, and the probe tells them apart (it blamed
     the first layer, whose gradient came from the micro-batch before, just ahead in backward order)."""
     model = _model()
@@ -270,14 +270,18 @@ class _Checkpointed(torch.nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_modules_recomputed_by_activation_checkpointing_count_once_in_the_origin(memory, reentrant: bool) -> None:  # type: ignore[no-untyped-def]
+def test_modules_recomputed_by_activation_checkpointing_count_once_in_the_origin(memory, reentrant: bool) -> None:
     """The recomputation in the backward runs the forward hooks again: its outputs are not a second pass (they were
     counted: "module 3 of 7")."""
     torch.manual_seed(0)
     explode = _model()[2]  # (test_diagnosis.Explode: -inf at the steps in `at`)
     explode.at = {4, 12}
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                _Checkpointed(torch.nn.Sequential(explode, torch.nn.Linear(16, 16)), reentrant), torch.nn.Linear(16, 1))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.Tanh(),
+        _Checkpointed(torch.nn.Sequential(explode, torch.nn.Linear(16, 16)), reentrant),
+        torch.nn.Linear(16, 1),
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     with ampwatch.init("review", "checkpointed", transport=memory) as run:

@@ -88,7 +88,7 @@ dist.destroy_process_group()
 """
 
 
-def test_fsdp2_shards_report_the_global_grad_norm_and_their_shards_layer_norms(sqlite_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_fsdp2_shards_report_the_global_grad_norm_and_their_shards_layer_norms(sqlite_server, tmp_path: Path) -> None:
     """FSDP2 (fully_shard) with ShardedGradScaler: the norms the agent keeps are DTensors, which it reads as each rank's
     local tensor, with no collective (it dropped every step's record before: a DTensor has no tolist())."""
     import json
@@ -99,13 +99,18 @@ def test_fsdp2_shards_report_the_global_grad_norm_and_their_shards_layer_norms(s
     seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in (0, 1)]
     with sqlite_server.client() as http:
         run = http.get(f"/api/v1/runs/{run_id}").json()
-        series = {rank: http.get(f"/api/v1/runs/{run_id}/series", params={"name": ["grad_norm", "grad_norm/0", "skipped"],
-                                                                            "rank": rank}).json() for rank in (0, 1)}  # fmt: skip
+        series = {
+            rank: http.get(
+                f"/api/v1/runs/{run_id}/series", params={"name": ["grad_norm", "grad_norm/0", "skipped"], "rank": rank}
+            ).json()
+            for rank in (0, 1)
+        }
     assert (run["last_step"], run["ranks"]) == (steps - 1, [0, 1])
     for rank in (0, 1):  # clip_grad_norm_'s total is replicated: each rank records the whole norm, exactly
         assert series[rank]["grad_norm"]["steps"] == list(range(steps))
-        assert series[rank]["grad_norm"]["values"] == [v if math.isfinite(v) else str(v).replace("inf", "Infinity")
-                                                       for v in seen[rank]["norms"]]  # fmt: skip
+        assert series[rank]["grad_norm"]["values"] == [
+            v if math.isfinite(v) else str(v).replace("inf", "Infinity") for v in seen[rank]["norms"]
+        ]
     # Per-layer norms: each rank's shard's; together they make the layer's.
     shards = [series[rank]["grad_norm/0"]["values"][0] for rank in (0, 1)]
     assert 0 < shards[0] != shards[1] > 0
@@ -167,7 +172,7 @@ def _disagreements(server: Any, run_id: str) -> list[dict[str, Any]]:
     return [e for e in events if e["details"].get("cause") == "ranks_disagree"]
 
 
-def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp_path: Path) -> None:
     steps = 12
     ids = _launch(sqlite_server, tmp_path, steps, sync=True)
     with sqlite_server.client() as http:
@@ -191,14 +196,16 @@ def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp
     assert _disagreements(sqlite_server, run["id"]) == []  # all-reduced gradients: one found_inf, one scale
 
 
-def test_ranks_whose_scalers_skip_different_steps_are_told_apart_by_the_server(live_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_ranks_whose_scalers_skip_different_steps_are_told_apart_by_the_server(live_server, tmp_path: Path) -> None:
     # Without DDP each rank's scaler sees its own gradients: only rank 1 overflows at step 5 (rank 0's own data may make
     # it skip another step, as it did at step 4 on one machine: the first step they disagree on is named).
     [run_id] = _launch(live_server, tmp_path, 12, sync=False)
     [event] = _disagreements(live_server, run_id)
     with live_server.client() as http:
-        skipped = [http.get(f"/api/v1/runs/{run_id}/series", params={"name": "skipped", "rank": r}).json()["skipped"]["values"]
-                   for r in (0, 1)]  # fmt: skip
+        skipped = [
+            http.get(f"/api/v1/runs/{run_id}/series", params={"name": "skipped", "rank": r}).json()["skipped"]["values"]
+            for r in (0, 1)
+        ]
     first = next(step for step, (a, b) in enumerate(zip(*skipped)) if a != b)
     assert first <= 5 and skipped[1][5] == 1
     assert (event["type"], event["severity"], event["step"]) == ("scaler_misuse", "critical", first)
@@ -238,7 +245,7 @@ trainer.fit(Module())
 @pytest.mark.parametrize("form", ["in-callback", "early"])
 def test_lightning_ddp_ranks_report_into_one_run_when_the_callback_starts_it(
     sqlite_server, tmp_path: Path, form: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Lightning's DDP launcher starts the other ranks itself, after the script's first lines ran: a run started there
     knows no ranks yet (each process reported as rank 0 into a run of its own); one the callback starts at setup does."""
     from test_integrations import _series, _stack

@@ -14,14 +14,14 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
 
 
-def _series(server, run_id: str, *names: str) -> dict:  # type: ignore[no-untyped-def]
+def _series(server, run_id: str, *names: str) -> dict:
     with server.client() as http:
         reply = http.get(f"/api/v1/runs/{run_id}/series", params=[("name", n) for n in names])
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
-def test_amp_training_reads_back_every_step_with_nan_as_string(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_amp_training_reads_back_every_step_with_nan_as_string(live_server) -> None:
     steps, nan_step = 40, 25
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -68,7 +68,7 @@ def test_amp_training_reads_back_every_step_with_nan_as_string(live_server) -> N
     )
 
 
-def test_accumulated_micro_batches_add_up_and_fused_adamw_norm_is_unscaled(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_accumulated_micro_batches_add_up_and_fused_adamw_norm_is_unscaled(sqlite_server) -> None:
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -95,7 +95,7 @@ def test_accumulated_micro_batches_add_up_and_fused_adamw_norm_is_unscaled(sqlit
     assert data["skipped"]["values"] == [0] * 6
 
 
-def test_without_a_scaler_steps_are_counted_by_the_optimizer(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_without_a_scaler_steps_are_counted_by_the_optimizer(sqlite_server) -> None:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     disabled = torch.amp.GradScaler("cpu", enabled=False)  # what nanoGPT builds under bf16
@@ -116,7 +116,7 @@ def test_without_a_scaler_steps_are_counted_by_the_optimizer(sqlite_server) -> N
 
 
 @pytest.mark.parametrize("split", ["optimizer, then scaler", "scaler, then optimizer", "all, then a new optimizer"])
-def test_watch_split_over_calls_records_each_step_once(sqlite_server, split: str) -> None:  # type: ignore[no-untyped-def]
+def test_watch_split_over_calls_records_each_step_once(sqlite_server, split: str) -> None:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
@@ -141,7 +141,7 @@ def test_watch_split_over_calls_records_each_step_once(sqlite_server, split: str
 
 
 @pytest.mark.parametrize("every", [1, 3])
-def test_a_norm_the_user_logs_replaces_the_agents_and_leaves_no_gap_between(sqlite_server, every: int) -> None:  # type: ignore[no-untyped-def]
+def test_a_norm_the_user_logs_replaces_the_agents_and_leaves_no_gap_between(sqlite_server, every: int) -> None:
     """Logged at every step, the user's norm is the series; logged every third step, the agent's own fills in."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters())
@@ -164,7 +164,7 @@ def test_a_norm_the_user_logs_replaces_the_agents_and_leaves_no_gap_between(sqli
     assert all(norms[s] < 1000 for s in range(10) if s % every)  # the agent's own norm on the other steps
 
 
-def test_standard_names_the_user_logs_win_with_other_values_logged_at_other_steps_between(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_standard_names_the_user_logs_win_with_other_values_logged_at_other_steps_between(sqlite_server) -> None:
     """`loss` and `param_norm` logged at the current step replace the agent's, though a sample count is logged at
     its own step in between (the agent's parameter check runs at steps 0 and 50 here)."""
     model = _model()
@@ -186,7 +186,7 @@ def test_standard_names_the_user_logs_win_with_other_values_logged_at_other_step
     assert data["param_norm"] == {"steps": list(range(60)), "values": [123.0] * 60}
 
 
-def test_nonfinite_and_exact_floats_round_trip_through_the_database(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_nonfinite_and_exact_floats_round_trip_through_the_database(live_server) -> None:
     values = [0.1 + 0.2, "NaN", "Infinity", "-Infinity", -2.5e-310, 5e-324, 1.7976931348623157e308]
     with live_server.client() as http:
         assert http.put("/api/v1/runs/exact1", json={"project": "p", "name": "n"}).status_code == 200
@@ -201,7 +201,7 @@ def test_nonfinite_and_exact_floats_round_trip_through_the_database(live_server)
     assert got == [0.1 + 0.2, -2.5e-310, 5e-324, 1.7976931348623157e308]  # bit-exact float64, subnormals too
 
 
-def test_a_run_appears_before_its_first_step_and_heartbeats_while_idle(sqlite_server, monkeypatch, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_appears_before_its_first_step_and_heartbeats_while_idle(sqlite_server, monkeypatch, wait_for) -> None:
     monkeypatch.setenv("AMPWATCH_HEARTBEAT_INTERVAL_S", "0.2")
     run = ampwatch.init("e2e", "idle", url=sqlite_server.url)
 
@@ -217,7 +217,7 @@ def test_a_run_appears_before_its_first_step_and_heartbeats_while_idle(sqlite_se
         assert http.get(f"/api/v1/runs/{run.id}").json()["status"] == "finished"
 
 
-def test_run_url_is_the_servers_public_link_once_registered(live_server_factory, sqlite_url) -> None:  # type: ignore[no-untyped-def]
+def test_run_url_is_the_servers_public_link_once_registered(live_server_factory, sqlite_url) -> None:
     # (behind a proxy the agent's own AMPWATCH_URL is an internal address; Run.url is the dashboard page)
     server = live_server_factory(Settings(database_url=sqlite_url, public_url="http://dash.example.com:9000"))
     with ampwatch.init("e2e", "public", url=server.url) as run:

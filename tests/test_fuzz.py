@@ -66,7 +66,7 @@ def loopback_only() -> Iterator[list[tuple[str, Any]]]:
     _guard["on"] = False
 
 
-def test_the_guard_blocks_and_records_a_connection_elsewhere(loopback_only) -> None:  # type: ignore[no-untyped-def]
+def test_the_guard_blocks_and_records_a_connection_elsewhere(loopback_only) -> None:
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("192.0.2.1", 9), timeout=1)  # TEST-NET-1: blocked before any packet leaves
     with pytest.raises(socket.gaierror):
@@ -74,7 +74,7 @@ def test_the_guard_blocks_and_records_a_connection_elsewhere(loopback_only) -> N
     assert loopback_only == [("socket.connect", "192.0.2.1"), ("socket.getaddrinfo", "example.com")]
 
 
-def test_generated_requests_never_get_a_server_error(sqlite_url, live_server_factory, loopback_only, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_generated_requests_never_get_a_server_error(sqlite_url, live_server_factory, loopback_only, tmp_path) -> None:
     command = shutil.which("schemathesis")
     if command is None:
         pytest.skip("schemathesis is not installed (pip install -e '.[dev]')")
@@ -90,10 +90,24 @@ def test_generated_requests_never_get_a_server_error(sqlite_url, live_server_fac
         )
         assert refused.status_code == 422  # the scope holds before fuzzing starts
     done = subprocess.run(
-        [command, "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "10",
-         "--exclude-path-regex", "stream", "--seed", "1"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,  # it keeps a cache folder where it runs
-    )  # fmt: skip
+        [
+            command,
+            "run",
+            f"{server.url}/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "10",
+            "--exclude-path-regex",
+            "stream",
+            "--seed",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,  # it keeps a cache folder where it runs
+    )
     assert done.returncode == 0, done.stdout[-4000:]  # schemathesis exits non-zero on any 5xx
     assert "generated" in done.stdout and "alert-channels" in done.stdout  # it really fuzzed the channels
     assert loopback_only == []  # and the server never tried to reach beyond this machine

@@ -16,7 +16,7 @@ GOOD = {"seq": 1, "points": {"loss": {"steps": [0, 1, 2], "values": [1.0, "NaN",
 
 
 @pytest.fixture
-def http(live_server):  # type: ignore[no-untyped-def]
+def http(live_server):
     with live_server.client() as client:
         assert (
             client.put("/api/v1/runs/r1", json={"project": "p", "name": "run one", "config": {"lr": 0.1}}).status_code
@@ -25,7 +25,7 @@ def http(live_server):  # type: ignore[no-untyped-def]
         yield client
 
 
-def _stored(http) -> tuple[dict, list]:  # type: ignore[no-untyped-def]
+def _stored(http) -> tuple[dict, list]:
     return http.get("/api/v1/runs/r1/series").json(), http.get("/api/v1/runs/r1/events").json()
 
 
@@ -58,7 +58,7 @@ def _stored(http) -> tuple[dict, list]:  # type: ignore[no-untyped-def]
         ),
     ],
 )
-def test_bad_batches_get_a_clear_422_and_store_nothing(http, body, status: int, says: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_batches_get_a_clear_422_and_store_nothing(http, body, status: int, says: str) -> None:
     if isinstance(body, bytes):
         reply = http.post("/api/v1/runs/r1/batches", content=body, headers={"content-type": "application/json"})
     else:
@@ -68,7 +68,7 @@ def test_bad_batches_get_a_clear_422_and_store_nothing(http, body, status: int, 
     assert _stored(http) == ({}, [])
 
 
-def test_a_batch_with_good_points_and_one_bad_event_stores_nothing_partial(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_with_good_points_and_one_bad_event_stores_nothing_partial(http) -> None:
     bad_event = {"step": 1, "type": "not_an_event_type", "severity": "critical", "message": "x"}
     reply = http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [bad_event]})
     assert reply.status_code == 422 and "type" in reply.text
@@ -78,13 +78,18 @@ def test_a_batch_with_good_points_and_one_bad_event_stores_nothing_partial(http)
     assert _stored(http) == ({}, [])
 
 
-def test_packed_series_are_stored_exactly_beside_json_lists(http) -> None:  # type: ignore[no-untyped-def]
+def test_packed_series_are_stored_exactly_beside_json_lists(http) -> None:
     """The agent sends steps and values as base64 of little-endian int64/float64: the values arrive exactly,
     NaN, infinities and subnormals included, and a batch may mix packed series with plain lists."""
     values = [0.1, math.nan, math.inf, -math.inf, -0.0, 5e-324, 1.7976931348623157e308, 2**-24]
     steps = [0, 1, 2, 3, 4, 5, 6, 2**62]
-    body = {"seq": 1, "points": {"loss": {"steps": packed(steps, "q"), "values": packed(values, "d")},
-                                 "lr": {"steps": [0], "values": [0.5]}}}  # fmt: skip
+    body = {
+        "seq": 1,
+        "points": {
+            "loss": {"steps": packed(steps, "q"), "values": packed(values, "d")},
+            "lr": {"steps": [0], "values": [0.5]},
+        },
+    }
     assert http.post("/api/v1/runs/r1/batches", json=body).json() == {"stored": True, "points": 9}
     series = _stored(http)[0]
     assert series["loss"]["steps"] == steps
@@ -101,14 +106,14 @@ def test_packed_series_are_stored_exactly_beside_json_lists(http) -> None:  # ty
     assert series["lr"] == {"steps": [0], "values": [0.5]}
 
 
-def test_a_batch_for_an_unknown_run_gets_404_saying_how_to_register(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_for_an_unknown_run_gets_404_saying_how_to_register(http) -> None:
     reply = http.post("/api/v1/runs/nobody/batches", json=GOOD)
     assert reply.status_code == 404
     assert "PUT /api/v1/runs/nobody" in reply.json()["detail"]
     assert http.put("/api/v1/runs/bad id!", json={"project": "p", "name": "n"}).status_code == 422
 
 
-def test_an_oversized_body_gets_413_before_parsing(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_an_oversized_body_gets_413_before_parsing(live_server) -> None:
     assert live_server.app.state.settings.max_body_bytes  # the limit is wired from settings
     big = {"seq": 1, "points": {"x": {"steps": list(range(3_000_000)), "values": [0.5] * 3_000_000}}}
     with live_server.client() as http:
@@ -119,7 +124,7 @@ def test_an_oversized_body_gets_413_before_parsing(live_server) -> None:  # type
         assert http.get("/api/v1/runs/r1/series").json() == {}
 
 
-def test_a_resent_batch_is_stored_once(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_resent_batch_is_stored_once(http) -> None:
     event = {"step": 1, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss"}
     first = http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [event]})
     again = http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [event]})
@@ -132,14 +137,14 @@ def test_a_resent_batch_is_stored_once(http) -> None:  # type: ignore[no-untyped
     assert (run["health"], run["last_step"], run["series"]) == ("critical", 2, ["loss"])
 
 
-def test_registering_a_run_twice_keeps_its_data(http) -> None:  # type: ignore[no-untyped-def]
+def test_registering_a_run_twice_keeps_its_data(http) -> None:
     http.post("/api/v1/runs/r1/batches", json=GOOD)
     assert http.put("/api/v1/runs/r1", json={"project": "p", "name": "renamed"}).status_code == 200
     assert http.get("/api/v1/runs/r1").json()["name"] == "renamed"
     assert _stored(http)[0]["loss"]["steps"] == [0, 1, 2]
 
 
-def test_read_api_filters_and_404s(http) -> None:  # type: ignore[no-untyped-def]
+def test_read_api_filters_and_404s(http) -> None:
     http.put("/api/v1/runs/r2", json={"project": "other", "name": "two"})
     assert [r["id"] for r in http.get("/api/v1/runs", params={"project": "p"}).json()] == ["r1"]
     assert {r["id"] for r in http.get("/api/v1/runs").json()} == {"r1", "r2"}
@@ -152,7 +157,7 @@ def test_read_api_filters_and_404s(http) -> None:  # type: ignore[no-untyped-def
     assert http.get("/docs").status_code == 200
 
 
-def test_max_points_keeps_a_lone_nan_and_a_lone_spike(http) -> None:  # type: ignore[no-untyped-def]
+def test_max_points_keeps_a_lone_nan_and_a_lone_spike(http) -> None:
     n = 10_000
     values: list = [1.0 + (i % 7) * 1e-3 for i in range(n)]
     values[3_333], values[7_777], values[9_001] = "NaN", 1e6, "-Infinity"
@@ -176,7 +181,7 @@ def test_downsample_returns_short_series_unchanged_and_keeps_extremes() -> None:
     assert -50.0 in kept and 9.0 in kept and len(kept) <= 10
 
 
-def test_a_step_repeated_within_a_batch_keeps_its_last_value(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_repeated_within_a_batch_keeps_its_last_value(http) -> None:
     batch = {"seq": 1, "points": {"x": {"steps": [0, 1, 1, 2, 1], "values": [1.0, 2.0, 3.0, 4.0, "NaN"]}}}
     assert http.post("/api/v1/runs/r1/batches", json=batch).status_code == 200
     assert _stored(http)[0] == {"x": {"steps": [0, 1, 2], "values": [1.0, "NaN", 4.0]}}
@@ -201,12 +206,12 @@ def test_a_step_repeated_within_a_batch_keeps_its_last_value(http) -> None:  # t
         ("get", "/api/v1/alert-rules/99999999999", None),
     ],
 )
-def test_out_of_range_numbers_get_a_4xx_not_a_500(http, method: str, path: str, body) -> None:  # type: ignore[no-untyped-def]
+def test_out_of_range_numbers_get_a_4xx_not_a_500(http, method: str, path: str, body) -> None:
     reply = http.post(path, json=body) if method == "post" else http.get(path)
     assert 400 <= reply.status_code < 500, (reply.status_code, reply.text)
 
 
-def test_a_long_run_shows_its_newest_events(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_long_run_shows_its_newest_events(http) -> None:
     events = [{"step": i, "type": "skipped_step", "severity": "info", "message": f"skip {i}"} for i in range(1200)]
     events.append({"step": 1200, "type": "nonfinite_loss", "severity": "critical", "message": "the NaN that matters"})
     assert http.post("/api/v1/runs/r1/batches", json={"seq": 1, "events": events}).status_code == 200
@@ -215,7 +220,7 @@ def test_a_long_run_shows_its_newest_events(http) -> None:  # type: ignore[no-un
     assert [e["step"] for e in shown] == sorted(e["step"] for e in shown)
 
 
-def test_setting_a_required_rule_field_to_null_gets_422(http) -> None:  # type: ignore[no-untyped-def]
+def test_setting_a_required_rule_field_to_null_gets_422(http) -> None:
     # Found by schemathesis: this was a NOT NULL violation, a 500.
     rule = http.get("/api/v1/alert-rules").json()[0]
     reply = http.patch(f"/api/v1/alert-rules/{rule['id']}", json={"severity": None})
@@ -223,7 +228,7 @@ def test_setting_a_required_rule_field_to_null_gets_422(http) -> None:  # type: 
     assert http.get(f"/api/v1/alert-rules/{rule['id']}").json()["severity"] == rule["severity"]
 
 
-def test_a_run_lists_the_ranks_that_sent_batches(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_lists_the_ranks_that_sent_batches(http) -> None:
     assert http.get("/api/v1/runs/r1").json()["ranks"] == []
     for rank in (3, 0, 3, 1):
         http.post("/api/v1/runs/r1/batches", json={**GOOD, "rank": rank, "seq": 1 + rank})
@@ -232,7 +237,7 @@ def test_a_run_lists_the_ranks_that_sent_batches(http) -> None:  # type: ignore[
     assert rank_3 == {"steps": [0, 1, 2], "values": [1.0, "NaN", 0.5]}
 
 
-def test_a_batch_over_the_point_limit_gets_413_and_stores_nothing(live_server_factory, sqlite_url) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_over_the_point_limit_gets_413_and_stores_nothing(live_server_factory, sqlite_url) -> None:
     server = live_server_factory(Settings(database_url=sqlite_url, max_batch_points=100))
     batch = {
         "seq": 1,
@@ -249,7 +254,7 @@ def test_a_batch_over_the_point_limit_gets_413_and_stores_nothing(live_server_fa
         assert http.get("/api/v1/runs/r1/series").json() == {}
 
 
-def test_nul_characters_never_hold_up_a_run(http) -> None:  # type: ignore[no-untyped-def]
+def test_nul_characters_never_hold_up_a_run(http) -> None:
     # Postgres text cannot hold NUL: a batch it refused was a 500, retried by the agent forever, holding up the rest.
     reply = http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": {"a\x00b": {"steps": [0], "values": [1.0]}}})
     assert reply.status_code == 422 and "names cannot contain NUL characters" in reply.text
@@ -272,7 +277,7 @@ def test_nul_characters_never_hold_up_a_run(http) -> None:  # type: ignore[no-un
     assert http.get("/api/v1/runs/r1/series").json()["loss"]["steps"] == [0, 1, 2]
 
 
-def test_a_batch_of_empty_series_stores_nothing_and_is_acknowledged(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_of_empty_series_stores_nothing_and_is_acknowledged(http) -> None:
     for seq, empty in enumerate(([], ""), start=1):  # (a list, and packed: SQLite answered 500 to both)
         reply = http.post(
             "/api/v1/runs/r1/batches", json={"seq": seq, "points": {"x": {"steps": empty, "values": empty}}}
@@ -281,7 +286,7 @@ def test_a_batch_of_empty_series_stores_nothing_and_is_acknowledged(http) -> Non
     assert http.get("/api/v1/runs/r1/series").json() == {"x": {"steps": [], "values": []}}
 
 
-def test_ranks_registering_one_run_at_once_all_get_200(http, live_server) -> None:  # type: ignore[no-untyped-def]
+def test_ranks_registering_one_run_at_once_all_get_200(http, live_server) -> None:
     # The project exists, so nothing made the ranks' transactions wait for each other: on Postgres, all but one
     # failed on the run's primary key (a 500, retried after a backoff).
     def register(run_id: str) -> int:
@@ -292,19 +297,19 @@ def test_ranks_registering_one_run_at_once_all_get_200(http, live_server) -> Non
         for round_ in range(5):
             codes = list(pool.map(register, [f"ddp{round_}"] * 8))
             assert codes == [200] * 8, codes
-    assert sorted(r["id"] for r in http.get("/api/v1/runs", params={"project": "p"}).json() if r["id"].startswith("ddp")) == [
-        f"ddp{i}" for i in range(5)
-    ]  # fmt: skip
+    assert sorted(
+        r["id"] for r in http.get("/api/v1/runs", params={"project": "p"}).json() if r["id"].startswith("ddp")
+    ) == [f"ddp{i}" for i in range(5)]
 
 
-def test_a_run_keeps_its_project_when_registered_again_under_another(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_keeps_its_project_when_registered_again_under_another(http) -> None:
     reply = http.put("/api/v1/runs/r1", json={"project": "other", "name": "run one"})
     assert reply.status_code == 200 and reply.json()["project"] == "p"
     assert http.get("/api/v1/runs/r1").json()["project"] == "p"
     assert http.get("/api/v1/runs", params={"project": "other"}).json() == []
 
 
-def test_steps_up_to_the_largest_bigint_chart_downsampled(http) -> None:  # type: ignore[no-untyped-def]
+def test_steps_up_to_the_largest_bigint_chart_downsampled(http) -> None:
     last = 2**63 - 1  # one past it overflowed the bucket bounds on Postgres (a 500)
     steps = list(range(last - 999, last + 1))
     points = {
@@ -320,7 +325,7 @@ def test_steps_up_to_the_largest_bigint_chart_downsampled(http) -> None:  # type
     assert grid.status_code == 200 and grid.json()["layers"] == ["a"], grid.text
 
 
-def test_a_batch_with_more_series_than_postgres_takes_parameters_is_stored(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_with_more_series_than_postgres_takes_parameters_is_stored(http) -> None:
     many = 66_000  # Postgres binds at most 65 535 parameters a statement: one per name was a 500
     points = {f"grad_norm/l.{i}": {"steps": [0], "values": [float(i)]} for i in range(many)}
     reply = http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": points})
@@ -329,7 +334,7 @@ def test_a_batch_with_more_series_than_postgres_takes_parameters_is_stored(http)
     assert last == {f"grad_norm/l.{many - 1}": {"steps": [0], "values": [float(many - 1)]}}
 
 
-def test_every_event_of_a_long_run_can_be_paged_through(http) -> None:  # type: ignore[no-untyped-def]
+def test_every_event_of_a_long_run_can_be_paged_through(http) -> None:
     events = [{"step": i, "type": "skipped_step", "severity": "info", "message": f"skip {i}"} for i in range(1500)]
     assert http.post("/api/v1/runs/r1/batches", json={"seq": 1, "events": events}).status_code == 200
     assert len(http.get("/api/v1/runs/r1/events").json()) == 1000  # the newest, by default
@@ -341,7 +346,7 @@ def test_every_event_of_a_long_run_can_be_paged_through(http) -> None:  # type: 
     assert seen == list(range(1500))
 
 
-def test_runs_sort_by_health_by_severity_and_put_runs_without_steps_last_on_every_database(http) -> None:  # type: ignore[no-untyped-def]
+def test_runs_sort_by_health_by_severity_and_put_runs_without_steps_last_on_every_database(http) -> None:
     # (health sorted as text: critical < ok < warning; a run with no step came first on Postgres, last on SQLite)
     for name, health, step in (("a", "critical", 10), ("b", "ok", 500), ("c", "warning", 7), ("d", "ok", None)):
         http.put(f"/api/v1/runs/s-{name}", json={"project": "sorted", "name": name}).raise_for_status()

@@ -34,14 +34,14 @@ def _stack(module: str, install: str) -> ModuleType:
         pytest.skip(message)
 
 
-def _series(server, run_id: str, *names: str, rank: int = 0) -> dict:  # type: ignore[no-untyped-def]
+def _series(server, run_id: str, *names: str, rank: int = 0) -> dict:
     with server.client() as http:
         reply = http.get(f"/api/v1/runs/{run_id}/series", params=[("name", n) for n in names] + [("rank", rank)])
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
-def _run_info(server, run_id: str) -> dict:  # type: ignore[no-untyped-def]
+def _run_info(server, run_id: str) -> dict:
     with server.client() as http:
         reply = http.get(f"/api/v1/runs/{run_id}")
     assert reply.status_code == 200, reply.text
@@ -101,13 +101,15 @@ class _GPT(torch.nn.Module):
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float) -> torch.optim.AdamW:
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), fused=True)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_nanogpt_loop_records_every_optimizer_step_with_accumulated_loss(sqlite_server, dtype: str) -> None:  # type: ignore[no-untyped-def]
+def test_nanogpt_loop_records_every_optimizer_step_with_accumulated_loss(sqlite_server, dtype: str) -> None:
     """train.py's loop as written: fused AdamW, a scaler disabled under bf16, accumulation, unscale_ + clip."""
     torch.manual_seed(0)
     iters, gradient_accumulation_steps, grad_clip = 8, 3, 1.0
@@ -179,7 +181,7 @@ def accelerate() -> Iterator[ModuleType]:
 @pytest.mark.parametrize("mixed_precision", ["bf16", "fp16"])
 def test_accelerate_loop_records_every_optimizer_step_through_the_wrapped_optimizer(
     sqlite_server, accelerate: ModuleType, mixed_precision: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """`optimizer` after `prepare()` is an AcceleratedOptimizer whose own step hooks never fire; the agent
     hooks the optimizer inside it. On CPU Accelerate builds no GradScaler: bf16 autocasts, fp16 trains in fp32."""
     torch.manual_seed(0)
@@ -281,15 +283,25 @@ def _trainer(L: ModuleType, callback: object, steps: int, precision: str, accumu
 
     # On CPU, precision="16-mixed" silently falls back to bf16; the plugin is how fp16 AMP with a GradScaler runs here.
     amp = {"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {"precision": precision}
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulation, gradient_clip_val=0.05,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     callbacks=[callback], **amp)  # fmt: skip
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        accumulate_grad_batches=accumulation,
+        gradient_clip_val=0.05,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        **amp,
+    )
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_lightning_callback_records_every_optimizer_step_and_finishes_the_run(
     sqlite_server, lightning: ModuleType, precision: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """bf16: no scaler; Lightning computes the gradients inside `optimizer.step(closure)`, so the norm is taken
     once the closure's backward ran. fp16: the precision plugin's GradScaler is watched like any other."""
     from ampwatch.lightning import AmpwatchCallback
@@ -321,7 +333,7 @@ def test_lightning_callback_records_every_optimizer_step_and_finishes_the_run(
 
 def test_lightning_callback_marks_the_run_crashed_and_lets_the_exception_through(
     sqlite_server, lightning: ModuleType
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     from ampwatch.lightning import AmpwatchCallback
 
     run = ampwatch.init(project="integrations", name="lightning-crash", url=sqlite_server.url)
@@ -337,7 +349,7 @@ def test_lightning_callback_marks_the_run_crashed_and_lets_the_exception_through
     assert _series(sqlite_server, run.id, "loss")["loss"]["steps"] == [0, 1, 2]
 
 
-def test_lightning_callback_can_leave_the_run_open(sqlite_server, lightning: ModuleType, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_lightning_callback_can_leave_the_run_open(sqlite_server, lightning: ModuleType, wait_for) -> None:
     from ampwatch.lightning import AmpwatchCallback
 
     def last_step_and_status() -> tuple | None:
@@ -353,7 +365,7 @@ def test_lightning_callback_can_leave_the_run_open(sqlite_server, lightning: Mod
     assert _run_info(sqlite_server, run.id)["status"] == "finished"
 
 
-def test_importing_ampwatch_loads_no_integration(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_importing_ampwatch_loads_no_integration(tmp_path) -> None:
     modules = ("ampwatch.lightning", "lightning", "pytorch_lightning", "accelerate")
     code = f"import sys, ampwatch; print([m for m in {modules!r} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -362,7 +374,7 @@ def test_importing_ampwatch_loads_no_integration(tmp_path) -> None:  # type: ign
 
 def test_lightning_gan_without_a_scaler_records_the_first_optimizers_steps_only(
     sqlite_server, lightning: ModuleType
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Manual optimization, a generator's step then a discriminator's, bf16: the steps and norms are the generator's
     (the first optimizer's); the discriminator's norm and loss were added to the next step."""
     from ampwatch.lightning import AmpwatchCallback
@@ -395,9 +407,17 @@ def test_lightning_gan_without_a_scaler_records_the_first_optimizers_steps_only(
     torch.manual_seed(0)
     module = GAN()
     run = ampwatch.init(project="integrations", name="lightning-gan", url=sqlite_server.url)
-    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_epochs=1, precision="bf16-mixed", logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                callbacks=[AmpwatchCallback(run)])  # fmt: skip
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        precision="bf16-mixed",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[AmpwatchCallback(run)],
+    )
     trainer.fit(module)
     data = _series(sqlite_server, run.id, "loss", "grad_norm")
     assert data["grad_norm"]["steps"] == list(range(6))

@@ -37,7 +37,7 @@ def _run_value(samples: dict[Any, float], metric: str, run_id: str, **extra: str
     return None
 
 
-def test_metrics_show_ingest_health_and_gauges_of_running_runs_only(live_server, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_show_ingest_health_and_gauges_of_running_runs_only(live_server, wait_for) -> None:
     http = live_server.client()
     run = ampwatch.init("vision", name="resnet", url=live_server.url)
     Loop(run).steps(range(30), nan_at=29)  # the last loss is NaN
@@ -48,7 +48,7 @@ def test_metrics_show_ingest_health_and_gauges_of_running_runs_only(live_server,
     samples = _scrape(http)
     labels = {"project": "vision", "name": "resnet"}
     assert _run_value(samples, "ampwatch_run_last_step", run.id, **labels) == 29
-    assert math.isnan(_run_value(samples, "ampwatch_run_loss", run.id))  # type: ignore[arg-type]
+    assert math.isnan(_run_value(samples, "ampwatch_run_loss", run.id))
     assert _run_value(samples, "ampwatch_run_loss_scale", run.id) == series["scale"]["values"][-1]
     skip_rate = sum(1 for v in series["skipped"]["values"] if v) / len(series["skipped"]["steps"])
     assert skip_rate > 0 and _run_value(samples, "ampwatch_run_skip_rate", run.id) == pytest.approx(skip_rate)
@@ -79,7 +79,7 @@ def test_metrics_show_ingest_health_and_gauges_of_running_runs_only(live_server,
     http.close()
 
 
-def test_open_streams_are_counted_while_open(sqlite_server, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_open_streams_are_counted_while_open(sqlite_server, wait_for) -> None:
     with ampwatch.init("p", name="streamed", url=sqlite_server.url) as run:
         Loop(run).steps(range(3))
     http = sqlite_server.client()
@@ -104,7 +104,7 @@ def test_open_streams_are_counted_while_open(sqlite_server, wait_for) -> None:  
     http.close()
 
 
-def test_metrics_need_a_read_token_once_tokens_exist(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_need_a_read_token_once_tokens_exist(sqlite_server, monkeypatch) -> None:
     monkeypatch.setattr(sqlite_server.app.state.tokens, "refresh_s", 0.0)  # tokens re-read per request
     with sqlite_server.app.state.sessions() as session:
         read = auth.create_token(session, name="prometheus", role="read")
@@ -115,7 +115,7 @@ def test_metrics_need_a_read_token_once_tokens_exist(sqlite_server, monkeypatch)
         assert ("ampwatch_runs", (("status", "running"),)) in _scrape(http, Authorization=f"Bearer {read}")
 
 
-def test_each_app_has_its_own_registry(sqlite_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_each_app_has_its_own_registry(sqlite_server, tmp_path) -> None:
     other = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'other.db'}"))  # no duplicate-metric error
     assert other.state.metrics.registry is not sqlite_server.app.state.metrics.registry
     other.state.engine.dispose()

@@ -48,7 +48,7 @@ def _raises_unchanged(action: Callable[[], object], message: str) -> BaseExcepti
     return raised.value
 
 
-def test_zero_grad_between_backward_and_step(memory) -> None:  # type: ignore[no-untyped-def]
+def test_zero_grad_between_backward_and_step(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     _good_step(model, optimizer, scaler)
     scaler.scale(_loss(model)).backward()
@@ -60,7 +60,7 @@ def test_zero_grad_between_backward_and_step(memory) -> None:  # type: ignore[no
     assert "zero_grad() ran between backward and step" in event["message"] and "Fix:" in event["message"]
 
 
-def test_leftover_step_after_gradient_accumulation_as_in_the_seed_reports(memory) -> None:  # type: ignore[no-untyped-def]
+def test_leftover_step_after_gradient_accumulation_as_in_the_seed_reports(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     accumulation = 4
     for i in range(10):  # 10 micro-batches, a step every 4: two left over
@@ -75,7 +75,7 @@ def test_leftover_step_after_gradient_accumulation_as_in_the_seed_reports(memory
     assert (event["step"], event["details"]["cause"]) == (2, "gradients_missing")
 
 
-def test_a_step_with_no_backward_since_update_is_a_leftover_step(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_with_no_backward_since_update_is_a_leftover_step(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     _good_step(model, optimizer, scaler)
     _raises_unchanged(lambda: scaler.step(optimizer), "No inf checks were recorded")
@@ -83,7 +83,7 @@ def test_a_step_with_no_backward_since_update_is_a_leftover_step(memory) -> None
     assert event["details"]["cause"] == "leftover_step" and "gradient-accumulation" in event["message"]
 
 
-def test_a_detached_loss(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_loss(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     loss = _loss(model).detach().requires_grad_()
     scaler.scale(loss).backward()
@@ -92,7 +92,7 @@ def test_a_detached_loss(memory) -> None:  # type: ignore[no-untyped-def]
     assert event["details"]["cause"] == "gradients_missing" and "detached" in event["message"]
 
 
-def test_stepping_the_wrong_optimizer_or_frozen_parameters(memory) -> None:  # type: ignore[no-untyped-def]
+def test_stepping_the_wrong_optimizer_or_frozen_parameters(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     other = torch.nn.Linear(3, 3)  # a GAN's other network: the loss never reaches it
     wrong = torch.optim.SGD(other.parameters(), lr=0.1)
@@ -104,7 +104,7 @@ def test_stepping_the_wrong_optimizer_or_frozen_parameters(memory) -> None:  # t
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_unscale_before_backward(memory, fused: bool) -> None:  # type: ignore[no-untyped-def]
+def test_unscale_before_backward(memory, fused: bool) -> None:
     run, model, optimizer, scaler = _setup(memory, fused=fused)
     _good_step(model, optimizer, scaler)
     loss = _loss(model)
@@ -119,14 +119,14 @@ def test_unscale_before_backward(memory, fused: bool) -> None:  # type: ignore[n
     assert (event["details"]["cause"], event["details"]["stage"]) == ("unscale_before_backward", "UNSCALED")
 
 
-def test_unscale_before_any_scaled_backward(memory) -> None:  # type: ignore[no-untyped-def]
+def test_unscale_before_any_scaled_backward(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     _raises_unchanged(lambda: scaler.unscale_(optimizer), "_scale is None")
     [event] = _misuse_events(memory, run)
     assert (event["step"], event["details"]["cause"]) == (0, "no_scale_yet")
 
 
-def test_parameters_replaced_after_the_optimizer_was_built(memory) -> None:  # type: ignore[no-untyped-def]
+def test_parameters_replaced_after_the_optimizer_was_built(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     _good_step(model, optimizer, scaler)
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
@@ -136,7 +136,7 @@ def test_parameters_replaced_after_the_optimizer_was_built(memory) -> None:  # t
     assert (event["details"]["cause"], event["details"]["replaced_params"]) == ("parameters_replaced", 4)
 
 
-def test_with_a_fused_optimizer_the_mistake_surfaces_in_update(memory) -> None:  # type: ignore[no-untyped-def]
+def test_with_a_fused_optimizer_the_mistake_surfaces_in_update(memory) -> None:
     run, model, optimizer, scaler = _setup(memory, fused=True)
     _good_step(model, optimizer, scaler)
     scaler.scale(_loss(model)).backward()
@@ -147,7 +147,7 @@ def test_with_a_fused_optimizer_the_mistake_surfaces_in_update(memory) -> None: 
     assert event["details"]["cause"] == "gradients_missing"
 
 
-def test_step_twice_before_update(memory) -> None:  # type: ignore[no-untyped-def]
+def test_step_twice_before_update(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     scaler.scale(_loss(model)).backward()
     scaler.step(optimizer)
@@ -157,7 +157,7 @@ def test_step_twice_before_update(memory) -> None:  # type: ignore[no-untyped-de
     assert event["details"]["cause"] == "step_twice"
 
 
-def test_a_gan_stepping_the_other_optimizer_is_told_so(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_gan_stepping_the_other_optimizer_is_told_so(memory) -> None:
     """G's loss, then scaler.step(optD): D's parameters have G's shapes, but another watched optimizer holds G's, so
     nothing was replaced (it said `parameters_replaced`)."""
     torch.manual_seed(0)
@@ -175,7 +175,7 @@ def test_a_gan_stepping_the_other_optimizer_is_told_so(memory) -> None:  # type:
     assert event["details"]["cause"] == "wrong_optimizer_or_frozen"
 
 
-def test_unscale_twice_before_update(memory) -> None:  # type: ignore[no-untyped-def]
+def test_unscale_twice_before_update(memory) -> None:
     """GradScaler says "unscale_() has already been called on this optimizer since the last update()"."""
     run, model, optimizer, scaler = _setup(memory)
     scaler.scale(_loss(model)).backward()
@@ -185,7 +185,7 @@ def test_unscale_twice_before_update(memory) -> None:  # type: ignore[no-untyped
     assert event["details"]["cause"] == "unscale_twice"
 
 
-def test_a_silent_unscaled_backward_is_reported_once_without_raising(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_silent_unscaled_backward_is_reported_once_without_raising(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     _good_step(model, optimizer, scaler)
     for _ in range(3):
@@ -198,15 +198,20 @@ def test_a_silent_unscaled_backward_is_reported_once_without_raising(memory) -> 
     assert "stops learning" in event["message"]
 
 
-def test_a_correct_loop_has_no_misuse(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_correct_loop_has_no_misuse(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     for _ in range(5):
         _good_step(model, optimizer, scaler)
     assert _misuse_events(memory, run) == []
 
 
-def _clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, max_norm: float,
-                  unscale_first: bool) -> None:  # fmt: skip
+def _clipped_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    max_norm: float,
+    unscale_first: bool,
+) -> None:
     scaler.scale(_loss(model)).backward()
     if unscale_first:
         scaler.unscale_(optimizer)
@@ -217,7 +222,7 @@ def _clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scal
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_clipping_before_unscale_is_reported_once_without_raising(memory, fused: bool) -> None:  # type: ignore[no-untyped-def]
+def test_clipping_before_unscale_is_reported_once_without_raising(memory, fused: bool) -> None:
     run, model, optimizer, scaler = _setup(memory, fused=fused)
     _good_step(model, optimizer, scaler)
     for _ in range(3):
@@ -227,7 +232,7 @@ def test_clipping_before_unscale_is_reported_once_without_raising(memory, fused:
     assert "barely learns" in event["message"] and event["details"]["max_norm"] == "1.0"
 
 
-def test_a_norm_taken_by_clipping_before_unscale_is_said_to_be_scaled(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_norm_taken_by_clipping_before_unscale_is_said_to_be_scaled(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     _clipped_step(model, optimizer, scaler, float("inf"), unscale_first=False)  # clips nothing: only the norm is off
     [event] = _misuse_events(memory, run)
@@ -235,7 +240,7 @@ def test_a_norm_taken_by_clipping_before_unscale_is_said_to_be_scaled(memory) ->
     assert "multiplied by the loss scale" in event["message"] and "barely learns" not in event["message"]
 
 
-def test_clipping_after_unscale_has_no_misuse(memory) -> None:  # type: ignore[no-untyped-def]
+def test_clipping_after_unscale_has_no_misuse(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     for _ in range(60):  # (past the first plan: the lean hooks of the steady path too)
         _clipped_step(model, optimizer, scaler, 1.0, unscale_first=True)
@@ -243,7 +248,7 @@ def test_clipping_after_unscale_has_no_misuse(memory) -> None:  # type: ignore[n
 
 
 @pytest.mark.parametrize("unscale_first", [False, True])
-def test_fp16_parameters_under_a_scaler(memory, unscale_first: bool) -> None:  # type: ignore[no-untyped-def]
+def test_fp16_parameters_under_a_scaler(memory, unscale_first: bool) -> None:
     run, model, optimizer, scaler = _setup(memory)
     model.half()  # (the classic: the whole model in fp16 instead of autocast)
     scaler.scale(model(torch.randn(4, 8).half()).float().pow(2).mean()).backward()
@@ -255,7 +260,7 @@ def test_fp16_parameters_under_a_scaler(memory, unscale_first: bool) -> None:  #
     assert "torch.autocast" in event["message"]
 
 
-def test_optimizer_step_on_scaled_gradients_is_reported_once_without_raising(memory) -> None:  # type: ignore[no-untyped-def]
+def test_optimizer_step_on_scaled_gradients_is_reported_once_without_raising(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     _good_step(model, optimizer, scaler)
     for _ in range(3):
@@ -269,7 +274,7 @@ def test_optimizer_step_on_scaled_gradients_is_reported_once_without_raising(mem
     )
 
 
-def test_update_after_an_optimizer_step_outside_the_scaler(memory) -> None:  # type: ignore[no-untyped-def]
+def test_update_after_an_optimizer_step_outside_the_scaler(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     _good_step(model, optimizer, scaler)  # (a step() of an earlier iteration must not be taken for this one's)
     scaler.scale(_loss(model)).backward()
@@ -280,7 +285,7 @@ def test_update_after_an_optimizer_step_outside_the_scaler(memory) -> None:  # t
     assert "or calls update() after every micro-batch" in events[1]["message"]
 
 
-def test_a_clip_that_raises_at_an_overflow_under_a_scaler_is_told_so(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_clip_that_raises_at_an_overflow_under_a_scaler_is_told_so(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
     scaler.scale(_loss(model)).backward()
     scaler.step(optimizer)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def _configuration_hook():  # type: ignore[no-untyped-def]
+def _configuration_hook():
     """docs/_hooks/configuration.py, the MkDocs hook that generates the configuration reference."""
     spec = importlib.util.spec_from_file_location("_docs_configuration", ROOT / "docs" / "_hooks" / "configuration.py")
     assert spec and spec.loader
@@ -93,10 +93,24 @@ def test_the_top_level_layout_is_the_documented_one() -> None:
     ).stdout.split()
     top = {path.split("/")[0] for path in tracked}
     assert top <= {
-        "pyproject.toml", "README.md", "agent", "server", "web", "migrations", "tests", "bench",
-        "docker-compose.yml", "Dockerfile", ".dockerignore", ".ci", ".gitignore",
-        "docs", "mkdocs.yml", "CHANGELOG.md", ".pre-commit-config.yaml",
-    }  # fmt: skip
+        "pyproject.toml",
+        "README.md",
+        "agent",
+        "server",
+        "web",
+        "migrations",
+        "tests",
+        "bench",
+        "docker-compose.yml",
+        "Dockerfile",
+        ".dockerignore",
+        ".ci",
+        ".gitignore",
+        "docs",
+        "mkdocs.yml",
+        "CHANGELOG.md",
+        ".pre-commit-config.yaml",
+    }
     assert {"agent", "server", "web", "migrations", "tests", "pyproject.toml", "README.md", ".ci"} <= top
 
 

@@ -33,8 +33,10 @@ def test_grad_spike_events_are_star_markers_on_the_grad_norm_chart_also_when_the
     ui.post(
         url, "spiky-1", 2, {"grad_norm": {"steps": more, "values": [30.0 if s == 25 else 1.0 for s in more]}}, [late]
     )
-    page.wait_for_function("document.getElementById('chart-grad_norm').data.some((t) => t.name === 'spike' && t.x.length === 2)",
-                           timeout=10_000)  # fmt: skip
+    page.wait_for_function(
+        "document.getElementById('chart-grad_norm').data.some((t) => t.name === 'spike' && t.x.length === 2)",
+        timeout=10_000,
+    )
     ui.shot(page, "run-grad-spikes.png", "#chart-grad_norm")
     [star] = [t for t in ui.chart(page, "chart-grad_norm")["traces"] if t["name"] == "spike"]
     assert (star["x"], star["y"]) == ([12, 25], [40.0, 30.0])
@@ -45,8 +47,15 @@ def test_zooming_one_chart_zooms_all_and_reads_the_range_at_full_resolution(sqli
     url, n = sqlite_server.url, 20_000
     ui.register(url, "long-1", "long", "twenty thousand steps")
     steps = list(range(n))
-    ui.post(url, "long-1", 1, {"loss": {"steps": steps, "values": [1.0 + (s % 97) / 97 for s in steps]},
-                             "lr": {"steps": steps, "values": [1e-3] * n}})  # fmt: skip
+    ui.post(
+        url,
+        "long-1",
+        1,
+        {
+            "loss": {"steps": steps, "values": [1.0 + (s % 97) / 97 for s in steps]},
+            "lr": {"steps": steps, "values": [1e-3] * n},
+        },
+    )
     ui.open_run(page, url, "long-1")
     assert ui.chart(page, "chart-loss")["points"] <= 2000
     page.evaluate("Plotly.relayout(document.getElementById('chart-loss'), {'xaxis.range': [12000, 12100]})")
@@ -188,8 +197,11 @@ def test_hostile_run_project_series_config_and_event_text_render_inert_on_every_
         timeout=10,
     )
     assert reply.status_code == 200, reply.text
-    points = {"loss": {"steps": [0, 1], "values": [1.0, 0.5]}, ui.HOSTILE_SERIES: {"steps": [0, 1], "values": [1.0, 2.0]},
-              f"grad_norm/{ui.HOSTILE_SERIES}": {"steps": [0, 1], "values": [1.0, 2.0]}}  # fmt: skip
+    points = {
+        "loss": {"steps": [0, 1], "values": [1.0, 0.5]},
+        ui.HOSTILE_SERIES: {"steps": [0, 1], "values": [1.0, 2.0]},
+        f"grad_norm/{ui.HOSTILE_SERIES}": {"steps": [0, 1], "values": [1.0, 2.0]},
+    }
     event = {
         "step": 1,
         "type": "loss_spike",

@@ -58,7 +58,7 @@ def _cli_run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
 
 def test_the_plan_restores_the_last_checkpoint_before_the_first_sign_and_skips_to_past_the_collapse(
     live_server, capsys, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     run_id = _train(live_server, 100, bad=True)
     with live_server.client() as http:
         events = http.get(f"/api/v1/runs/{run_id}/events").json()
@@ -114,13 +114,14 @@ def test_the_plan_restores_the_last_checkpoint_before_the_first_sign_and_skips_t
     code, out, _ = _cli_run(capsys, "plan", run_id, "--url", live_server.url, "--format", "megatron")
     assert (code, out) == (0, megatron.text)
     target = tmp_path / "skip_batches.json"
-    code, out, err = _cli_run(capsys, "plan", run_id, "--url", live_server.url, "--format", "lightning", "-o",
-                              str(target))  # fmt: skip
+    code, out, err = _cli_run(
+        capsys, "plan", run_id, "--url", live_server.url, "--format", "lightning", "-o", str(target)
+    )
     assert (code, out, err.strip()) == (0, "", f"wrote {target}")
     assert json.loads(target.read_text()) == steps
 
 
-def test_a_healthy_run_has_no_trouble_and_empty_files(sqlite_server, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_a_healthy_run_has_no_trouble_and_empty_files(sqlite_server, capsys) -> None:
     run_id = _train(sqlite_server, 40, bad=False)
     with sqlite_server.client() as http:
         doc = http.get(f"/api/v1/runs/{run_id}/plan").json()
@@ -137,13 +138,13 @@ def test_a_healthy_run_has_no_trouble_and_empty_files(sqlite_server, capsys) -> 
 
 def test_checkpoint_takes_a_step_and_a_path_and_never_raises(
     sqlite_server, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     with ampwatch.init("plan", url=sqlite_server.url) as run:
         run.checkpoint()  # before any step: step 0, no path
         run.checkpoint(step=7, path=Path("/ckpt") / "seven.pt")
         with caplog.at_level(logging.WARNING, logger="ampwatch"):
             run.checkpoint(step=-1)
-            run.checkpoint(step="12")  # type: ignore[arg-type]
+            run.checkpoint(step="12")
     assert "checkpoint()'s step must be an integer" in caplog.text
     with sqlite_server.client() as http:
         events = http.get(f"/api/v1/runs/{run.id}/events").json()
@@ -155,7 +156,7 @@ def test_checkpoint_takes_a_step_and_a_path_and_never_raises(
     offline.finish()
 
 
-def test_plan_of_an_unknown_run_is_a_404_and_exit_1(sqlite_server, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_plan_of_an_unknown_run_is_a_404_and_exit_1(sqlite_server, capsys) -> None:
     with sqlite_server.client() as http:
         assert http.get("/api/v1/runs/nope/plan").status_code == 404
     code, out, err = _cli_run(capsys, "plan", "nope", "--url", sqlite_server.url)
@@ -166,7 +167,7 @@ def test_plan_of_an_unknown_run_is_a_404_and_exit_1(sqlite_server, capsys) -> No
 
 def test_a_grad_spike_before_nonfinite_parameters_is_where_trouble_began(
     sqlite_server, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Without a scaler (bf16) nothing skips a bad step: a gradient spike at 45, then parameters gone non-finite."""
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "1")
     torch.manual_seed(0)
@@ -198,29 +199,50 @@ def test_a_grad_spike_before_nonfinite_parameters_is_where_trouble_began(
 def _event(step: int, type_: str, severity: str, path: str | None = None) -> models.Event:
     details = {"path": path} if type_ == "checkpoint" else {}
     now = datetime.now(timezone.utc)
-    return models.Event(id=step, run_id="r", step=step, rank=0, type=type_, severity=severity, message="",
-                        details=details, time=now)  # fmt: skip
+    return models.Event(
+        id=step, run_id="r", step=step, rank=0, type=type_, severity=severity, message="", details=details, time=now
+    )
 
 
 @pytest.mark.parametrize(
     ("signs", "checkpoints", "expected"),
     [
         # An earlier, separate episode (more than EPISODE_GAP steps before) is not where this trouble began.
-        ([(100, "loss_spike", "warning"), (400, "grad_spike", "warning"), (450, "scale_collapse", "critical")],
-         [350, 420], (400, 350, 400, 455)),
+        (
+            [(100, "loss_spike", "warning"), (400, "grad_spike", "warning"), (450, "scale_collapse", "critical")],
+            [350, 420],
+            (400, 350, 400, 455),
+        ),
         # A checkpoint saved at the first sign's own step is not trusted; none before it: start over.
         ([(30, "skipped_step", "warning"), (31, "nonfinite_param", "critical")], [30], (30, None, 30, 36)),
         # The criticals that follow within the gap belong to the episode: the skip runs past the last one.
-        ([(10, "nonfinite_loss", "critical"), (60, "scale_collapse", "critical"), (300, "nonfinite_param", "critical")],
-         [5], (10, 5, 10, 65)),
+        (
+            [
+                (10, "nonfinite_loss", "critical"),
+                (60, "scale_collapse", "critical"),
+                (300, "nonfinite_param", "critical"),
+            ],
+            [5],
+            (10, 5, 10, 65),
+        ),
         # A NaN loss the scaler skipped is a sign, not a trigger: the plan is about the collapse after it.
-        ([(10, "nonfinite_loss", "critical"), (300, "nonfinite_loss", "critical"), (350, "scale_collapse", "critical")],
-         [5, 250, 320], (300, 250, 300, 355)),
+        (
+            [
+                (10, "nonfinite_loss", "critical"),
+                (300, "nonfinite_loss", "critical"),
+                (350, "scale_collapse", "critical"),
+            ],
+            [5, 250, 320],
+            (300, 250, 300, 355),
+        ),
         # A skip range never lists more than MAX_SKIP steps.
-        ([(i * 100, "skipped_step", "warning") for i in range(200)] + [(20_000, "scale_collapse", "critical")],
-         [], (0, None, 0, plan.MAX_SKIP - 1)),
+        (
+            [(i * 100, "skipped_step", "warning") for i in range(200)] + [(20_000, "scale_collapse", "critical")],
+            [],
+            (0, None, 0, plan.MAX_SKIP - 1),
+        ),
     ],
-)  # fmt: skip
+)
 def test_episodes_checkpoints_and_skips(
     signs: list[tuple[int, str, str]], checkpoints: list[int], expected: tuple[int, int | None, int, int]
 ) -> None:
@@ -243,7 +265,7 @@ def test_warnings_and_skipped_nans_without_a_trigger_are_no_trouble() -> None:
     assert (doc["trouble"], doc["skip"], plan.lightning_file(doc), plan.megatron_file(doc)) == (None, None, "[]", "")
 
 
-def test_the_plan_is_a_read_route(sqlite_server, capsys, monkeypatch, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_the_plan_is_a_read_route(sqlite_server, capsys, monkeypatch, wait_for) -> None:
     monkeypatch.setattr(sqlite_server.app.state.tokens, "refresh_s", 0.0)  # tokens re-read per request
     with sqlite_server.app.state.sessions() as session:
         read = auth.create_token(session, name="cli", role="read")

@@ -67,11 +67,20 @@ def nginx_in_front(replicas: list[ServerProcess], folder: Path) -> tuple[str, su
             upstream ampwatch {{ {upstreams} keepalive 16; }}
             server {{ listen 127.0.0.1:{port}; include {LOCATIONS}; }}
         }}
-    """)  # fmt: skip
+    """)
     nginx = subprocess.Popen(
-        [shutil.which("nginx") or "/usr/sbin/nginx", "-p", str(folder), "-c", str(folder / "nginx.conf"),
-         "-g", "daemon off;"], stderr=subprocess.STDOUT, stdout=open(folder / "out.log", "wb"),
-    )  # fmt: skip
+        [
+            shutil.which("nginx") or "/usr/sbin/nginx",
+            "-p",
+            str(folder),
+            "-c",
+            str(folder / "nginx.conf"),
+            "-g",
+            "daemon off;",
+        ],
+        stderr=subprocess.STDOUT,
+        stdout=open(folder / "out.log", "wb"),
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -85,9 +94,13 @@ def nginx_in_front(replicas: list[ServerProcess], folder: Path) -> tuple[str, su
 
 
 def test_three_replicas_behind_nginx_lose_nothing_when_one_is_killed_and_share_streams_and_alerts(
-    pg_url: str, server_processes: Callable[..., ServerProcess], hooks: Any, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, wait_for: Any,
-) -> None:  # fmt: skip
+    pg_url: str,
+    server_processes: Callable[..., ServerProcess],
+    hooks: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    wait_for: Any,
+) -> None:
     if shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists():
         pytest.skip("nginx is not installed (.ci/run installs Debian's)")
     hook_url, bodies = hooks
@@ -135,13 +148,18 @@ def test_three_replicas_behind_nginx_lose_nothing_when_one_is_killed_and_share_s
 
         # The NaN loss: one alert, notified once, whichever of the three processes saw it.
         def firing() -> list[dict[str, Any]]:
-            return [b for b in list(bodies) for a in b.get("alerts", [b.get("alert", {})])
-                    if a.get("rule") == "nonfinite_loss" and b.get("status") == "firing"]  # fmt: skip
+            return [
+                b
+                for b in list(bodies)
+                for a in b.get("alerts", [b.get("alert", {})])
+                if a.get("rule") == "nonfinite_loss" and b.get("status") == "firing"
+            ]
 
         wait_for(lambda: firing(), what="the NaN alert's notification")
         with httpx.Client(base_url=url, timeout=30) as http:
-            (alert,) = [a for a in http.get("/api/v1/alerts", params={"run_id": run.id}).json()
-                        if a["rule"] == "nonfinite_loss"]  # fmt: skip
+            (alert,) = [
+                a for a in http.get("/api/v1/alerts", params={"run_id": run.id}).json() if a["rule"] == "nonfinite_loss"
+            ]
             flips = http.get(f"/api/v1/alerts/{alert['id']}").json()["flips"]
         assert [f["new_state"] for f in flips][:1] == ["firing"]
         assert [d["status"] for d in flips[0]["deliveries"]] == ["delivered"]

@@ -46,7 +46,7 @@ def _stored(server: Any, run_id: str) -> tuple[dict[str, Any], list[dict[str, An
 
 def test_a_resumed_run_continues_its_steps_and_a_relaunch_without_resume_step_overwrites_nothing(
     live_server, tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     monkeypatch.setenv("AMPWATCH_RUN_ID", "nanogpt-resume")  # (as the docs say for a relaunch under the same run)
     checkpoint = tmp_path / "ckpt.pt"
     run_id = _launch(live_server, checkpoint, range(0, 30))
@@ -73,7 +73,7 @@ def test_a_resumed_run_continues_its_steps_and_a_relaunch_without_resume_step_ov
 
 def test_a_lightning_fit_resumed_from_its_checkpoint_continues_the_run_s_steps(
     sqlite_server, tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     from test_integrations import _lightning_module, _stack, _trainer
 
     L = _stack("lightning", "lightning")

@@ -20,17 +20,17 @@ import torch
 import ampwatch
 
 
-def _series(memory, run_id: str, name: str) -> dict:  # type: ignore[no-untyped-def]
+def _series(memory, run_id: str, name: str) -> dict:
     return memory.series(run_id, name)[name]
 
 
-def _server_series(server, run_id: str, name: str) -> dict:  # type: ignore[no-untyped-def]
+def _server_series(server, run_id: str, name: str) -> dict:
     """For the tests whose subject needs a real server (`ampwatch sync`, another process)."""
     with server.client() as http:
         return http.get(f"/api/v1/runs/{run_id}/series", params={"name": name}).json()[name]
 
 
-def test_a_relaunch_under_the_same_run_id_keeps_both_processes_data(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_relaunch_under_the_same_run_id_keeps_both_processes_data(memory, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_RUN_ID", "resumed-run")
     statuses = []
     for steps in (range(0, 5), range(100, 105)):  # two processes, one after the other
@@ -44,7 +44,7 @@ def test_a_relaunch_under_the_same_run_id_keeps_both_processes_data(memory, monk
     assert statuses + [memory.run("resumed-run")["status"]] == ["running", "running", "finished"]
 
 
-def test_one_bad_metric_is_dropped_alone_and_the_run_still_finishes(memory) -> None:  # type: ignore[no-untyped-def]
+def test_one_bad_metric_is_dropped_alone_and_the_run_still_finishes(memory) -> None:
     with ampwatch.init("review", "n" * 500, transport=memory) as run:
         run.log({"loss": 1.0, "eval/" + "x" * 300: 0.5}, step=0)
         run.log({"loss": 2.0}, step=-1)
@@ -60,8 +60,15 @@ def test_ranks_of_one_slurm_job_share_a_run_id_and_two_jobs_with_the_same_addres
     import sys
 
     def derived(job: str) -> str:
-        env = {"PATH": os.environ["PATH"], "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
-               "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0"}  # fmt: skip
+        env = {
+            "PATH": os.environ["PATH"],
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "node1",
+            "MASTER_PORT": "29500",
+            "SLURM_JOB_ID": job,
+            "SLURM_STEP_ID": "0",
+        }
         code = "from ampwatch._run import _run_id; print(_run_id('p', 'n', 2))"
         return subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
@@ -71,7 +78,7 @@ def test_ranks_of_one_slurm_job_share_a_run_id_and_two_jobs_with_the_same_addres
 
 
 @pytest.mark.parametrize(("variable", "value"), [("AMPWATCH_RUN_ID", "not valid!"), ("RANK", "abc")])
-def test_init_never_raises_on_a_bad_environment(monkeypatch, variable: str, value: str) -> None:  # type: ignore[no-untyped-def]
+def test_init_never_raises_on_a_bad_environment(monkeypatch, variable: str, value: str) -> None:
     monkeypatch.setenv(variable, value)
     monkeypatch.setenv("AMPWATCH_MODE", "disabled")
     run = ampwatch.init("review")
@@ -79,7 +86,7 @@ def test_init_never_raises_on_a_bad_environment(monkeypatch, variable: str, valu
     run.finish()
 
 
-def test_a_logged_accumulator_is_recorded_as_it_was_when_logged(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_logged_accumulator_is_recorded_as_it_was_when_logged(memory) -> None:
     total = torch.zeros(())
     with ampwatch.init("review", "accumulator", transport=memory) as run:
         for step in range(4):
@@ -89,7 +96,7 @@ def test_a_logged_accumulator_is_recorded_as_it_was_when_logged(memory) -> None:
     assert _series(memory, run.id, "total")["values"] == [5.0, 5.0, 5.0, 5.0]
 
 
-def test_an_unreadable_spooled_batch_is_set_aside_and_the_rest_is_uploaded(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_an_unreadable_spooled_batch_is_set_aside_and_the_rest_is_uploaded(sqlite_server, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     with ampwatch.init("review", "torn", url=sqlite_server.url) as run:
         for step in range(3):
@@ -98,15 +105,19 @@ def test_an_unreadable_spooled_batch_is_set_aside_and_the_rest_is_uploaded(sqlit
     spool = Path(os.environ["AMPWATCH_SPOOL_DIR"])
     first = sorted(spool.rglob("[0-9]*.json"))[0]
     first.write_text("")  # a crash between write and rename
-    done = subprocess.run([shutil.which("ampwatch") or "ampwatch", "sync", str(spool), "--url", sqlite_server.url],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [shutil.which("ampwatch") or "ampwatch", "sync", str(spool), "--url", sqlite_server.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert _server_series(sqlite_server, run.id, "x")["steps"] == [1, 2]
     assert [p.name for p in spool.rglob("*.bad")] == [first.with_suffix(".bad").name]  # kept for a person
     assert "unreadable" in done.stderr  # and the loss was said out loud
 
 
-def test_a_pickled_watched_scaler_loads_without_ampwatch(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_pickled_watched_scaler_loads_without_ampwatch(memory) -> None:
     run = ampwatch.init("review", transport=memory)
     scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
     run.watch(scaler=scaler)
@@ -116,7 +127,7 @@ def test_a_pickled_watched_scaler_loads_without_ampwatch(memory) -> None:  # typ
     assert pickle.loads(data).state_dict()["scale"] == 128.0
 
 
-def test_a_batch_that_read_the_run_before_another_committed_does_not_move_it_back(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_that_read_the_run_before_another_committed_does_not_move_it_back(live_server) -> None:
     """Batch A (step 100, a warning) reads the run, then is held up just before it writes; meanwhile batch B
     of another rank (step 399, critical) commits. A must not put last_step back to 100 or health to warning."""
     import threading
@@ -126,7 +137,7 @@ def test_a_batch_that_read_the_run_before_another_committed_does_not_move_it_bac
 
     held = threading.Event()
 
-    def hold_first_claim(_conn, _cursor, statement: str, *_args) -> None:  # type: ignore[no-untyped-def]
+    def hold_first_claim(_conn, _cursor, statement: str, *_args) -> None:
         if statement.lstrip().upper().startswith("INSERT INTO BATCHES") and not held.is_set():
             held.set()
             time.sleep(1.0)  # the real interleaving of two ranks' requests, made certain
@@ -134,9 +145,13 @@ def test_a_batch_that_read_the_run_before_another_committed_does_not_move_it_bac
     engine = live_server.app.state.engine
     event.listen(engine, "before_cursor_execute", hold_first_claim)
 
-    def post(client, rank: int, step: int, severity: str) -> int:  # type: ignore[no-untyped-def]
-        body = {"rank": rank, "seq": 1, "points": {"loss": {"steps": [step], "values": [1.0]}},
-                "events": [{"step": step, "type": "grad_spike", "severity": severity, "message": "x"}]}  # fmt: skip
+    def post(client, rank: int, step: int, severity: str) -> int:
+        body = {
+            "rank": rank,
+            "seq": 1,
+            "points": {"loss": {"steps": [step], "values": [1.0]}},
+            "events": [{"step": step, "type": "grad_spike", "severity": severity, "message": "x"}],
+        }
         return client.post("/api/v1/runs/race/batches", json=body).status_code
 
     try:
@@ -155,7 +170,7 @@ def test_a_batch_that_read_the_run_before_another_committed_does_not_move_it_bac
     assert (final["last_step"], final["health"]) == (399, "critical")
 
 
-def test_watching_a_model_again_leaves_no_hooks_of_the_first_watch(memory) -> None:  # type: ignore[no-untyped-def]
+def test_watching_a_model_again_leaves_no_hooks_of_the_first_watch(memory) -> None:
     """A second watch(model=...) (here to add the scaler) replaces the first's hooks: none is left on the model after
     finish(), and the configuration check (a scaler without autocast) speaks once, not at every forward."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -175,7 +190,7 @@ def test_watching_a_model_again_leaves_no_hooks_of_the_first_watch(memory) -> No
     assert [e["type"] for e in events].count("amp_config") == 1
 
 
-def test_a_loop_without_a_watched_model_stays_lean_after_a_non_finite_loss(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_loop_without_a_watched_model_stays_lean_after_a_non_finite_loss(memory, monkeypatch) -> None:
     """The diagnosis asks for the NaN-origin probe after an inf loss; without a model there is none to arm, and the
     request must not take every later step off the steady path (and back on: once per plan, every 50 steps)."""
     from ampwatch._steady import StepEnd
@@ -199,7 +214,7 @@ def test_a_loop_without_a_watched_model_stays_lean_after_a_non_finite_loss(memor
     assert "nonfinite_loss" in [e["type"] for e in memory.events(run.id)]
 
 
-def test_a_standard_name_logged_for_the_next_step_wins_there(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_standard_name_logged_for_the_next_step_wins_there(memory) -> None:
     """`run.log({"loss": v}, step=k + 1)` during step k: at step k + 1 the user's loss is recorded, not the agent's
     (the steady path, which does not look at what the user logged, must not take that step). Logging ahead at
     every step is not covered: the agent remembers one step's names."""
@@ -224,7 +239,7 @@ def test_a_standard_name_logged_for_the_next_step_wins_there(memory) -> None:  #
     assert losses["steps"] == list(range(120)) and losses["values"][101] == 123.0
 
 
-def test_a_deeply_nested_module_gets_a_layer_series_within_the_servers_limit(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_deeply_nested_module_gets_a_layer_series_within_the_servers_limit(memory, monkeypatch) -> None:
     """A module path of 250 characters would make `grad_norm/<module>` too long a name, and the server refuses a
     whole batch for one bad name (and with it every step's loss there); the series keeps the path's end instead."""
     monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "10")
@@ -259,7 +274,7 @@ class _Config:
 
 
 @pytest.mark.parametrize("config", [argparse.Namespace(lr=3e-4, layers=12), _Config()], ids=["namespace", "dataclass"])
-def test_a_config_that_is_not_a_dict_is_recorded_as_one(memory, config) -> None:  # type: ignore[no-untyped-def]
+def test_a_config_that_is_not_a_dict_is_recorded_as_one(memory, config) -> None:
     """init(config=args), as many scripts pass argparse's result: it became a string, which the server refused as
     a config, so the run was never registered and nothing of it arrived."""
     with ampwatch.init("review", "config", transport=memory, config=config) as run:
@@ -284,7 +299,7 @@ class _ListConfig(collections.abc.Sequence):
         return repr(list(self._items))
 
 
-def test_a_config_sequence_that_is_not_a_list_is_recorded_as_a_list(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_config_sequence_that_is_not_a_list_is_recorded_as_a_list(memory) -> None:
     # (an OmegaConf config's lists were stored as strings: "[0.9, 0.95]")
     config = {"optim": {"lr": 3e-4, "betas": _ListConfig(0.9, 0.95)}}
     with ampwatch.init("review", "config-list", transport=memory, config=config) as run:
@@ -302,7 +317,7 @@ main()  # the run is no longer referred to once main() returns
 """
 
 
-def test_a_run_the_script_no_longer_refers_to_is_finished_at_exit(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_the_script_no_longer_refers_to_is_finished_at_exit(sqlite_server) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _FORGOTTEN_RUN_SCRIPT, sqlite_server.url], capture_output=True, text=True, timeout=60
     )
@@ -313,7 +328,7 @@ def test_a_run_the_script_no_longer_refers_to_is_finished_at_exit(sqlite_server)
     assert _server_series(sqlite_server, run_id, "x")["steps"] == [0]
 
 
-def test_the_runs_of_a_sweep_in_one_distributed_launch_get_ids_of_their_own(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_runs_of_a_sweep_in_one_distributed_launch_get_ids_of_their_own(monkeypatch) -> None:
     """Ranks derive a shared run id from the launch; a second init() in the same processes (a sweep) is another run."""
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     ids = {}
@@ -328,7 +343,7 @@ def test_the_runs_of_a_sweep_in_one_distributed_launch_get_ids_of_their_own(monk
     assert ids["0"] == ids["1"] and ids["0"][0] != ids["0"][1]
 
 
-def test_an_autocast_inside_the_models_forward_is_seen(memory) -> None:  # type: ignore[no-untyped-def]
+def test_an_autocast_inside_the_models_forward_is_seen(memory) -> None:
     """Accelerate's fp16 wraps the model's forward in autocast: the forward runs under autocast, and a scaler with it
     is no configuration mistake (the check ran before that forward, and said there was no autocast)."""
     torch.manual_seed(0)
@@ -346,7 +361,7 @@ def test_an_autocast_inside_the_models_forward_is_seen(memory) -> None:  # type:
     assert "amp_config" not in [e["type"] for e in memory.events(run.id)]
 
 
-def test_log_and_watch_after_finish_are_ignored(memory, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_log_and_watch_after_finish_are_ignored(memory, caplog) -> None:
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     run = ampwatch.init("review", "after-finish", transport=memory)
@@ -358,7 +373,7 @@ def test_log_and_watch_after_finish_are_ignored(memory, caplog) -> None:  # type
     assert "log() after finish()" in caplog.text and "watch() after finish()" in caplog.text
 
 
-def test_a_logged_view_of_a_parameter_is_recorded_as_it_was_when_logged(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_logged_view_of_a_parameter_is_recorded_as_it_was_when_logged(memory) -> None:
     """`p[0]` has a grad_fn on the CPU, like a forward's result, but it is a view of a parameter that the optimizer
     then changes in place: the value logged is the value at log() time."""
     weight = torch.nn.Parameter(torch.tensor([1.0, 5.0]))
@@ -372,7 +387,7 @@ def test_a_logged_view_of_a_parameter_is_recorded_as_it_was_when_logged(memory) 
     assert _series(memory, run.id, "w0")["values"] == [1.0, 0.0, -1.0]
 
 
-def test_an_exception_that_cannot_be_printed_still_ends_the_run_crashed(memory) -> None:  # type: ignore[no-untyped-def]
+def test_an_exception_that_cannot_be_printed_still_ends_the_run_crashed(memory) -> None:
     class Unprintable(Exception):
         def __str__(self) -> str:
             raise ValueError("no")

@@ -29,7 +29,7 @@ def stored_batches(http: httpx.Client, run_id: str) -> list[int]:
 
 def test_a_server_sigkilled_mid_ingest_loses_nothing_it_acknowledged_and_stores_every_step_once(
     db_url, server_processes, monkeypatch, wait_for
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "60")  # the agent backs off while the server is gone
     holder = {"server": server_processes(db_url)}
     port = holder["server"].port  # the restart comes back here

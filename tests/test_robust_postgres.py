@@ -33,8 +33,10 @@ class BackendKiller:
         self.killed = 0
 
     def kill(self, pid: int | None = None) -> int:
-        query = ("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                 "WHERE datname = %s AND pid <> pg_backend_pid() AND (%s::int IS NULL OR pid = %s::int)")  # fmt: skip
+        query = (
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid() AND (%s::int IS NULL OR pid = %s::int)"
+        )
         row = self.admin.execute(query, (self.database, pid, pid)).fetchone()
         self.killed += row[0] if row else 0
         return row[0] if row else 0
@@ -49,7 +51,7 @@ def killer(pg_url: str, pg_admin: str) -> Iterator[BackendKiller]:
 
 def test_an_agent_training_through_killed_postgres_connections_has_every_step_once(
     pg_url, killer, live_server_factory, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "60")
     server = live_server_factory(Settings(database_url=pg_url, alert_eval_interval_s=0.05))
     run = ampwatch.init("robust", "pg-kill", url=server.url)
@@ -69,7 +71,7 @@ def test_an_agent_training_through_killed_postgres_connections_has_every_step_on
     _runs.assert_every_step_once(server.url, run.id, 200)
 
 
-def test_a_transaction_that_lost_its_connection_is_retried_on_a_fresh_one(pg_url, killer) -> None:  # type: ignore[no-untyped-def]
+def test_a_transaction_that_lost_its_connection_is_retried_on_a_fresh_one(pg_url, killer) -> None:
     engine = db.make_engine(pg_url)
     sessions = db.session_factory(engine)
     calls: list[int] = []
@@ -95,7 +97,7 @@ def test_a_transaction_that_lost_its_connection_is_retried_on_a_fresh_one(pg_url
     engine.dispose()
 
 
-def _app_failing_with(make_error) -> TestClient:  # type: ignore[no-untyped-def]
+def _app_failing_with(make_error) -> TestClient:
     # An app of one endpoint, only to see how the handler answers real database errors; create_app's wiring of
     # the handler is the composition root's business.
     app = FastAPI()
@@ -104,7 +106,7 @@ def _app_failing_with(make_error) -> TestClient:  # type: ignore[no-untyped-def]
     return TestClient(app, raise_server_exceptions=False)
 
 
-def test_a_lost_postgres_connection_answers_503_with_retry_after(pg_url, killer) -> None:  # type: ignore[no-untyped-def]
+def test_a_lost_postgres_connection_answers_503_with_retry_after(pg_url, killer) -> None:
     engine = db.make_engine(pg_url)
 
     def lost_connection() -> None:
@@ -117,7 +119,7 @@ def test_a_lost_postgres_connection_answers_503_with_retry_after(pg_url, killer)
     engine.dispose()
 
 
-def test_a_sqlite_lock_held_too_long_answers_503_and_a_missing_table_500(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_sqlite_lock_held_too_long_answers_503_and_a_missing_table_500(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'locked.db'}"
     holder = create_engine(url).connect()
     holder.exec_driver_sql("CREATE TABLE t (x INTEGER)")

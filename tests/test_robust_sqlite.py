@@ -37,7 +37,7 @@ def assert_stored_once(http: httpx.Client, run_id: str, batches: int) -> None:
     assert sorted(e["step"] for e in events) == [seq * STEPS_PER_BATCH - 1 for seq in range(5, batches + 1, 5)], run_id
 
 
-def test_concurrent_clients_of_one_sqlite_server_get_no_5xx_and_each_batch_is_stored_once(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_clients_of_one_sqlite_server_get_no_5xx_and_each_batch_is_stored_once(sqlite_server) -> None:
     runs, batches = 8, 20
 
     def client(index: int) -> list[int]:
@@ -59,7 +59,7 @@ def test_concurrent_clients_of_one_sqlite_server_get_no_5xx_and_each_batch_is_st
             assert_stored_once(http, f"writer-{index}", batches)
 
 
-def test_two_server_processes_on_one_sqlite_file_store_every_batch_once(sqlite_url, server_processes) -> None:  # type: ignore[no-untyped-def]
+def test_two_server_processes_on_one_sqlite_file_store_every_batch_once(sqlite_url, server_processes) -> None:
     env = {"AMPWATCH_ALERT_EVAL_INTERVAL_S": "0.05"}  # both evaluators write all the time
     servers = [
         server_processes(sqlite_url, **env),

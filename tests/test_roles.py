@@ -14,34 +14,61 @@ from ampwatch.server.settings import Settings
 
 # (methods, path) -> role: "public" (anyone), "read", "ingest" or "admin".
 EXPECTED = {
-    ("PUT", "/api/v1/runs/{run_id}"): "ingest", ("POST", "/api/v1/runs/{run_id}/batches"): "ingest",
-    ("GET", "/api/v1/runs"): "read", ("GET", "/api/v1/runs/{run_id}"): "read",
-    ("GET", "/api/v1/runs/{run_id}/series"): "read", ("GET", "/api/v1/runs/{run_id}/heatmap"): "read",
-    ("GET", "/api/v1/runs/{run_id}/events"): "read", ("GET", "/api/v1/alerts"): "read",
-    ("DELETE", "/api/v1/runs/{run_id}"): "admin", ("POST", "/api/v1/runs/prune"): "admin",
-    ("GET", "/api/v1/runs/{run_id}/stream"): "read", ("GET", "/api/v1/stream/runs"): "read",
+    ("PUT", "/api/v1/runs/{run_id}"): "ingest",
+    ("POST", "/api/v1/runs/{run_id}/batches"): "ingest",
+    ("GET", "/api/v1/runs"): "read",
+    ("GET", "/api/v1/runs/{run_id}"): "read",
+    ("GET", "/api/v1/runs/{run_id}/series"): "read",
+    ("GET", "/api/v1/runs/{run_id}/heatmap"): "read",
+    ("GET", "/api/v1/runs/{run_id}/events"): "read",
+    ("GET", "/api/v1/alerts"): "read",
+    ("DELETE", "/api/v1/runs/{run_id}"): "admin",
+    ("POST", "/api/v1/runs/prune"): "admin",
+    ("GET", "/api/v1/runs/{run_id}/stream"): "read",
+    ("GET", "/api/v1/stream/runs"): "read",
     ("GET", "/api/v1/alerts/{alert_id}"): "read",
-    ("GET", "/api/v1/alert-rules"): "read", ("POST", "/api/v1/alert-rules"): "admin",
-    ("GET", "/api/v1/alert-rules/{rule_id}"): "read", ("PATCH", "/api/v1/alert-rules/{rule_id}"): "admin",
+    ("GET", "/api/v1/alert-rules"): "read",
+    ("POST", "/api/v1/alert-rules"): "admin",
+    ("GET", "/api/v1/alert-rules/{rule_id}"): "read",
+    ("PATCH", "/api/v1/alert-rules/{rule_id}"): "admin",
     ("DELETE", "/api/v1/alert-rules/{rule_id}"): "admin",
-    ("GET", "/api/v1/alert-channels"): "read", ("POST", "/api/v1/alert-channels"): "admin",
-    ("GET", "/api/v1/alert-channels/{channel_id}"): "read", ("PATCH", "/api/v1/alert-channels/{channel_id}"): "admin",
+    ("GET", "/api/v1/alert-channels"): "read",
+    ("POST", "/api/v1/alert-channels"): "admin",
+    ("GET", "/api/v1/alert-channels/{channel_id}"): "read",
+    ("PATCH", "/api/v1/alert-channels/{channel_id}"): "admin",
     ("DELETE", "/api/v1/alert-channels/{channel_id}"): "admin",
     ("POST", "/api/v1/alert-channels/{channel_id}/test"): "admin",
-    ("GET", "/api/v1/silences"): "read", ("POST", "/api/v1/silences"): "admin",
+    ("GET", "/api/v1/silences"): "read",
+    ("POST", "/api/v1/silences"): "admin",
     ("DELETE", "/api/v1/silences/{silence_id}"): "admin",
-    ("GET", "/login"): "public", ("POST", "/login"): "public", ("POST", "/logout"): "public",
-    ("GET", "/alerts"): "read", ("POST", "/alerts/silences"): "admin", ("POST", "/alerts/silences/{silence_id}/end"): "admin",
-    ("GET", "/alerts/rules"): "read", ("POST", "/alerts/rules"): "admin", ("POST", "/alerts/rules/{rule_id}/toggle"): "admin",
-    ("POST", "/alerts/rules/{rule_id}/delete"): "admin", ("POST", "/alerts/channels"): "admin",
-    ("POST", "/alerts/channels/{channel_id}/toggle"): "admin", ("POST", "/alerts/channels/{channel_id}/delete"): "admin",
-    ("POST", "/alerts/channels/{channel_id}/test"): "admin", ("GET", "/static/alerts.js"): "public",
-    ("GET", "/"): "read", ("GET", "/runs/{run_id}"): "read", ("POST", "/runs/{run_id}/delete"): "admin",
-    ("GET", "/api/v1/runs/{run_id}/plan"): "read", ("GET", "/metrics"): "read",
-    ("GET", "/compare"): "read", ("GET", "/static/{name}"): "public", ("GET", "/healthz"): "public",
-    ("GET", "/openapi.json"): "read", ("GET", "/docs"): "read", ("GET", "/docs/oauth2-redirect"): "read",
+    ("GET", "/login"): "public",
+    ("POST", "/login"): "public",
+    ("POST", "/logout"): "public",
+    ("GET", "/alerts"): "read",
+    ("POST", "/alerts/silences"): "admin",
+    ("POST", "/alerts/silences/{silence_id}/end"): "admin",
+    ("GET", "/alerts/rules"): "read",
+    ("POST", "/alerts/rules"): "admin",
+    ("POST", "/alerts/rules/{rule_id}/toggle"): "admin",
+    ("POST", "/alerts/rules/{rule_id}/delete"): "admin",
+    ("POST", "/alerts/channels"): "admin",
+    ("POST", "/alerts/channels/{channel_id}/toggle"): "admin",
+    ("POST", "/alerts/channels/{channel_id}/delete"): "admin",
+    ("POST", "/alerts/channels/{channel_id}/test"): "admin",
+    ("GET", "/static/alerts.js"): "public",
+    ("GET", "/"): "read",
+    ("GET", "/runs/{run_id}"): "read",
+    ("POST", "/runs/{run_id}/delete"): "admin",
+    ("GET", "/api/v1/runs/{run_id}/plan"): "read",
+    ("GET", "/metrics"): "read",
+    ("GET", "/compare"): "read",
+    ("GET", "/static/{name}"): "public",
+    ("GET", "/healthz"): "public",
+    ("GET", "/openapi.json"): "read",
+    ("GET", "/docs"): "read",
+    ("GET", "/docs/oauth2-redirect"): "read",
     ("GET", "/redoc"): "read",
-}  # fmt: skip
+}
 
 
 def _app(tmp_path: Path) -> FastAPI:
@@ -54,8 +81,9 @@ def test_every_route_declares_its_role_and_this_is_the_list(tmp_path: Path) -> N
     declared = {
         (method, route.path): auth.route_role(route)
         for route in auth.flat_routes(app.routes)
-        for method in sorted(getattr(route, "methods", None) or ["GET"]) if method != "HEAD"
-    }  # fmt: skip
+        for method in sorted(getattr(route, "methods", None) or ["GET"])
+        if method != "HEAD"
+    }
     for key in sorted(declared.keys() - EXPECTED.keys()):  # a new route: its role, to add above
         print(f"{key}: {declared[key]!r},")
     assert declared == EXPECTED
@@ -92,8 +120,10 @@ def test_the_guard_enforces_the_declared_roles(sqlite_url: str) -> None:
                 # (streamed: a live stream the guard lets through is left at once)
                 with httpx.stream(method, server.url + concrete, headers=headers, timeout=30, json={}) as reply:
                     body = reply.read().decode() if reply.status_code in (401, 403) else ""
-                allowed = role == "public" or who in ({"read": ("read", "admin"), "ingest": ("ingest", "admin"),
-                                                       "admin": ("admin",)}[role])  # fmt: skip
+                allowed = (
+                    role == "public"
+                    or who in ({"read": ("read", "admin"), "ingest": ("ingest", "admin"), "admin": ("admin",)}[role])
+                )
                 refused = reply.status_code in (401, 403) and body.startswith('{"detail"') and "token" in body
                 assert refused != allowed, (method, path, who, reply.status_code, body[:200])
     finally:

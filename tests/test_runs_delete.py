@@ -54,9 +54,15 @@ def _send(agent: httpx.Client, run_id: str, project: str, steps: int) -> None:
             events = (
                 [{"step": 7, "type": "nonfinite_loss", "severity": "critical", "message": "NaN"}] if first == 0 else []
             )
-            body = {"seq": seq, "rank": rank, "events": events,
-                    "points": {"loss": {"steps": span, "values": [str(v) if math.isnan(v) else v for v in loss]},
-                               "scale": {"steps": span, "values": [65536.0] * len(span)}}}  # fmt: skip
+            body = {
+                "seq": seq,
+                "rank": rank,
+                "events": events,
+                "points": {
+                    "loss": {"steps": span, "values": [str(v) if math.isnan(v) else v for v in loss]},
+                    "scale": {"steps": span, "values": [65536.0] * len(span)},
+                },
+            }
             agent.post(f"/api/v1/runs/{run_id}/batches", json=body).raise_for_status()
 
 
@@ -67,7 +73,7 @@ def _owned(server: LiveServer, run_id: str) -> dict[str, int]:
 
 def test_an_admin_deletes_a_run_and_all_it_has_in_chunks_and_other_runs_stay(
     guarded: tuple[LiveServer, dict[str, str]], wait_for
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     server, tokens = guarded
     with _client(server, tokens["ingest"]) as agent:
         _send(agent, "doomed", "p", 2000)
@@ -109,7 +115,7 @@ def test_prune_removes_runs_not_heard_from_for_long_by_project_and_a_dry_run_rem
         connection.execute(text("UPDATE runs SET last_seen_at = :t WHERE id LIKE 'old-%'"), {"t": stamp})
     with _client(server, tokens["admin"]) as admin:
 
-        def prune(**body: object) -> dict:  # type: ignore[type-arg]
+        def prune(**body: object) -> dict:
             reply = admin.post("/api/v1/runs/prune", json={"older_than_s": 90 * 86400, **body})
             assert reply.status_code == 200, reply.text
             return reply.json()

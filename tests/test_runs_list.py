@@ -27,12 +27,17 @@ def _fill(server: LiveServer, first: int, count: int) -> None:
             steps = list(range(10))
             batch = BatchIn(
                 seq=1,
-                points={"loss": {"steps": steps, "values": [1.0] * 10},
-                        "scale": {"steps": steps, "values": [2.0**16] * 10},
-                        "skipped": {"steps": steps, "values": [float(s % 5 == 0) for s in steps]}},
-                events=[{"step": 3, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss"}
-                        if i % 4 == 0 else {"step": 3, "type": "grad_spike", "severity": "warning", "message": "x"}],
-            )  # fmt: skip
+                points={
+                    "loss": {"steps": steps, "values": [1.0] * 10},
+                    "scale": {"steps": steps, "values": [2.0**16] * 10},
+                    "skipped": {"steps": steps, "values": [float(s % 5 == 0) for s in steps]},
+                },
+                events=[
+                    {"step": 3, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss"}
+                    if i % 4 == 0
+                    else {"step": 3, "type": "grad_spike", "severity": "warning", "message": "x"}
+                ],
+            )
             ingestion.ingest_batch(session, run_id=run_id, batch=batch)
 
 
@@ -42,7 +47,7 @@ def _statements(server: LiveServer) -> Iterator[list[str]]:
     access-token cache's refresh (every few seconds, whatever the request)."""
     seen: list[str] = []
 
-    def count(_conn, _cursor, statement: str, *_: object) -> None:  # type: ignore[no-untyped-def]
+    def count(_conn, _cursor, statement: str, *_: object) -> None:
         if not threading.current_thread().name.startswith("ampwatch-") and "api_tokens" not in statement:
             seen.append(statement)
 
@@ -67,8 +72,14 @@ def quiet_server(db_url: str) -> Iterator[LiveServer]:
     server.stop()
 
 
-PATHS = ("/", "/?sort=step&order=asc&project=p1", "/api/v1/runs", "/api/v1/runs?limit=5&sort=health",
-         "/compare?run=run-0001&run=run-0002", "/alerts")  # fmt: skip
+PATHS = (
+    "/",
+    "/?sort=step&order=asc&project=p1",
+    "/api/v1/runs",
+    "/api/v1/runs?limit=5&sort=health",
+    "/compare?run=run-0001&run=run-0002",
+    "/alerts",
+)
 
 
 def test_a_page_of_runs_costs_the_same_statements_at_10_and_200_runs(quiet_server: LiveServer) -> None:

@@ -14,7 +14,7 @@ from _runs import clipped_step
 import ampwatch
 
 
-def test_two_optimizers_with_one_scaler_record_one_step_per_update(memory) -> None:  # type: ignore[no-untyped-def]
+def test_two_optimizers_with_one_scaler_record_one_step_per_update(memory) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     first = torch.optim.AdamW(model[0].parameters())
@@ -40,7 +40,7 @@ def test_two_optimizers_with_one_scaler_record_one_step_per_update(memory) -> No
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="covers the disabled legacy scaler a machine without CUDA builds")
-def test_the_legacy_cuda_scaler_is_watched_without_breaking(memory) -> None:  # type: ignore[no-untyped-def]
+def test_the_legacy_cuda_scaler_is_watched_without_breaking(memory) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated, and disabled without CUDA
         scaler = torch.cuda.amp.GradScaler()
@@ -61,7 +61,7 @@ def test_the_legacy_cuda_scaler_is_watched_without_breaking(memory) -> None:  # 
     assert data["loss"]["steps"] == data["grad_norm"]["steps"] == [0, 1, 2]
 
 
-def test_state_dict_round_trip_mid_run_keeps_scaling_and_recording(memory) -> None:  # type: ignore[no-untyped-def]
+def test_state_dict_round_trip_mid_run_keeps_scaling_and_recording(memory) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -104,7 +104,7 @@ def _scale_loop(
     return used
 
 
-def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(memory) -> None:
     def before(step: int, scaler: Any) -> Any:
         if step == 3:  # the agent copies the rule only along with a scale anchor: these setters must re-anchor
             scaler.set_growth_factor(4.0)
@@ -117,7 +117,7 @@ def test_a_growth_rule_changed_mid_run_keeps_the_scale_series_exact(memory) -> N
     assert data["scale"]["values"] == used
 
 
-def test_a_new_scaler_watched_mid_run_is_shadowed_from_its_own_scale(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_new_scaler_watched_mid_run_is_shadowed_from_its_own_scale(memory) -> None:
     # (e.g. a training script that rebuilds its scaler when it resumes from a checkpoint without one)
     def before(step: int, scaler: Any) -> Any:
         if step == 4:
@@ -167,7 +167,7 @@ def _clipping_loop(
 @pytest.mark.parametrize("how", ["module attribute", "imported before watch", "a subset"])
 def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(
     memory, monkeypatch, how: str, amp: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """`torch.nn.utils.clip_grad_norm_(model.parameters())` hands its result to the agent, which then skips its
     own norm; a function imported earlier, or a clip of some parameters only, leaves the agent to compute it:
     after unscale_ with a scaler, just before the clip changes the gradients without one."""
@@ -202,7 +202,7 @@ def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(
     assert len(calls) == 2 * 60 + (4 if how == "module attribute" else 60 + 2)
 
 
-def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(memory) -> None:
     """Layers unfrozen into a new parameter group while the loop still clips only the old ones: from that step the
     clip's result is no longer the optimizer's norm, and the agent takes its own, before the clip, at that very step."""
     torch.manual_seed(0)
@@ -233,11 +233,11 @@ def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(
     assert data["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
 
 
-def _series_of(server: Any, run_id: str, *names: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def _series_of(server: Any, run_id: str, *names: str) -> dict[str, Any]:
     return server.series(run_id, list(names))
 
 
-def test_a_two_step_clip_without_a_scaler_records_the_norm_before_it(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_two_step_clip_without_a_scaler_records_the_norm_before_it(memory) -> None:
     """torchtitan's clip: `get_total_norm`, then `torch.nn.utils.clip_grads_with_norm_` (a generator of parameters)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -259,7 +259,7 @@ def test_a_two_step_clip_without_a_scaler_records_the_norm_before_it(memory) -> 
     assert _series_of(memory, run.id, "grad_norm")["grad_norm"]["values"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_the_norm_of_fp16_gradients_does_not_overflow_where_none_of_them_does(memory) -> None:  # type: ignore[no-untyped-def]
+def test_the_norm_of_fp16_gradients_does_not_overflow_where_none_of_them_does(memory) -> None:
     """`model.half()` without a scaler: 65 536 gradients of 400 have a norm of 102 400, past fp16's 65 504."""
     weight = torch.nn.Parameter(torch.zeros(65536, dtype=torch.float16))
     optimizer = torch.optim.SGD([weight], lr=0.0)
@@ -273,7 +273,7 @@ def test_the_norm_of_fp16_gradients_does_not_overflow_where_none_of_them_does(me
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(memory, enabled: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(memory, enabled: bool) -> None:
     import numpy
 
     torch.manual_seed(0)
@@ -293,7 +293,7 @@ def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(memory, en
 
 
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
-def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(memory, amp: str) -> None:  # type: ignore[no-untyped-def]
+def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(memory, amp: str) -> None:
     """A guard that skips non-finite updates (`zero_grad(); continue`, no step): with a scaler after backward, on the
     loss; without one after clip_grad_norm_, on its norm. The next step's loss and norm are its own."""
     torch.manual_seed(0)
@@ -337,7 +337,7 @@ def test_an_iteration_the_loop_drops_leaves_nothing_in_the_next_step(memory, amp
 @pytest.mark.parametrize("how", ["value", "norm on every micro-batch"])
 def test_clipping_without_a_scaler_by_value_or_on_every_micro_batch_records_the_norm_before_the_last_clip(
     memory, how: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """`clip_grad_value_` (Accelerate's too) changes the gradients as clip_grad_norm_ does; a clip called on every
     micro-batch (Accelerate's, unguarded by sync_gradients) clips gradients a backward has added to since."""
     torch.manual_seed(0)

@@ -56,10 +56,12 @@ def test_upgrading_to_0005_fills_the_block_rollups_of_existing_points(db_url: st
     values = {s: float((s * 37) % 101) for s in range(0, 300)} | {5: float("inf"), 7: None, 130: 1e6, 131: -2.0}
     with engine.begin() as connection:
         connection.execute(text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', CURRENT_TIMESTAMP)"))
-        connection.execute(text(
-            "INSERT INTO runs (id, project_id, name, status, health, config, environment, created_at, last_seen_at)"
-            " VALUES ('r', 1, 'n', 'running', 'ok', '{}', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
-        ))  # fmt: skip
+        connection.execute(
+            text(
+                "INSERT INTO runs (id, project_id, name, status, health, config, environment, created_at, last_seen_at)"
+                " VALUES ('r', 1, 'n', 'running', 'ok', '{}', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+            )
+        )
         connection.execute(text("INSERT INTO series (id, run_id, name) VALUES (1, 'r', 'loss')"))
         connection.execute(
             text("INSERT INTO points VALUES (1, 0, :s, :v)"), [{"s": s, "v": v} for s, v in values.items()]
@@ -79,21 +81,30 @@ def test_upgrading_to_0005_fills_the_block_rollups_of_existing_points(db_url: st
     assert expected[2][1:5] == (131, -2.0, 130, 1e6) and expected[0][4] == 100.0
 
 
-def test_a_database_out_of_reach_or_a_broken_rules_file_is_one_line_and_exit_2(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_database_out_of_reach_or_a_broken_rules_file_is_one_line_and_exit_2(tmp_path) -> None:
     # (both were a traceback of 17 to 117 lines, the reason at its end)
     command = shutil.which("ampwatch") or "ampwatch"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]  # nobody listens here once the socket is closed
-    done = subprocess.run([command, "db", "upgrade", "--db", f"postgresql+psycopg://ampwatch:secret@127.0.0.1:{closed}/x"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [command, "db", "upgrade", "--db", f"postgresql+psycopg://ampwatch:secret@127.0.0.1:{closed}/x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "ampwatch db: cannot use the database" in done.stderr and "secret" not in done.stderr
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n  - {name: r, kind: threshold, series: loss, keep_firing_for: 5m}\n")
     env = {**os.environ, "AMPWATCH_ALERT_RULES_FILE": str(rules)}
-    done = subprocess.run([command, "server", "--port", str(closed), "--db", f"sqlite:///{tmp_path / 'a.db'}"],
-                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    done = subprocess.run(
+        [command, "server", "--port", str(closed), "--db", f"sqlite:///{tmp_path / 'a.db'}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert f"AMPWATCH_ALERT_RULES_FILE: {rules}" in done.stderr and "keep firing for" in done.stderr
 
@@ -108,10 +119,13 @@ def test_upgrading_to_0006_fills_the_run_vitals_from_existing_points(db_url: str
     with engine.begin() as connection:
         connection.execute(text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', CURRENT_TIMESTAMP)"))
         for run in ("r", "empty"):
-            connection.execute(text(
-                "INSERT INTO runs (id, project_id, name, status, health, config, environment, created_at, last_seen_at)"
-                " VALUES (:r, 1, 'n', 'running', 'ok', '{}', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
-            ), {"r": run})  # fmt: skip
+            connection.execute(
+                text(
+                    "INSERT INTO runs (id, project_id, name, status, health, config, environment, created_at, last_seen_at)"
+                    " VALUES (:r, 1, 'n', 'running', 'ok', '{}', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                ),
+                {"r": run},
+            )
         connection.execute(text("INSERT INTO series (id, run_id, name) VALUES (1, 'r', 'skipped'), (2, 'r', 'scale')"))
         connection.execute(text("INSERT INTO points VALUES (1, 0, :s, :v)"), skipped)
         connection.execute(text("INSERT INTO points VALUES (1, 1, :s, 1.0)"), skipped)  # rank 1 does not count

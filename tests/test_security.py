@@ -34,7 +34,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _token(server, role: str, project: str | None = None) -> str:  # type: ignore[no-untyped-def]
+def _token(server, role: str, project: str | None = None) -> str:
     with server.app.state.sessions() as session:
         token = auth.create_token(session, name=f"test {role}", role=role, project=project)
     time.sleep(2 * REFRESH_S)  # the server re-reads its tokens every REFRESH_S
@@ -45,7 +45,7 @@ def _bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def test_open_loopback_server_refuses_cross_site_writes_and_foreign_hosts(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_open_loopback_server_refuses_cross_site_writes_and_foreign_hosts(sqlite_server) -> None:
     with sqlite_server.client() as client:
         page = client.get("/")
         assert page.status_code == 200
@@ -73,7 +73,7 @@ def test_open_loopback_server_refuses_cross_site_writes_and_foreign_hosts(sqlite
         assert client.get("/api/v1/runs", headers={"Host": "localhost:8600"}).status_code == 200
 
 
-def test_insecure_lifts_the_refusal_to_start_not_the_rebinding_guard(sqlite_url: str, live_server_factory) -> None:  # type: ignore[no-untyped-def]
+def test_insecure_lifts_the_refusal_to_start_not_the_rebinding_guard(sqlite_url: str, live_server_factory) -> None:
     # As docker-compose runs it: no token, --insecure, the public URL naming the published address.
     server = live_server_factory(
         Settings(database_url=sqlite_url, insecure=True, public_url="http://dash.example:8600")
@@ -87,7 +87,7 @@ def test_insecure_lifts_the_refusal_to_start_not_the_rebinding_guard(sqlite_url:
         assert client.get("/api/v1/silences").json() == []
 
 
-def test_tokens_gate_reads_writes_and_pages_by_role(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_tokens_gate_reads_writes_and_pages_by_role(sqlite_server) -> None:
     read, admin = _token(sqlite_server, "read"), _token(sqlite_server, "admin")
     with sqlite_server.client() as client:
         missing = client.get("/api/v1/runs")
@@ -120,7 +120,7 @@ def test_tokens_gate_reads_writes_and_pages_by_role(sqlite_server) -> None:  # t
 
 def test_ingest_token_is_limited_to_its_project_and_refused_data_is_kept_for_sync(
     sqlite_server, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     ingest = _token(sqlite_server, "ingest", project="vision")
     admin = _token(sqlite_server, "admin")
     with ampwatch.init("vision", name="allowed", url=sqlite_server.url, token=ingest) as run:
@@ -152,7 +152,7 @@ def test_ingest_token_is_limited_to_its_project_and_refused_data_is_kept_for_syn
         assert steps(refused.id) == list(range(20))
 
 
-def test_revoked_token_stops_working_and_only_hashes_are_stored(sqlite_url: str, live_server_factory) -> None:  # type: ignore[no-untyped-def]
+def test_revoked_token_stops_working_and_only_hashes_are_stored(sqlite_url: str, live_server_factory) -> None:
     made = _cli("token", "create", "--role", "admin", "--name", "ops", "--db", sqlite_url)
     assert made.returncode == 0, made.stderr
     token = made.stdout.strip()
@@ -194,7 +194,7 @@ def test_server_refuses_a_public_address_without_tokens(sqlite_url: str, tmp_pat
     assert auth.exposure_problem(public, tokens) is None
 
 
-def test_a_refused_request_never_echoes_a_password_back(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_request_never_echoes_a_password_back(sqlite_server) -> None:
     secret = "hunter2-correct-horse"
     bodies = [
         {
@@ -223,7 +223,7 @@ def test_a_refused_request_never_echoes_a_password_back(sqlite_server) -> None: 
             assert secret not in reply.text
 
 
-def test_a_refused_channel_never_echoes_its_webhook_url(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_channel_never_echoes_its_webhook_url(sqlite_server) -> None:
     with sqlite_server.client() as client:
         for url in (
             "https://user@hooks.slack.com/services/T0/B0/SUPERSECRETXYZ",
@@ -233,13 +233,13 @@ def test_a_refused_channel_never_echoes_its_webhook_url(sqlite_server) -> None: 
             assert reply.status_code == 422 and "SUPERSECRETXYZ" not in reply.text, reply.text
 
 
-def test_requests_arriving_during_the_first_token_read_wait_for_it_instead_of_getting_503(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_requests_arriving_during_the_first_token_read_wait_for_it_instead_of_getting_503(sqlite_server) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from sqlalchemy import event
 
     @event.listens_for(sqlite_server.app.state.engine, "before_cursor_execute")
-    def _slow_token_read(conn, cursor, statement, *_) -> None:  # type: ignore[no-untyped-def]
+    def _slow_token_read(conn, cursor, statement, *_) -> None:
         if "api_tokens" in statement:
             time.sleep(0.3)  # a busy database: the first read takes a while, and requests keep arriving
 

@@ -27,13 +27,13 @@ def _watched_page(browser: Any) -> tuple[Any, list[str]]:
 
 def test_sign_in_then_every_page_works_under_its_csp(
     browser: Any, sqlite_server, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     monkeypatch.setattr(sqlite_server.app.state.tokens, "refresh_s", 0.05)  # (the new tokens count at once)
     with sqlite_server.app.state.sessions() as session:
         admin = auth.create_token(session, name="browser", role="admin")
         monkeypatch.setenv("AMPWATCH_TOKEN", auth.create_token(session, name="agent", role="ingest"))
     time.sleep(0.2)
-    run_id = train(sqlite_server.url, steps=60).rsplit("/", 1)[1]  # type: ignore[union-attr]
+    run_id = train(sqlite_server.url, steps=60).rsplit("/", 1)[1]
 
     page, errors = _watched_page(browser)
     page.goto(f"{sqlite_server.url}/runs/{run_id}")
@@ -74,7 +74,7 @@ class _Attacker(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_form_on_another_site_cannot_change_anything(browser: Any, sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_form_on_another_site_cannot_change_anything(browser: Any, sqlite_server) -> None:
     _Attacker.target = sqlite_server.url
     attacker = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Attacker)
     threading.Thread(target=attacker.serve_forever, daemon=True).start()

@@ -20,7 +20,7 @@ def _values() -> list[Any]:
 
 
 @pytest.fixture
-def http(live_server):  # type: ignore[no-untyped-def]
+def http(live_server):
     with live_server.client() as client:
         assert client.put("/api/v1/runs/r1", json={"project": "p", "name": "long"}).status_code == 200
         body = {"seq": 1, "points": {"loss": {"steps": list(range(N)), "values": _values()}}}
@@ -28,7 +28,7 @@ def http(live_server):  # type: ignore[no-untyped-def]
         yield client
 
 
-def _get(http, **params: Any) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def _get(http, **params: Any) -> dict[str, Any]:
     reply = http.get("/api/v1/runs/r1/series", params={"name": "loss", **params})
     assert reply.status_code == 200, reply.text
     return reply.json()["loss"]
@@ -38,7 +38,7 @@ def _finite(values: list[Any]) -> list[float]:
     return [v for v in values if not isinstance(v, str)]
 
 
-def test_a_lone_nan_spike_dip_and_infinities_survive_any_max_points(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_lone_nan_spike_dip_and_infinities_survive_any_max_points(http) -> None:
     truth = _values()
     for max_points in (4, 5, 7, 64, 999, 4_000, 19_999):
         got = _get(http, max_points=max_points)
@@ -50,7 +50,7 @@ def test_a_lone_nan_spike_dip_and_infinities_survive_any_max_points(http) -> Non
         assert all(truth[s] == v for s, v in kept.items()), "every returned point is a real point"
 
 
-def test_each_bucket_keeps_its_true_minimum_and_maximum(http) -> None:  # type: ignore[no-untyped-def]
+def test_each_bucket_keeps_its_true_minimum_and_maximum(http) -> None:
     from ampwatch.server.models import BLOCK_STEPS
 
     max_points = 802  # buckets of 50 steps, narrower than a block: read from the points (rollups: the test below)
@@ -65,7 +65,7 @@ def test_each_bucket_keeps_its_true_minimum_and_maximum(http) -> None:  # type: 
         assert max(shown) == max(bucket) and min(shown) == min(bucket), lo
 
 
-def test_a_zoomed_range_comes_back_at_full_resolution_and_only_that_range(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_zoomed_range_comes_back_at_full_resolution_and_only_that_range(http) -> None:
     got = _get(http, max_points=1_000, start_step=7_500, end_step=8_000)
     assert got["steps"] == list(range(7_500, 8_001))
     assert got["values"][SPIKE_AT - 7_500] == 1e6
@@ -75,7 +75,7 @@ def test_a_zoomed_range_comes_back_at_full_resolution_and_only_that_range(http) 
     assert _get(http, start_step=N + 5) == {"steps": [], "values": []}
 
 
-def test_a_bucket_whose_extreme_is_infinite_also_keeps_its_finite_extremes(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_bucket_whose_extreme_is_infinite_also_keeps_its_finite_extremes(http) -> None:
     got = _get(http, max_points=4, start_step=14_000, end_step=16_000)  # one bucket, from -Infinity to +Infinity
     assert {"Infinity", "-Infinity"} <= set(got["values"])
     finite = _finite(got["values"])
@@ -83,7 +83,7 @@ def test_a_bucket_whose_extreme_is_infinite_also_keeps_its_finite_extremes(http)
     assert max(finite) == max(truth) and min(finite) == min(truth) and len(finite) <= 4
 
 
-def test_a_sparse_series_comes_back_whole(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_sparse_series_comes_back_whole(http) -> None:
     steps = list(range(0, 1_000_000, 5_000))
     http.post(
         "/api/v1/runs/r1/batches", json={"seq": 2, "points": {"lr": {"steps": steps, "values": [0.5] * len(steps)}}}
@@ -92,7 +92,7 @@ def test_a_sparse_series_comes_back_whole(http) -> None:  # type: ignore[no-unty
     assert got["steps"] == steps
 
 
-def test_a_sparse_series_with_a_dense_burst_comes_back_whole_when_its_points_fit(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_sparse_series_with_a_dense_burst_comes_back_whole_when_its_points_fit(http) -> None:
     # (a layer norm every 100 steps, and every step while the NaN probe was armed: the span of steps, not the
     # number of points, was held against max_points, so the burst came back thinned, zoomed in or not)
     steps = sorted(set(range(0, 100_001, 100)) | set(range(50_000, 50_200)))
@@ -106,7 +106,7 @@ def test_a_sparse_series_with_a_dense_burst_comes_back_whole_when_its_points_fit
         assert got["grad_norm/l.0"]["steps"] == [s for s in steps if lo <= s <= hi], zoom
 
 
-def test_the_heatmap_puts_layers_in_model_order_with_bucket_maxima_and_nan_cells(http) -> None:  # type: ignore[no-untyped-def]
+def test_the_heatmap_puts_layers_in_model_order_with_bucket_maxima_and_nan_cells(http) -> None:
     layers = ["blocks.10.mlp", "blocks.2.mlp", "embed"]
     points = {
         f"grad_norm/{m}": {"steps": list(range(0, 100, 5)), "values": [float(i) for i in range(20)]} for m in layers
@@ -127,7 +127,7 @@ def test_the_heatmap_puts_layers_in_model_order_with_bucket_maxima_and_nan_cells
     )
 
 
-def test_a_long_range_read_in_two_halves_at_once_gives_the_same_points(http, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_long_range_read_in_two_halves_at_once_gives_the_same_points(http, monkeypatch: pytest.MonkeyPatch) -> None:
     from ampwatch.server import series
 
     whole = [_get(http, max_points=m) for m in (4, 101, 2_000)]
@@ -135,7 +135,7 @@ def test_a_long_range_read_in_two_halves_at_once_gives_the_same_points(http, mon
     assert [_get(http, max_points=m) for m in (4, 101, 2_000)] == whole
 
 
-def test_a_coarse_chart_read_from_block_rollups_keeps_every_bucket_true_extremes(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_coarse_chart_read_from_block_rollups_keeps_every_bucket_true_extremes(http) -> None:
     from ampwatch.server.models import BLOCK_STEPS
     from ampwatch.server.series import block_buckets
 
@@ -159,14 +159,17 @@ def test_a_coarse_chart_read_from_block_rollups_keeps_every_bucket_true_extremes
             assert max(shown) == max(bucket) and min(shown) == min(bucket), (max_points, lo, hi)
 
 
-def _blocks_now(live_server, series_name: str) -> dict[int, tuple[Any, ...]]:  # type: ignore[no-untyped-def]
+def _blocks_now(live_server, series_name: str) -> dict[int, tuple[Any, ...]]:
     from sqlalchemy import text
 
     with live_server.app.state.sessions() as session:
-        rows = session.execute(text(
-            "SELECT b.block, b.min_step, b.min_value, b.max_step, b.max_value, b.last_step FROM point_blocks b"
-            " JOIN series s ON s.id = b.series_id WHERE s.name = :name AND b.rank = 0"
-        ), {"name": series_name}).all()  # fmt: skip
+        rows = session.execute(
+            text(
+                "SELECT b.block, b.min_step, b.min_value, b.max_step, b.max_value, b.last_step FROM point_blocks b"
+                " JOIN series s ON s.id = b.series_id WHERE s.name = :name AND b.rank = 0"
+            ),
+            {"name": series_name},
+        ).all()
     return {r[0]: tuple(r[1:]) for r in rows}
 
 
@@ -183,7 +186,7 @@ def _blocks_of(points: dict[int, Any]) -> dict[int, tuple[Any, ...]]:
     return out
 
 
-def test_rollups_stay_exact_through_out_of_order_replayed_and_overwriting_batches(live_server) -> None:  # type: ignore[no-untyped-def]
+def test_rollups_stay_exact_through_out_of_order_replayed_and_overwriting_batches(live_server) -> None:
     rng = random.Random(7)
     truth: dict[int, Any] = {}
     with live_server.client() as http:
@@ -221,7 +224,7 @@ def test_rollups_stay_exact_through_out_of_order_replayed_and_overwriting_batche
     assert got["values"].count("NaN") == 129  # 1_001 and the all-NaN block
 
 
-def test_a_coarse_heatmap_is_read_from_the_rollups_in_whole_blocks(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_coarse_heatmap_is_read_from_the_rollups_in_whole_blocks(http) -> None:
     from ampwatch.server.models import BLOCK_STEPS
 
     rng = random.Random(3)

@@ -83,7 +83,7 @@ def _run_state(server: Any) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
 
 def test_sigterm_marks_the_run_crashed_delivers_every_queued_step_and_still_kills_the_process(
     sqlite_server, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     process = _start(tmp_path, sqlite_server.url, "sigterm")
     status, last, err = _stop_after(process, 40, signal.SIGTERM)
     assert status == -signal.SIGTERM, err  # died by the signal, exactly as without ampwatch
@@ -99,7 +99,7 @@ def test_sigterm_marks_the_run_crashed_delivers_every_queued_step_and_still_kill
 @pytest.mark.parametrize("inside_with", [True, False])
 def test_a_users_own_sigterm_handler_is_chained_and_decides_how_the_process_ends(
     sqlite_server, tmp_path, inside_with: bool
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     marker = tmp_path / "handler-ran"
     prelude = f"""
     def checkpoint_and_exit(signum, frame):
@@ -120,7 +120,7 @@ def test_a_users_own_sigterm_handler_is_chained_and_decides_how_the_process_ends
     assert series["loss"]["steps"] == list(range(crash["step"])) and crash["step"] >= 30
 
 
-def test_ctrl_c_ends_the_run_as_crashed_with_its_reason_and_loses_nothing(sqlite_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_ctrl_c_ends_the_run_as_crashed_with_its_reason_and_loses_nothing(sqlite_server, tmp_path) -> None:
     process = _start(tmp_path, sqlite_server.url, "sigint")  # no `with`, no finish(): the interpreter's exit path
     status, last, err = _stop_after(process, 30, signal.SIGINT)
     assert "KeyboardInterrupt" in err
@@ -132,7 +132,7 @@ def test_ctrl_c_ends_the_run_as_crashed_with_its_reason_and_loses_nothing(sqlite
     assert series["loss"]["steps"] == list(range(crash["step"])) and crash["step"] >= last + 1 >= 30
 
 
-def test_the_handler_is_installed_only_from_the_main_thread(memory) -> None:  # type: ignore[no-untyped-def]
+def test_the_handler_is_installed_only_from_the_main_thread(memory) -> None:
     before = signal.getsignal(signal.SIGTERM)
     if before is not signal.SIG_DFL:  # an earlier test of this process installed it: start from the default
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -155,7 +155,7 @@ def test_the_handler_is_installed_only_from_the_main_thread(memory) -> None:  # 
         _run._sigterm.update(saved)
 
 
-def test_as_a_containers_init_the_default_ignore_of_sigterm_is_kept(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_as_a_containers_init_the_default_ignore_of_sigterm_is_kept(memory, monkeypatch) -> None:
     """PID 1 (a container without an init): the kernel ignores SIGTERM's default action there, so a handler
     that marks the run crashed and re-sends the signal would leave training running, recorded as crashed.
     (A real PID 1 needs a PID namespace, which CI may not allow; the process id is what the agent checks.)"""

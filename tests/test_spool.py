@@ -20,12 +20,12 @@ from ampwatch._spool import Spool
 from ampwatch.server import Settings
 
 
-def _series(server, run_id: str, names: tuple[str, ...] = ("loss", "step_seen")) -> dict:  # type: ignore[no-untyped-def]
+def _series(server, run_id: str, names: tuple[str, ...] = ("loss", "step_seen")) -> dict:
     with server.client() as http:
         return http.get(f"/api/v1/runs/{run_id}/series", params={"name": list(names)}).json()
 
 
-def test_a_server_down_for_the_middle_third_of_a_run_loses_nothing(db_url, server_processes, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_server_down_for_the_middle_third_of_a_run_loses_nothing(db_url, server_processes, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "30")
     holder = {"server": server_processes(db_url)}  # `ampwatch server`, a real process
     port = holder["server"].port
@@ -44,7 +44,7 @@ def test_a_server_down_for_the_middle_third_of_a_run_loses_nothing(db_url, serve
     _runs.assert_every_step_once(holder["server"].url, run.id, 300)
 
 
-def test_batches_the_server_takes_at_once_never_touch_the_disk(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_batches_the_server_takes_at_once_never_touch_the_disk(sqlite_server, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0.02")  # several batches in this short run
     written: list[int] = []
     put = Spool.put  # a spy, not a mock: the real write still happens if the agent asks for one
@@ -55,7 +55,7 @@ def test_batches_the_server_takes_at_once_never_touch_the_disk(sqlite_server, mo
     assert written == []  # (the outage tests show that batches the server did not take are on disk)
 
 
-def test_offline_mode_spools_and_sync_uploads_exactly_once(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_offline_mode_spools_and_sync_uploads_exactly_once(sqlite_server, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     spool_dir = os.environ["AMPWATCH_SPOOL_DIR"]
     with ampwatch.init("spool", "offline", url=sqlite_server.url) as run:
@@ -75,7 +75,7 @@ def test_offline_mode_spools_and_sync_uploads_exactly_once(sqlite_server, monkey
     assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(50))
 
 
-def test_a_run_that_ends_while_the_server_is_gone_is_uploaded_later(sqlite_url, request, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_that_ends_while_the_server_is_gone_is_uploaded_later(sqlite_url, request, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "0.5")
     start_server = request.getfixturevalue("live_server_factory")
     server = start_server(Settings(database_url=sqlite_url))
@@ -100,7 +100,7 @@ def test_a_run_that_ends_while_the_server_is_gone_is_uploaded_later(sqlite_url, 
     assert _series(back, run.id)["step_seen"]["steps"] == list(range(40))
 
 
-def test_a_damaged_run_file_is_skipped_and_the_other_runs_are_uploaded(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_damaged_run_file_is_skipped_and_the_other_runs_are_uploaded(sqlite_server, monkeypatch) -> None:
     """An empty run.json (the spool does not fsync: a power loss can leave one) stops that run's upload alone."""
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     runs = []
@@ -111,14 +111,18 @@ def test_a_damaged_run_file_is_skipped_and_the_other_runs_are_uploaded(sqlite_se
     spool_dir = Path(os.environ["AMPWATCH_SPOOL_DIR"])
     damaged = sorted(spool_dir.iterdir())[0]  # (the first one sync comes to)
     (damaged / "run.json").write_text("")
-    done = subprocess.run([shutil.which("ampwatch") or "ampwatch", "sync", str(spool_dir), "--url", sqlite_server.url],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [shutil.which("ampwatch") or "ampwatch", "sync", str(spool_dir), "--url", sqlite_server.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and f"{damaged}: its run.json cannot be read" in done.stderr
     uploaded = next(r for r in runs if not damaged.name.startswith(r.id))
     assert _series(sqlite_server, uploaded.id)["step_seen"]["steps"] == list(range(10))
 
 
-def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     with ampwatch.init("spool", "nowhere", url="http://127.0.0.1:9") as run:
         run.log({"x": 1.0})
@@ -130,7 +134,7 @@ def test_sync_says_so_when_the_server_does_not_answer(tmp_path, monkeypatch) -> 
 
 def test_sync_keeps_and_reports_what_the_server_refuses_and_takes_a_run_folder(
     sqlite_url, live_server_factory, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     # It said "uploaded", exited 0 and deleted the spool of a batch the server refused (a body or point limit).
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     # Batches of the whole run at its end, whatever the machine's speed: some hold more points than the server takes.
@@ -210,7 +214,7 @@ class _Front:
         self._server.shutdown()
 
 
-def test_a_429_with_retry_after_is_honoured_and_the_batch_arrives_once(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_429_with_retry_after_is_honoured_and_the_batch_arrives_once(sqlite_server, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "30")  # two 1 s waits before the batch can go through
     with _Front(sqlite_server.url, lambda path, count: 429 if count <= 2 else None) as front:
         run = ampwatch.init("spool", "throttled", url=front.url)
@@ -223,7 +227,7 @@ def test_a_429_with_retry_after_is_honoured_and_the_batch_arrives_once(sqlite_se
     assert data["step_seen"]["steps"] == list(range(20))
 
 
-def test_a_backlog_still_being_delivered_at_finish_leaves_the_last_steps_on_disk(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_backlog_still_being_delivered_at_finish_leaves_the_last_steps_on_disk(sqlite_server, monkeypatch) -> None:
     """The sender catches up on what an earlier process of the run left (a slow server: 0.25 s a batch) when the
     run finishes; finish() gives up after its timeout, and the steps recorded meanwhile, and the end of the run,
     wait in the spool with the rest (they used to wait in memory behind the backlog, and were lost)."""
@@ -231,8 +235,18 @@ def test_a_backlog_still_being_delivered_at_finish_leaves_the_last_steps_on_disk
     monkeypatch.setenv("AMPWATCH_RUN_ID", "backlog")
     folder = Path(os.environ["AMPWATCH_SPOOL_DIR"]) / "backlog.0"
     with _Front(sqlite_server.url, delay_s=0.25) as front:
-        Spool.create(folder.parent, "backlog", 0, {"run_id": "backlog", "rank": 0, "url": front.url,
-                     "doc": {"project": "spool", "name": "backlog", "config": {}, "environment": {}}}, 1 << 30)  # fmt: skip
+        Spool.create(
+            folder.parent,
+            "backlog",
+            0,
+            {
+                "run_id": "backlog",
+                "rank": 0,
+                "url": front.url,
+                "doc": {"project": "spool", "name": "backlog", "config": {}, "environment": {}},
+            },
+            1 << 30,
+        )
         for seq in range(1, 41):  # 10 s of batches at this server's pace
             (folder / f"{seq:012d}.json").write_text(
                 f'{{"rank": 0, "seq": {seq}, "points": {{}}, "events": [], "status": null}}'
@@ -242,15 +256,19 @@ def test_a_backlog_still_being_delivered_at_finish_leaves_the_last_steps_on_disk
         _runs.train(run, range(20))
         run.finish()
         assert len(front.posts) < 40  # (it was still catching up)
-    done = subprocess.run([shutil.which("ampwatch") or "ampwatch", "sync", str(folder.parent), "--url", sqlite_server.url],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [shutil.which("ampwatch") or "ampwatch", "sync", str(folder.parent), "--url", sqlite_server.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(20))
     with sqlite_server.client() as http:
         assert http.get(f"/api/v1/runs/{run.id}").json()["status"] == "finished"
 
 
-def test_a_front_that_answers_404_to_every_batch_is_retried_with_backoff(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_front_that_answers_404_to_every_batch_is_retried_with_backoff(sqlite_server, monkeypatch) -> None:
     """Registration goes through but every batch gets 404 (another service behind the same address): the agent
     registers again once, then backs off, rather than looping as fast as the server answers."""
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "2")
@@ -264,7 +282,7 @@ def test_a_front_that_answers_404_to_every_batch_is_retried_with_backoff(sqlite_
     assert any(Path(os.environ["AMPWATCH_SPOOL_DIR"]).rglob("[0-9]*.json"))  # what was not taken waits on disk
 
 
-def test_a_batch_the_server_rejects_is_counted_as_dropped(sqlite_server, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_the_server_rejects_is_counted_as_dropped(sqlite_server, monkeypatch, caplog) -> None:
     """A 4xx that no retry can mend (here 422, as for a batch the server cannot parse) loses that batch: finish()
     says so, and the next batch's `dropped_records` counts it."""
     with _Front(sqlite_server.url, lambda path, count: 422 if count == 1 else None) as front:
@@ -283,7 +301,7 @@ def test_a_batch_the_server_rejects_is_counted_as_dropped(sqlite_server, monkeyp
 
 def test_sync_while_an_offline_run_still_writes_uploads_what_is_there_and_keeps_the_folder(
     sqlite_server, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """ampwatch sync run while an offline run goes on (to watch it from elsewhere) uploads its batches so far and
     leaves the folder to the run, which writes on; a sync after the run ends uploads the rest and removes it."""
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
@@ -304,7 +322,7 @@ def test_sync_while_an_offline_run_still_writes_uploads_what_is_there_and_keeps_
     assert not list(Path(spool_dir).iterdir())
 
 
-def test_a_relaunched_offline_run_with_batches_left_on_disk_leaves_the_cpu_alone(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_relaunched_offline_run_with_batches_left_on_disk_leaves_the_cpu_alone(monkeypatch) -> None:
     """Offline, what an earlier process of the run left in the spool is never sent: the sender must not keep waking
     up for it (it spun, holding the GIL the training thread needs)."""
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
@@ -321,7 +339,7 @@ def test_a_relaunched_offline_run_with_batches_left_on_disk_leaves_the_cpu_alone
     assert busy < 0.3, busy
 
 
-def test_a_zero_flush_interval_still_delivers(sqlite_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_zero_flush_interval_still_delivers(sqlite_server, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "0")
     run = ampwatch.init("spool", "no-interval", url=sqlite_server.url)
     _runs.train(run, range(10))
@@ -329,7 +347,7 @@ def test_a_zero_flush_interval_still_delivers(sqlite_server, monkeypatch) -> Non
     assert _series(sqlite_server, run.id)["step_seen"]["steps"] == list(range(10))
 
 
-def test_a_file_system_without_locks_still_spools(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_file_system_without_locks_still_spools(monkeypatch) -> None:
     """Lustre without `-o flock`, some NFS mounts: flock fails with ENOSYS or ENOLCK. The spool works without its
     lock (only `ampwatch sync` can then not tell a live run's folder). Simulated, as no such file system is here."""
     import errno
@@ -347,7 +365,7 @@ def test_a_file_system_without_locks_still_spools(monkeypatch) -> None:  # type:
     assert len(list(Path(os.environ["AMPWATCH_SPOOL_DIR"]).rglob("[0-9]*.json"))) == 1
 
 
-def test_a_wrong_server_url_is_named_in_what_the_agent_logs(sqlite_server, caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_wrong_server_url_is_named_in_what_the_agent_logs(sqlite_server, caplog, monkeypatch) -> None:
     # Both said only "the server is unreachable or busy" (after "PUT /api/v1/runs/... rejected (404)" for the second).
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "1")
     for url in ("localhost:18620", sqlite_server.url + "/api/v1"):  # no scheme; the API's path, not the server's base

@@ -90,7 +90,7 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
     return {"series": series, "events": [(e["type"], e["step"], e["details"].get("cause")) for e in events]}
 
 
-def test_a_run_records_the_same_with_and_without_the_steady_path(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_records_the_same_with_and_without_the_steady_path(memory, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "10")
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "14")
     steady: list[int] = []
@@ -99,8 +99,20 @@ def test_a_run_records_the_same_with_and_without_the_steady_path(memory, monkeyp
     full = _train(memory, [])
     assert lean == full
     # It was a test of something: each of those steps began on the steady path.
-    assert {NO_CLIP, SUBSET_CLIP, TWO_LOSSES, L1_CLIP, LOGGED, SCALE_SET, RULE_SET, STEP_TWICE, RELOADED, OTHER_CLIP, ARMED,
-            DROPPED} <= set(steady)  # fmt: skip
+    assert {
+        NO_CLIP,
+        SUBSET_CLIP,
+        TWO_LOSSES,
+        L1_CLIP,
+        LOGGED,
+        SCALE_SET,
+        RULE_SET,
+        STEP_TWICE,
+        RELOADED,
+        OTHER_CLIP,
+        ARMED,
+        DROPPED,
+    } <= set(steady)
     series = lean["series"]
     # Every step has its norm, the one without a clip too; but where a clip the agent did not expect (over a
     # subset of the parameters, or an L1 one) changed the gradients before their norm was taken, that step has none,
@@ -200,7 +212,7 @@ def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
     assert decoded[1]["lr"][0] == [s + 1 for s in range(len(lrs)) if lrs[s] is not None]
 
 
-def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(memory, monkeypatch) -> None:
     """A lean step whose optimizer step ran keeps no found_inf (the optimizer's post-step hook says GradScaler did not
     skip it); one GradScaler skipped keeps it. In a loop whose scale grows into fp16 overflows every other step, the
     skipped and scale series are exactly what GradScaler did, and the lean path made both kinds of record."""
@@ -243,7 +255,7 @@ def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(memory, monkeypa
     assert all(skipped[step] for step in held) and not any(skipped[step] for step in ran)
 
 
-def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_finish(memory) -> None:  # type: ignore[no-untyped-def]
+def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_finish(memory) -> None:
     """A loop that steps one optimizer for a while, then the other, and back: the steady path takes each in turn,
     and each keeps one hook of the agent's, however often it comes back; finish() removes them."""
     model = torch.nn.Linear(4, 1)
@@ -262,7 +274,7 @@ def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_fini
     assert not first._optimizer_step_post_hooks and not second._optimizer_step_post_hooks
 
 
-def test_a_clip_of_one_tensor_records_its_norm_and_never_goes_lean(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_clip_of_one_tensor_records_its_norm_and_never_goes_lean(memory) -> None:
     """clip_grad_norm_ given a lone tensor (here the model's one parameter, 0-dim) covers the optimizer's parameters,
     so its norm is the step's; but it is not a list, so the lean hooks (which compare lists) never apply."""
     weight = torch.nn.Parameter(torch.tensor(0.5))
@@ -288,7 +300,7 @@ def test_a_clip_of_one_tensor_records_its_norm_and_never_goes_lean(memory) -> No
     assert not any(lean)
 
 
-def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_changes(memory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_changes(memory, monkeypatch) -> None:
     """Each plan of plain steps puts the lean hooks in place; built for the same scaler, optimizer and clip as the
     last ones, they are the last ones. A clip of the same parameters in another order (another first and last)
     gets hooks of its own, and its norms are still the step's."""
@@ -321,7 +333,7 @@ def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_chang
     assert len(first) == len(second) == 1 and first != second
 
 
-def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(memory) -> None:
     """scale(outputs=...), unscale_(optimizer=...), step(optimizer=...), update(new_scale=None): the lean hooks take
     GradScaler's keywords as the full ones do (they once named the optimizer otherwise: a TypeError in the loop)."""
     torch.manual_seed(0)
@@ -347,7 +359,7 @@ def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(memor
     assert norms["steps"] == list(range(120)) and values == pytest.approx(clipped, rel=1e-6)
 
 
-def test_a_loop_that_numbers_its_steps_from_one_stays_lean(memory) -> None:  # type: ignore[no-untyped-def]
+def test_a_loop_that_numbers_its_steps_from_one_stays_lean(memory) -> None:
     """run.log(..., step=i + 1) of names that are not standard is ahead of the agent's step every time: only a standard
     name logged ahead keeps the next step off the steady path."""
     torch.manual_seed(0)

@@ -56,7 +56,7 @@ def sse(http: httpx.Client, path: str, **kwargs: Any) -> Iterator[SSE]:
 
 
 @pytest.fixture
-def http(live_server):  # type: ignore[no-untyped-def]
+def http(live_server):
     with live_server.client() as client:
         assert client.put("/api/v1/runs/r1", json={"project": "p", "name": "live"}).status_code == 200
         yield client
@@ -79,7 +79,7 @@ def _merged(updates: list[dict[str, Any]], name: str) -> dict[int, Any]:
     return out
 
 
-def test_a_point_posted_after_the_stream_opened_arrives_with_its_event(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_point_posted_after_the_stream_opened_arrives_with_its_event(http) -> None:
     _post(http, 1, {"loss": {"steps": [0, 1, 2], "values": [3.0, 2.5, 2.0]}})
     with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 2, "after_event": 0}) as stream:
         event = {"step": 4, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss at step 4"}
@@ -102,7 +102,7 @@ def test_a_point_posted_after_the_stream_opened_arrives_with_its_event(http) -> 
     assert updates[-1]["id"].startswith("2/")  # the second stored batch with points
 
 
-def test_a_reconnecting_client_resumes_from_last_event_id_and_gets_what_it_missed(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_reconnecting_client_resumes_from_last_event_id_and_gets_what_it_missed(http) -> None:
     with sse(http, "/api/v1/runs/r1/stream", params={"after_step": -1}) as stream:
         _post(http, 1, {"loss": {"steps": [0, 1], "values": [3.0, 2.0]}})
         last_id = stream.until(lambda d: 1 in d["points"].get("loss", {}).get("steps", []))[-1]["id"]
@@ -115,7 +115,7 @@ def test_a_reconnecting_client_resumes_from_last_event_id_and_gets_what_it_misse
     assert {k: v for k, v in _merged(updates, "loss").items() if k >= 2} == {2: 1.0, 3: "Infinity"}
 
 
-def test_a_stream_sends_only_its_rank(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_stream_sends_only_its_rank(http) -> None:
     with sse(http, "/api/v1/runs/r1/stream", params={"after_step": -1, "rank": 1}) as stream:
         _post(http, 1, {"loss": {"steps": [0], "values": [9.0]}}, rank=0)
         _post(http, 1, {"loss": {"steps": [0], "values": [1.0]}}, rank=1)
@@ -123,7 +123,7 @@ def test_a_stream_sends_only_its_rank(http) -> None:  # type: ignore[no-untyped-
     assert _merged(updates, "loss") == {0: 1.0}
 
 
-def test_a_stream_far_behind_is_told_to_reset(http) -> None:  # type: ignore[no-untyped-def]
+def test_a_stream_far_behind_is_told_to_reset(http) -> None:
     from ampwatch.server.routers.stream import RESET_STEPS
 
     _post(http, 1, {"loss": {"steps": [0, RESET_STEPS + 10], "values": [1.0, 2.0]}})
@@ -136,17 +136,23 @@ def test_a_stream_far_behind_is_told_to_reset(http) -> None:  # type: ignore[no-
     assert _merged(after, "loss")[RESET_STEPS + 11] == 3.0 and min(_merged(after, "loss")) >= RESET_STEPS + 10
 
 
-def test_streams_of_an_unknown_run_get_404(http) -> None:  # type: ignore[no-untyped-def]
+def test_streams_of_an_unknown_run_get_404(http) -> None:
     assert http.get("/api/v1/runs/nobody/stream").status_code == 404
 
 
-def test_the_runs_stream_sends_a_run_that_changed_with_its_vitals(http) -> None:  # type: ignore[no-untyped-def]
+def test_the_runs_stream_sends_a_run_that_changed_with_its_vitals(http) -> None:
     http.put("/api/v1/runs/other", json={"project": "elsewhere", "name": "quiet"})
     with sse(http, "/api/v1/stream/runs", params={"project": "p"}) as stream:
         skipped = [1.0, 0.0, 0.0, 1.0]
         http.post("/api/v1/runs/other/batches", json={"seq": 1, "points": {"loss": {"steps": [7], "values": [1.0]}}})
-        _post(http, 1, {"scale": {"steps": [0, 1, 2, 3], "values": [65536.0, 32768.0, 32768.0, 16384.0]},
-                        "skipped": {"steps": [0, 1, 2, 3], "values": skipped}})  # fmt: skip
+        _post(
+            http,
+            1,
+            {
+                "scale": {"steps": [0, 1, 2, 3], "values": [65536.0, 32768.0, 32768.0, 16384.0]},
+                "skipped": {"steps": [0, 1, 2, 3], "values": skipped},
+            },
+        )
         runs = stream.until(lambda d: any(r["id"] == "r1" and r["last_step"] == 3 for r in d), event="runs")
     row = next(r for r in runs[-1]["data"] if r["id"] == "r1")
     assert (row["project"], row["status"], row["scale"], row["skip_rate"], row["firing"]) == (
@@ -159,7 +165,7 @@ def test_the_runs_stream_sends_a_run_that_changed_with_its_vitals(http) -> None:
     assert all(r["id"] != "other" for m in runs for r in m["data"]), "the project filter holds"
 
 
-def test_the_runs_stream_says_when_a_run_leaves_its_status_filter_also_to_a_stream_opened_after(http) -> None:  # type: ignore[no-untyped-def]
+def test_the_runs_stream_says_when_a_run_leaves_its_status_filter_also_to_a_stream_opened_after(http) -> None:
     # (the stream compared the filtered list with itself: a run that finished just dropped out of it, unsaid)
     _post(http, 1, {"loss": {"steps": [0], "values": [1.0]}})
     before = http.get("/api/v1/runs/r1").json()["last_seen_at"]
@@ -176,7 +182,7 @@ def test_the_runs_stream_says_when_a_run_leaves_its_status_filter_also_to_a_stre
     assert [(r["id"], r["status"], r["in_filter"]) for r in first] == [("r1", "finished", False)]
 
 
-def test_many_open_streams_do_not_starve_other_requests(sqlite_server) -> None:  # type: ignore[no-untyped-def]
+def test_many_open_streams_do_not_starve_other_requests(sqlite_server) -> None:
     import contextlib
 
     import httpx
@@ -197,7 +203,7 @@ def test_many_open_streams_do_not_starve_other_requests(sqlite_server) -> None: 
             assert posted.status_code == 200
 
 
-def test_points_written_far_behind_the_stream_arrive_live(http) -> None:  # type: ignore[no-untyped-def]
+def test_points_written_far_behind_the_stream_arrive_live(http) -> None:
     _post(http, 1, {"loss": {"steps": list(range(100)), "values": [1.0] * 100}})
     with sse(http, "/api/v1/runs/r1/stream", params={"after_step": 99}) as stream:
         _post(http, 2, {"loss": {"steps": [100, 101], "values": [0.9, 0.8]}})
@@ -217,7 +223,7 @@ def test_points_written_far_behind_the_stream_arrive_live(http) -> None:  # type
         assert _merged(stream.until(lambda d: bool(d["points"])), "loss") == {2: 6.0}
 
 
-def test_a_batch_committing_late_is_streamed_and_numbered_after_the_one_before_it(live_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_committing_late_is_streamed_and_numbered_after_the_one_before_it(live_server, monkeypatch) -> None:
     import threading
 
     from ampwatch.server import ingestion
@@ -225,7 +231,7 @@ def test_a_batch_committing_late_is_streamed_and_numbered_after_the_one_before_i
     held, release = threading.Event(), threading.Event()
     on_batch = ingestion.alerts.on_batch
 
-    def slow_on_batch(session, **kwargs):  # type: ignore[no-untyped-def]
+    def slow_on_batch(session, **kwargs):
         if kwargs.get("new_step") == 50:  # batch A stalls before its commit, holding its feed position
             held.set()
             release.wait(10)
@@ -264,7 +270,7 @@ def _all_of(steps: set[int]) -> Any:
     return check
 
 
-def test_an_event_committed_after_a_newer_one_is_still_streamed(pg_url: str, live_server_factory) -> None:  # type: ignore[no-untyped-def]
+def test_an_event_committed_after_a_newer_one_is_still_streamed(pg_url: str, live_server_factory) -> None:
     from sqlalchemy import create_engine, text
 
     from ampwatch.server import Settings
@@ -289,7 +295,7 @@ def test_an_event_committed_after_a_newer_one_is_still_streamed(pg_url: str, liv
     assert [(e["id"], e["message"]) for e in late[-1]["data"]["events"]] == [(slow_id, "slow")]
 
 
-def test_a_batch_stored_while_a_stream_opens_is_not_missed(live_server, http, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_stored_while_a_stream_opens_is_not_missed(live_server, http, monkeypatch) -> None:
     """The request loads the run (last step 99); batch 2 commits before the stream reads its feed position.
     Its steps must be in the stream's catch-up range or after its position, not fall between the two."""
     from ampwatch.server import queries
@@ -297,7 +303,7 @@ def test_a_batch_stored_while_a_stream_opens_is_not_missed(live_server, http, mo
     _post(http, 1, {"loss": {"steps": list(range(100)), "values": [1.0] * 100}})
     feed_position = queries.feed_position
 
-    def batch_lands_first(session, **kwargs):  # type: ignore[no-untyped-def]
+    def batch_lands_first(session, **kwargs):
         monkeypatch.setattr(queries, "feed_position", feed_position)  # once
         with live_server.client() as other:  # the server runs in this process: this is another request
             _post(other, 2, {"loss": {"steps": [100, 101], "values": [0.9, 0.8]}})

@@ -66,10 +66,19 @@ def _model(transformers: ModuleType) -> Any:
 
 def _args(transformers: ModuleType, tmp_path: Path, precision: str, steps: int, **more: Any) -> Any:
     return transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=steps, per_device_train_batch_size=2,
-        bf16=precision == "bf16", fp16=precision == "fp16", report_to=[], save_strategy="no", logging_steps=1,
-        disable_tqdm=True, dataloader_num_workers=0, **more,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **more,
+    )
 
 
 def _micro_losses(model: torch.nn.Module) -> list[float]:
@@ -168,7 +177,7 @@ def test_trainer_callback_records_a_nan_batch_that_the_trainers_own_logs_hide(
     NaN, told as a critical nonfinite_loss, and the NaN-origin probe names where the next NaN forward starts."""
     from ampwatch.transformers import AmpwatchCallback
 
-    class Pause(transformers.TrainerCallback):  # type: ignore[name-defined]
+    class Pause(transformers.TrainerCallback):
         """After the NaN step (3), until the server has its event: the sender has diagnosed it and armed the probe
         (a loop this fast would otherwise end first)."""
 
@@ -179,8 +188,12 @@ def test_trainer_callback_records_a_nan_batch_that_the_trainers_own_logs_hide(
     steps = 10
     callback = AmpwatchCallback(project="transformers", name="gpt2-nan", url=sqlite_server.url)
     dataset = _Embedded(steps * 2, nan_at=frozenset({7}))  # (batches of 2: step 3)
-    trainer = transformers.Trainer(model=_model(transformers), args=_args(transformers, tmp_path, "bf16", steps),
-                                   train_dataset=dataset, callbacks=[callback, Pause()])  # fmt: skip
+    trainer = transformers.Trainer(
+        model=_model(transformers),
+        args=_args(transformers, tmp_path, "bf16", steps),
+        train_dataset=dataset,
+        callbacks=[callback, Pause()],
+    )
     trainer.train()
 
     run = callback.run
@@ -201,7 +214,9 @@ def test_trainer_callback_records_a_nan_batch_that_the_trainers_own_logs_hide(
     # bf16 without a GradScaler: the optimizer wrote the NaN gradients into the weights, so the next forward's first
     # non-finite output is the first module's, and the probe says the parameters made it.
     assert origin["step"] > bad and (origin["details"]["origin"], origin["details"]["phase"]) == (
-        "transformer.wpe", "forward")  # fmt: skip
+        "transformer.wpe",
+        "forward",
+    )
     assert "its parameters are non-finite" in origin["message"]
     assert _get(sqlite_server, f"/api/v1/runs/{run.id}")["status"] == "finished"
 
@@ -218,9 +233,13 @@ def test_a_learning_rate_that_runs_away_is_a_grad_spike_before_the_nan(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < ramp else 10.0 ** (s - ramp + 1))
     callback = AmpwatchCallback(project="transformers", name="gpt2-lr", url=sqlite_server.url)
-    trainer = transformers.Trainer(model=model, args=_args(transformers, tmp_path, "bf16", steps),
-                                   train_dataset=_Batches(steps * 2), optimizers=(optimizer, schedule),
-                                   callbacks=[callback])  # fmt: skip
+    trainer = transformers.Trainer(
+        model=model,
+        args=_args(transformers, tmp_path, "bf16", steps),
+        train_dataset=_Batches(steps * 2),
+        optimizers=(optimizer, schedule),
+        callbacks=[callback],
+    )
     trainer.train()
 
     run = callback.run
@@ -248,15 +267,19 @@ def test_a_training_resumed_from_its_checkpoint_continues_the_runs_steps(
     first = _args(transformers, tmp_path, "fp32", 4)
     first.save_strategy, first.save_steps = "steps", 4
     trainer = transformers.Trainer(
-        model=_model(transformers), args=first, train_dataset=_Batches(32),
+        model=_model(transformers),
+        args=first,
+        train_dataset=_Batches(32),
         callbacks=[AmpwatchCallback(project="transformers", name="resumed", url=sqlite_server.url)],
-    )  # fmt: skip
+    )
     trainer.train()
     again = _args(transformers, tmp_path, "fp32", 7)
     resumed = transformers.Trainer(
-        model=_model(transformers), args=again, train_dataset=_Batches(32),
+        model=_model(transformers),
+        args=again,
+        train_dataset=_Batches(32),
         callbacks=[AmpwatchCallback(project="transformers", name="resumed", url=sqlite_server.url)],
-    )  # fmt: skip
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
 
     data = _series(sqlite_server, "hf-resumed", "loss", "grad_norm")
@@ -279,8 +302,9 @@ def test_a_callback_added_later_watches_a_run_of_yours_and_can_leave_it_open(
         return (reply.json()["last_step"], reply.json()["status"]) if reply.status_code == 200 else None
 
     with ampwatch.init(project="transformers", name="gpt2-open", url=sqlite_server.url) as run:
-        trainer = transformers.Trainer(model=_model(transformers), args=_args(transformers, tmp_path, "bf16", 3),
-                                       train_dataset=_Batches(6))  # fmt: skip
+        trainer = transformers.Trainer(
+            model=_model(transformers), args=_args(transformers, tmp_path, "bf16", 3), train_dataset=_Batches(6)
+        )
         trainer.add_callback(AmpwatchCallback(run, finish=False))
         trainer.train()
         assert wait_for(lambda: last_step_and_status() == (2, "running"), what="the training's last step") is True
@@ -304,8 +328,12 @@ def test_trainer_callback_marks_the_run_crashed_and_lets_the_exception_through(
 
     dataset = Broken(32)
     callback = AmpwatchCallback(project="transformers", name="gpt2-crash", url=sqlite_server.url)
-    trainer = transformers.Trainer(model=_model(transformers), args=_args(transformers, tmp_path, "bf16", 10),
-                                   train_dataset=dataset, callbacks=[callback])  # fmt: skip
+    trainer = transformers.Trainer(
+        model=_model(transformers),
+        args=_args(transformers, tmp_path, "bf16", 10),
+        train_dataset=dataset,
+        callbacks=[callback],
+    )
     with pytest.raises(RuntimeError, match="data loader returned garbage"):
         trainer.train()
 
@@ -384,8 +412,14 @@ def test_trainer_callback_under_torchrun_reports_every_rank_into_one_run(
         DDP.replace("TESTS", repr(tests)).replace("OUT", repr(str(tmp_path))).replace("STEPS", str(steps))
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    env = {"SERVER": sqlite_server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path),
-           "HF_HUB_OFFLINE": "1", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}  # fmt: skip
+    env = {
+        "SERVER": sqlite_server.url,
+        "PATH": "/usr/bin:/bin",
+        "OMP_NUM_THREADS": "1",
+        "HOME": str(tmp_path),
+        "HF_HUB_OFFLINE": "1",
+        "AMPWATCH_FLUSH_INTERVAL_S": "0.05",
+    }
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     ids = {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("rank")}

@@ -44,7 +44,7 @@ def receiver() -> Iterator[tuple[str, type[_Recorder]]]:
     server.server_close()
 
 
-def test_batches_share_one_kept_alive_connection(receiver) -> None:  # type: ignore[no-untyped-def]
+def test_batches_share_one_kept_alive_connection(receiver) -> None:
     url, handler = receiver
     transport = HttpTransport(url + "/base", None, 5.0)
     assert [transport.send("POST", f"/b{i}", b"{}").status for i in range(3)] == [200, 200, 200]
@@ -53,7 +53,7 @@ def test_batches_share_one_kept_alive_connection(receiver) -> None:  # type: ign
     transport.close()
 
 
-def test_a_connection_the_server_closed_meanwhile_is_reopened_without_losing_the_request(receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_connection_the_server_closed_meanwhile_is_reopened_without_losing_the_request(receiver) -> None:
     url, handler = receiver
     handler.drop_after_reply = True  # each connection dies after one reply, unannounced
     transport = HttpTransport(url, None, 5.0)
@@ -63,13 +63,13 @@ def test_a_connection_the_server_closed_meanwhile_is_reopened_without_losing_the
     assert len({port for port, _ in handler.seen}) == 3
 
 
-def test_an_unreachable_server_is_status_0(receiver) -> None:  # type: ignore[no-untyped-def]
+def test_an_unreachable_server_is_status_0(receiver) -> None:
     url, _ = receiver
     reply = HttpTransport("http://127.0.0.1:9", None, 2.0).send("POST", "/b", b"{}")
     assert reply.status == 0 and reply.retryable
 
 
-def test_a_proxy_from_the_environment_is_used(receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_proxy_from_the_environment_is_used(receiver, monkeypatch) -> None:
     url, handler = receiver  # the receiver plays the proxy: it is asked for the absolute URL
     monkeypatch.setenv("http_proxy", url)
     monkeypatch.delenv("no_proxy", raising=False)

@@ -49,10 +49,14 @@ def _back(path: str, message: str) -> RedirectResponse:
 def alerts_page(request: Request, session: SessionDep, msg: str | None = None) -> Any:
     """Open alerts (most severe first) with where their notifications went, recent resolutions, silences."""
     context = {
-        "open": alerts.alert_rows(session, active=True), "resolved": alerts.alert_rows(session, active=False, limit=50),
-        "silences": alerts.list_silences(session, active=True), "now": now(), "since": alerts.since, "msg": msg,
+        "open": alerts.alert_rows(session, active=True),
+        "resolved": alerts.alert_rows(session, active=False, limit=50),
+        "silences": alerts.list_silences(session, active=True),
+        "now": now(),
+        "since": alerts.since,
+        "msg": msg,
         "nav": "alerts",
-    }  # fmt: skip
+    }
     return templates.TemplateResponse(request, "alerts.html", context)
 
 
@@ -61,8 +65,12 @@ def silence_form(session: SessionDep, form: Fields) -> RedirectResponse:
     """Silence a run or a project for some hours."""
     try:
         hours = float(form.get("hours", "0"))
-        body = SilenceIn(run_id=form.get("run_id") or None, project=form.get("project") or None,
-                         duration_s=hours * 3600, comment=form.get("comment", ""))  # fmt: skip
+        body = SilenceIn(
+            run_id=form.get("run_id") or None,
+            project=form.get("project") or None,
+            duration_s=hours * 3600,
+            comment=form.get("comment", ""),
+        )
     except (ValueError, ValidationError) as error:
         reason = error.errors()[0]["msg"] if isinstance(error, ValidationError) else "hours must be a number"
         return _back("/alerts", f"not silenced: {reason}")
@@ -86,19 +94,34 @@ _BLANK: dict[str, dict[str, str]] = {
     "hook": {"kind": "webhook", "min_severity": "warning"},
     "email": {"smtp_starttls": "on", "min_severity": "warning"},
 }
-_RULE_FIELDS = {"threshold": ("series", "aggregation", "op", "threshold", "window_steps", "ignore_steps"),
-                "event_rate": ("event_type", "op", "threshold", "window_steps")}  # fmt: skip
+_RULE_FIELDS = {
+    "threshold": ("series", "aggregation", "op", "threshold", "window_steps", "ignore_steps"),
+    "event_rate": ("event_type", "op", "threshold", "window_steps"),
+}
 
 
-def _rules_page(request: Request, session: Any, *, msg: str | None = None, failed: str | None = None,
-                typed: dict[str, str] | None = None, error: str | None = None) -> Any:  # fmt: skip
+def _rules_page(
+    request: Request,
+    session: Any,
+    *,
+    msg: str | None = None,
+    failed: str | None = None,
+    typed: dict[str, str] | None = None,
+    error: str | None = None,
+) -> Any:
     forms = {**_BLANK, **({failed: typed or {}} if failed else {})}
     context = {
         "rules": [(r, alerts.condition(r)) for r in alerts.list_rules(session)],
         "channels": [alerts.channel_out(session, c) for c in alerts.list_channels(session)],
-        "msg": msg, "forms": forms, "failed": failed, "error": error, "nav": "alerts",
-        "event_types": get_args(EventType), "aggregations": get_args(Aggregation), "ops": get_args(Op),
-    }  # fmt: skip
+        "msg": msg,
+        "forms": forms,
+        "failed": failed,
+        "error": error,
+        "nav": "alerts",
+        "event_types": get_args(EventType),
+        "aggregations": get_args(Aggregation),
+        "ops": get_args(Op),
+    }
     return templates.TemplateResponse(request, "alert_rules.html", context, status_code=422 if failed else 200)
 
 
@@ -206,8 +229,13 @@ def delete_channel_form(channel_id: RowId, session: SessionDep) -> RedirectRespo
 def test_channel_form(channel_id: RowId, session: SessionDep, settings: SettingsDep) -> RedirectResponse:
     """Send a test notification and say how it went."""
     channel = _get(session, models.AlertChannel, channel_id)
-    delivery, _ = alerts.send_test(session, channel, base_url=settings.base_url, timeout_s=settings.alert_delivery_timeout_s,
-                            scope=alerts.scope_of(settings))  # fmt: skip
+    delivery, _ = alerts.send_test(
+        session,
+        channel,
+        base_url=settings.base_url,
+        timeout_s=settings.alert_delivery_timeout_s,
+        scope=alerts.scope_of(settings),
+    )
     outcome = "delivered" if delivery.status == "delivered" else f"failed: {delivery.error}"
     return _back("/alerts/rules", f"test to {channel.name}: {outcome}")
 

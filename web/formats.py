@@ -56,9 +56,11 @@ def runtime(environment: dict[str, Any], config: dict[str, Any]) -> list[tuple[s
     cuda = environment.get("cuda")
     device = environment.get("device") or ("CUDA" if cuda else "CPU" if cuda is False else None)
     facts = [
-        ("torch", environment.get("torch")), ("device", device),
+        ("torch", environment.get("torch")),
+        ("device", device),
         ("dtype", environment.get("dtype") or environment.get("autocast_dtype") or config.get("dtype")),
         ("world size", environment.get("world_size")),
-        ("python", environment.get("python")), ("host", environment.get("host")),
-    ]  # fmt: skip
+        ("python", environment.get("python")),
+        ("host", environment.get("host")),
+    ]
     return [(k, "–" if v is None else str(v)) for k, v in facts]

@@ -35,10 +35,18 @@ _STATIC = {
 }
 STATUSES = runlist.STATUSES
 COLUMNS = (  # (sort key or None, heading, numeric)
-    (None, "", False), ("project", "Project", False), ("name", "Run", False), ("status", "Status", False),
-    ("health", "Health", False), (None, "Alerts", True), ("step", "Last step", True), (None, "Skipped (last 1k)", True),
-    (None, "Scale", True), ("started", "Started (UTC)", False), ("seen", "Last seen (UTC)", False),
-)  # fmt: skip
+    (None, "", False),
+    ("project", "Project", False),
+    ("name", "Run", False),
+    ("status", "Status", False),
+    ("health", "Health", False),
+    (None, "Alerts", True),
+    ("step", "Last step", True),
+    (None, "Skipped (last 1k)", True),
+    (None, "Scale", True),
+    ("started", "Started (UTC)", False),
+    ("seen", "Last seen (UTC)", False),
+)
 COMPARE_RUNS = 20  # runs on one chart
 COMPARE_PICK = 200  # the newest runs offered to pick from
 DELETERS = ("admin", "open")  # who sees the Delete button: admins, and anyone on a server without tokens
@@ -48,10 +56,16 @@ Text = Annotated[str | None, Query(max_length=200)]
 
 @router.get("/", response_class=HTMLResponse)
 def runs_page(
-    request: Request, session: SessionDep, project: Text = None, status: Text = None, q: Text = None,
-    sort: str = "started", order: str = "desc", cursor: Annotated[str | None, Query(max_length=1000)] = None,
+    request: Request,
+    session: SessionDep,
+    project: Text = None,
+    status: Text = None,
+    q: Text = None,
+    sort: str = "started",
+    order: str = "desc",
+    cursor: Annotated[str | None, Query(max_length=1000)] = None,
     msg: Text = None,
-) -> Any:  # fmt: skip
+) -> Any:
     """A page of runs, filtered (project, status, part of the name) and sorted by the column headers; newest
     first; "Next page" follows a cursor kept in the URL with the filters."""
     project, status, q = project or None, status if status in STATUSES else None, q or None
@@ -66,13 +80,21 @@ def runs_page(
     kept = {k: v for k, v in {"project": project, "status": status, "q": q}.items() if v}
     paging = {"sort": sort, "order": "desc" if descending else "asc"}
     context = {
-        "runs": runs, "vitals": {r.id: vitals.of(r, firing[r.id]) for r, _ in runs},
-        "projects": queries.project_names(session), "statuses": STATUSES, "columns": COLUMNS,
-        "filters": {"project": project, "status": status, "q": q}, "sort": sort, "descending": descending,
-        "since": queries.now().isoformat(), "nav": "runs", "sort_links": _sort_links(kept, sort, descending),
+        "runs": runs,
+        "vitals": {r.id: vitals.of(r, firing[r.id]) for r, _ in runs},
+        "projects": queries.project_names(session),
+        "statuses": STATUSES,
+        "columns": COLUMNS,
+        "filters": {"project": project, "status": status, "q": q},
+        "sort": sort,
+        "descending": descending,
+        "since": queries.now().isoformat(),
+        "nav": "runs",
+        "sort_links": _sort_links(kept, sort, descending),
         "next_link": "?" + urlencode({**kept, **paging, "cursor": after}) if after else None,
-        "first_link": "?" + urlencode({**kept, **paging}) if cursor else None, "msg": msg,
-    }  # fmt: skip
+        "first_link": "?" + urlencode({**kept, **paging}) if cursor else None,
+        "msg": msg,
+    }
     return templates.TemplateResponse(request, "runs.html", context)
 
 
@@ -80,8 +102,9 @@ def _sort_links(kept: dict[str, str], sort: str, descending: bool) -> dict[str, 
     """Each sortable column's link: the same filters, that column, the other direction when it is the current one."""
     return {
         key: "?" + urlencode({**kept, "sort": key, "order": "asc" if key == sort and descending else "desc"})
-        for key, _, _ in COLUMNS if key
-    }  # fmt: skip
+        for key, _, _ in COLUMNS
+        if key
+    }
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
@@ -95,15 +118,21 @@ def run_page(
     run, project = found
     events = queries.list_events(session, run_id=run_id, limit=500)
     context = {
-        "run": run, "project": project, "events": events, "counts": queries.count_events(session, run_id=run_id),
-        "series": queries.series_names(session, run_id=run_id), "runtime": formats.runtime(run.environment, run.config),
+        "run": run,
+        "project": project,
+        "events": events,
+        "counts": queries.count_events(session, run_id=run_id),
+        "series": queries.series_names(session, run_id=run_id),
+        "runtime": formats.runtime(run.environment, run.config),
         # Read before run.js reads the series: the stream sends every batch stored after this, none is missed.
-        "feed": queries.feed_position(session, run_id=run_id), "last_event_id": queries.last_event_id(session, run_id=run_id),
-        "rank": rank, "ranks": sorted(set(queries.run_ranks(session, run_id=run_id)) | {rank}),
+        "feed": queries.feed_position(session, run_id=run_id),
+        "last_event_id": queries.last_event_id(session, run_id=run_id),
+        "rank": rank,
+        "ranks": sorted(set(queries.run_ranks(session, run_id=run_id)) | {rank}),
         "alerts": queries.list_alerts(session, run_id=run_id)[:RUN_ALERTS],
         "plan": plan.compute(run_id, *plan.load(session, run_id)),
         "can_delete": auth.principal_of(request).role in DELETERS,
-    }  # fmt: skip
+    }
     return templates.TemplateResponse(request, "run.html", context)
 
 
@@ -131,9 +160,13 @@ def compare_page(
     names = queries.series_names_of(session, run_ids=[r.id for r, _ in chosen])
     recent, _ = runlist.page(session, runlist.RunFilter(), limit=COMPARE_PICK)
     context = {
-        "runs": recent, "chosen": chosen, "chosen_ids": {r.id for r, _ in chosen},
-        "nav": "compare", "names": names, "series": series or ("loss" if "loss" in names or not names else names[0]),
-    }  # fmt: skip
+        "runs": recent,
+        "chosen": chosen,
+        "chosen_ids": {r.id for r, _ in chosen},
+        "nav": "compare",
+        "names": names,
+        "series": series or ("loss" if "loss" in names or not names else names[0]),
+    }
     return templates.TemplateResponse(request, "compare.html", context)
 
 

@@ -48,11 +48,35 @@ from ampwatch.server.alerts.schemas import explain
 from ampwatch.server.settings import Settings
 
 __all__ = [
-    "AlertRow", "AlertService", "ConfigError", "Conflict", "TargetError", "alert_detail", "alert_rows",
-    "channel_out", "check_destination", "compare_ranks", "condition", "create_silence", "delete_rule",
-    "expire_silence", "list_channels", "list_rules", "list_silences", "on_batch", "prepare", "rule_out",
-    "save_channel", "save_rule", "scope_of", "send_test", "silence_out", "since", "update_channel", "update_rule",
-]  # fmt: skip
+    "AlertRow",
+    "AlertService",
+    "ConfigError",
+    "Conflict",
+    "TargetError",
+    "alert_detail",
+    "alert_rows",
+    "channel_out",
+    "check_destination",
+    "compare_ranks",
+    "condition",
+    "create_silence",
+    "delete_rule",
+    "expire_silence",
+    "list_channels",
+    "list_rules",
+    "list_silences",
+    "on_batch",
+    "prepare",
+    "rule_out",
+    "save_channel",
+    "save_rule",
+    "scope_of",
+    "send_test",
+    "silence_out",
+    "since",
+    "update_channel",
+    "update_rule",
+]
 
 
 def prepare(session: Session, settings: Settings) -> None:

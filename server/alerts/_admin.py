@@ -25,7 +25,7 @@ from ampwatch.server.alerts.schemas import (
     RuleOut,
     SilenceIn,
     SilenceOut,
-)  # fmt: skip
+)
 
 ENV_CHANNEL = "AMPWATCH_ALERT_WEBHOOK_URL"
 
@@ -45,8 +45,13 @@ def save_rule(session: Session, *, body: RuleIn, source: str = "api") -> models.
     rule = session.scalar(select(models.AlertRule).where(models.AlertRule.name == body.name))
     if rule is not None and source == "api":
         raise Conflict(f"a rule named {body.name!r} exists")
-    values = {**DEFAULTS, "aggregation": "mean" if body.kind == "threshold" else None,
-              "window_steps": 1 if body.kind == "threshold" else None, **body.values(), "source": source}  # fmt: skip
+    values = {
+        **DEFAULTS,
+        "aggregation": "mean" if body.kind == "threshold" else None,
+        "window_steps": 1 if body.kind == "threshold" else None,
+        **body.values(),
+        "source": source,
+    }
     stamp = now()
     if rule is None:
         rule = models.AlertRule(created_at=stamp, **values)
@@ -99,8 +104,9 @@ def save_channel(session: Session, *, body: ChannelIn, source: str = "api") -> m
         raise Conflict(f"a channel named {body.name!r} exists")
     stamp = now()
     if channel is None:
-        channel = models.AlertChannel(name=body.name, created_at=stamp, config={}, secret=None, project=None,
-                                      min_severity="warning", enabled=True)  # fmt: skip
+        channel = models.AlertChannel(
+            name=body.name, created_at=stamp, config={}, secret=None, project=None, min_severity="warning", enabled=True
+        )
         session.add(channel)
     channel.kind, channel.source = body.kind, source
     _apply_channel(channel, body)
@@ -158,13 +164,25 @@ def channel_out(session: Session, channel: models.AlertChannel) -> ChannelOut:
             "password_set": bool(channel.secret)
         }
     return ChannelOut(
-        id=channel.id, name=channel.name, kind=channel.kind, project=channel.project, min_severity=channel.min_severity,
+        id=channel.id,
+        name=channel.name,
+        kind=channel.kind,
+        project=channel.project,
+        min_severity=channel.min_severity,
         url=mask_url(channel.target) if channel.kind != "email" else None,
-        to=channel.target.split(",") if channel.kind == "email" else None, smtp=smtp, enabled=channel.enabled,
+        to=channel.target.split(",") if channel.kind == "email" else None,
+        smtp=smtp,
+        enabled=channel.enabled,
         source=channel.source,
-        last_delivery={"status": last.status, "error": last.error, "response_status": last.response_status,
-                       "at": utc(last.finished_at)} if last and last.finished_at else None,
-    )  # fmt: skip
+        last_delivery={
+            "status": last.status,
+            "error": last.error,
+            "response_status": last.response_status,
+            "at": utc(last.finished_at),
+        }
+        if last and last.finished_at
+        else None,
+    )
 
 
 def configure_env_webhook(session: Session, url: str) -> None:
@@ -182,8 +200,15 @@ def create_silence(session: Session, *, body: SilenceIn) -> models.AlertSilence:
     """Mute matching notifications from now until the end."""
     stamp = now()
     ends = body.ends_at if body.ends_at is not None else stamp + timedelta(seconds=body.duration_s or 0)
-    silence = models.AlertSilence(project=body.project, run_id=body.run_id, rule=body.rule, starts_at=stamp,
-                                  ends_at=utc(ends), comment=body.comment, created_at=stamp)  # fmt: skip
+    silence = models.AlertSilence(
+        project=body.project,
+        run_id=body.run_id,
+        rule=body.rule,
+        starts_at=stamp,
+        ends_at=utc(ends),
+        comment=body.comment,
+        created_at=stamp,
+    )
     session.add(silence)
     session.commit()
     return silence
@@ -218,18 +243,47 @@ def alert_detail(session: Session, *, alert_id: int) -> AlertDetailOut | None:
     ).all()
     by_flip: dict[int, list[DeliveryOut]] = {}
     for d, channel in rows:
-        by_flip.setdefault(cast(int, d.flip_id), []).append(DeliveryOut(
-            id=d.id, channel=channel, attempt=d.attempt, status=d.status, due_at=utc(d.due_at),
-            finished_at=utc(d.finished_at) if d.finished_at else None, response_status=d.response_status, error=d.error))  # fmt: skip
+        by_flip.setdefault(cast(int, d.flip_id), []).append(
+            DeliveryOut(
+                id=d.id,
+                channel=channel,
+                attempt=d.attempt,
+                status=d.status,
+                due_at=utc(d.due_at),
+                finished_at=utc(d.finished_at) if d.finished_at else None,
+                response_status=d.response_status,
+                error=d.error,
+            )
+        )
     return AlertDetailOut(
-        id=alert.id, run_id=alert.run_id, rule=alert.rule, severity=alert.severity,
+        id=alert.id,
+        run_id=alert.run_id,
+        rule=alert.rule,
+        severity=alert.severity,
         state=cast(Literal["pending", "firing", "resolved"], alert.state),
-        started_at=utc(alert.started_at), resolved_at=utc(alert.resolved_at) if alert.resolved_at else None,
-        summary=alert.summary, rank=None if alert.rank < 0 else alert.rank, step=alert.step, last_step=alert.last_step,
-        count=alert.count, fired_at=utc(alert.fired_at) if alert.fired_at else None, details=alert.details,
-        flips=[FlipOut(id=f.id, created_at=utc(f.created_at), old_state=f.old_state, new_state=f.new_state, step=f.step,
-                       reason=f.reason, suppressed=f.suppressed, deliveries=by_flip.get(f.id, [])) for f in flips],
-    )  # fmt: skip
+        started_at=utc(alert.started_at),
+        resolved_at=utc(alert.resolved_at) if alert.resolved_at else None,
+        summary=alert.summary,
+        rank=None if alert.rank < 0 else alert.rank,
+        step=alert.step,
+        last_step=alert.last_step,
+        count=alert.count,
+        fired_at=utc(alert.fired_at) if alert.fired_at else None,
+        details=alert.details,
+        flips=[
+            FlipOut(
+                id=f.id,
+                created_at=utc(f.created_at),
+                old_state=f.old_state,
+                new_state=f.new_state,
+                step=f.step,
+                reason=f.reason,
+                suppressed=f.suppressed,
+                deliveries=by_flip.get(f.id, []),
+            )
+            for f in flips
+        ],
+    )
 
 
 def expire_silence(session: Session, *, silence: models.AlertSilence) -> models.AlertSilence:

@@ -35,17 +35,26 @@ def alertmanager_body(notice: Notice, now: datetime | None = None) -> list[dict[
 def _postable(notice: Notice, alert: dict[str, Any], now: datetime) -> dict[str, Any]:
     run, details = notice.run, alert.get("details") or {}
     labels = {
-        "alertname": f"ampwatch_{alert['rule']}", "severity": alert["severity"], "rule": alert["rule"],
-        "project": run.get("project"), "run": run.get("id"), "run_name": run.get("name"),
-        "rank": alert.get("rank"), "alert_id": alert.get("id"), "source": "ampwatch",
-    }  # fmt: skip
+        "alertname": f"ampwatch_{alert['rule']}",
+        "severity": alert["severity"],
+        "rule": alert["rule"],
+        "project": run.get("project"),
+        "run": run.get("id"),
+        "run_name": run.get("name"),
+        "rank": alert.get("rank"),
+        "alert_id": alert.get("id"),
+        "source": "ampwatch",
+    }
     description = (
         text(notice) if alert.get("id") == notice.alert.get("id") else alert["summary"]
     )  # the lead's diagnosis
     annotations = {
-        "summary": alert["summary"], "description": description, "step": alert.get("step"),
-        "origin": details.get("origin"), "run_url": alert.get("url"),
-    }  # fmt: skip
+        "summary": alert["summary"],
+        "description": description,
+        "step": alert.get("step"),
+        "origin": details.get("origin"),
+        "run_url": alert.get("url"),
+    }
     started = _time(alert.get("started_at")) or now
     if notice.test:
         ends = now + TEST_TTL
@@ -54,9 +63,11 @@ def _postable(notice: Notice, alert: dict[str, Any], now: datetime) -> dict[str,
     else:
         ends = now + FIRING_TTL
     postable: dict[str, Any] = {
-        "labels": _label_set(labels), "annotations": _label_set(annotations),
-        "startsAt": _iso(started), "endsAt": _iso(max(ends, started)),
-    }  # fmt: skip
+        "labels": _label_set(labels),
+        "annotations": _label_set(annotations),
+        "startsAt": _iso(started),
+        "endsAt": _iso(max(ends, started)),
+    }
     if alert.get("url"):
         postable["generatorURL"] = alert["url"]
     return postable

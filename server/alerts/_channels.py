@@ -117,8 +117,13 @@ def _post(http: httpx.Client, url: str, body: Any, timeout_s: float, scope: str,
     temporary = reply.status_code >= 500 or reply.status_code in _TEMPORARY_HTTP
     detail = reply.text[:300].strip()
     problem = f"HTTP {reply.status_code}" + (f": {detail}" if detail else "")
-    return Outcome(False, temporary=temporary, status=reply.status_code, error=problem,
-                   retry_after_s=retry_after(reply.headers.get("retry-after")) if temporary else None)  # fmt: skip
+    return Outcome(
+        False,
+        temporary=temporary,
+        status=reply.status_code,
+        error=problem,
+        retry_after_s=retry_after(reply.headers.get("retry-after")) if temporary else None,
+    )
 
 
 def retry_after(value: str | None) -> float | None:
@@ -187,8 +192,12 @@ def _email(channel: models.AlertChannel, notice: Notice, timeout_s: float, scope
             False, temporary=all(400 <= c < 500 for c in codes), error=f"all recipients refused: {sorted(codes)}"
         )
     except smtplib.SMTPResponseException as error:
-        return Outcome(False, temporary=400 <= error.smtp_code < 500, status=error.smtp_code,
-                       error=f"SMTP {error.smtp_code}: {_decode(error.smtp_error)}")  # fmt: skip
+        return Outcome(
+            False,
+            temporary=400 <= error.smtp_code < 500,
+            status=error.smtp_code,
+            error=f"SMTP {error.smtp_code}: {_decode(error.smtp_error)}",
+        )
     except smtplib.SMTPServerDisconnected as error:
         return Outcome(False, temporary=True, error=f"{type(error).__name__}: {error}")
     except (ssl.SSLError, smtplib.SMTPException) as error:  # a certificate or a server without STARTTLS: fix the config

@@ -12,11 +12,18 @@ from ampwatch.server import models
 from ampwatch.server.alerts._db import steps
 
 _TITLES = {
-    "nonfinite_loss": "{loss} loss", "nonfinite_param": "Non-finite parameters", "nonfinite_grad": "{grad} gradients",
-    "scale_collapse": "Loss-scale collapse", "scaler_misuse": "GradScaler misuse", "run_crashed": "Run crashed",
-    "run_stalled": "Run stalled", "grad_spike": "Gradient spike", "loss_spike": "Loss spike",
-    "skipped_step": "Skipped steps", "amp_config": "AMP configuration problem",
-}  # fmt: skip
+    "nonfinite_loss": "{loss} loss",
+    "nonfinite_param": "Non-finite parameters",
+    "nonfinite_grad": "{grad} gradients",
+    "scale_collapse": "Loss-scale collapse",
+    "scaler_misuse": "GradScaler misuse",
+    "run_crashed": "Run crashed",
+    "run_stalled": "Run stalled",
+    "grad_spike": "Gradient spike",
+    "loss_spike": "Loss spike",
+    "skipped_step": "Skipped steps",
+    "amp_config": "AMP configuration problem",
+}
 TREND_STEPS = 30
 
 
@@ -33,9 +40,12 @@ def event_context(session: Session, *, run_id: str, rank: int, event: models.Eve
     """The event's classification and origin, the loss scale before and after, and the recent grad-norm trend."""
     details = event.details or {}
     context: dict[str, Any] = {
-        "type": event.type, "event_severity": event.severity, "message": event.message,
-        "latest_message": event.message, "rank": rank,
-    }  # fmt: skip
+        "type": event.type,
+        "event_severity": event.severity,
+        "message": event.message,
+        "latest_message": event.message,
+        "rank": rank,
+    }
     for key in ("origin", "phase", "loss", "grad_norm", "cause", "streak"):
         if details.get(key) is not None:
             context[key] = details[key]
@@ -70,9 +80,15 @@ def _trend(session: Session, run_id: str, rank: int, step: int) -> dict[str, flo
 
 
 def _points(
-    session: Session, run_id: str, name: str, rank: int, *, step_from: int | None = None,
-    step_before: int | None = None, limit: int,
-) -> list[tuple[int, float | None]]:  # fmt: skip
+    session: Session,
+    run_id: str,
+    name: str,
+    rank: int,
+    *,
+    step_from: int | None = None,
+    step_before: int | None = None,
+    limit: int,
+) -> list[tuple[int, float | None]]:
     series = series_id(session, run_id=run_id, name=name)
     if series is None:
         return []

@@ -31,9 +31,14 @@ def claim_due(session: Session, *, stamp: datetime, limit: int, group_wait_s: fl
     first notification has waited `group_wait_s` (Alertmanager's group_wait), with whatever joined it since."""
     F, A = models.AlertFlip, models.Alert
     waited = stamp - timedelta(seconds=group_wait_s)
-    query = (select(D.id, D.channel_id, A.run_id, F.old_state, F.new_state, D.attempt, D.due_at)
-             .outerjoin(F, F.id == D.flip_id).outerjoin(A, A.id == F.alert_id)
-             .where(D.status == "queued", D.due_at <= stamp).order_by(D.due_at, D.id).limit(limit * _GROUP_MAX * 4))  # fmt: skip
+    query = (
+        select(D.id, D.channel_id, A.run_id, F.old_state, F.new_state, D.attempt, D.due_at)
+        .outerjoin(F, F.id == D.flip_id)
+        .outerjoin(A, A.id == F.alert_id)
+        .where(D.status == "queued", D.due_at <= stamp)
+        .order_by(D.due_at, D.id)
+        .limit(limit * _GROUP_MAX * 4)
+    )
     rows = session.execute(query).all()
     keyed = [(_group_key(r), r) for r in rows]
     ready = {key for key, r in keyed if r.attempt > 1 or utc(r.due_at) <= waited}
@@ -42,9 +47,11 @@ def claim_due(session: Session, *, stamp: datetime, limit: int, group_wait_s: fl
         if key not in ready or (key not in groups and len(groups) >= limit) or len(groups.get(key, ())) >= _GROUP_MAX:
             continue
         done = session.execute(
-            update(D).where(D.id == row.id, D.status == "queued").values(status="sending", claimed_at=stamp)
+            update(D)
+            .where(D.id == row.id, D.status == "queued")
+            .values(status="sending", claimed_at=stamp)
             .execution_options(synchronize_session=False)
-        )  # fmt: skip
+        )
         if cast(CursorResult[Any], done).rowcount == 1:
             groups.setdefault(key, []).append(row.id)
     session.commit()
@@ -128,11 +135,20 @@ def _requeue(
 ) -> None:
     backoff = min(600.0, 2.0 ** (delivery.attempt - 1)) * jitter
     delay = retry_after_s if retry_after_s is not None else backoff
-    session.add(D(
-        flip_id=delivery.flip_id, channel_id=delivery.channel_id, attempt=delivery.attempt + 1, status="queued",
-        due_at=stamp + timedelta(seconds=delay), created_at=stamp, claimed_at=None, finished_at=None,
-        response_status=None, error=None,
-    ))  # fmt: skip
+    session.add(
+        D(
+            flip_id=delivery.flip_id,
+            channel_id=delivery.channel_id,
+            attempt=delivery.attempt + 1,
+            status="queued",
+            due_at=stamp + timedelta(seconds=delay),
+            created_at=stamp,
+            claimed_at=None,
+            finished_at=None,
+            response_status=None,
+            error=None,
+        )
+    )
     session.info[WAKE] = True
 
 
@@ -142,9 +158,11 @@ def recover_stale(session: Session, *, stamp: datetime, timeout_s: float) -> int
     stale = session.scalars(select(D.id).where(D.status == "sending", D.claimed_at < cutoff).limit(100)).all()
     for delivery_id in stale:
         done = session.execute(
-            update(D).where(D.id == delivery_id, D.status == "sending").values(status="claimed")
+            update(D)
+            .where(D.id == delivery_id, D.status == "sending")
+            .values(status="claimed")
             .execution_options(synchronize_session=False)
-        )  # fmt: skip
+        )
         if cast(CursorResult[Any], done).rowcount == 1:
             record(
                 session,
@@ -163,9 +181,18 @@ def send_test(
     notice = test_notice(channel, base_url)
     outcome = send(channel, notice, timeout_s=timeout_s, scope=scope)
     stamp = now()
-    delivery = D(flip_id=None, channel_id=channel.id, attempt=1, status="delivered" if outcome.ok else "failed",
-                 due_at=stamp, created_at=stamp, claimed_at=stamp, finished_at=stamp,
-                 response_status=outcome.status, error=outcome.error)  # fmt: skip
+    delivery = D(
+        flip_id=None,
+        channel_id=channel.id,
+        attempt=1,
+        status="delivered" if outcome.ok else "failed",
+        due_at=stamp,
+        created_at=stamp,
+        claimed_at=stamp,
+        finished_at=stamp,
+        response_status=outcome.status,
+        error=outcome.error,
+    )
     session.add(delivery)
     session.commit()
     return delivery, notice

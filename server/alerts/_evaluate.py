@@ -53,10 +53,18 @@ def claim(session: Session, run_id: str, stamp: datetime) -> bool:
 
 
 def _take_lease(session: Session, run_id: str, stamp: datetime) -> bool:
-    return cast(CursorResult[Any], session.execute(
-        update(L).where(L.run_id == run_id, or_(L.lease_until.is_(None), L.lease_until < stamp))
-        .values(lease_until=stamp + timedelta(seconds=LEASE_S)).execution_options(synchronize_session=False)
-    )).rowcount == 1  # fmt: skip
+    return (
+        cast(
+            CursorResult[Any],
+            session.execute(
+                update(L)
+                .where(L.run_id == run_id, or_(L.lease_until.is_(None), L.lease_until < stamp))
+                .values(lease_until=stamp + timedelta(seconds=LEASE_S))
+                .execution_options(synchronize_session=False)
+            ),
+        ).rowcount
+        == 1
+    )
 
 
 def release(session: Session, run_id: str, seen: datetime | None) -> None:
@@ -114,8 +122,15 @@ def _upkeep(
             _state.remind(session, alert, rule, stamp=stamp)
 
 
-def _window(session: Session, rule: models.AlertRule, run: models.Run, liveness: models.RunLiveness, project: str,
-            stamp: datetime, active: list[models.Alert]) -> bool:  # fmt: skip
+def _window(
+    session: Session,
+    rule: models.AlertRule,
+    run: models.Run,
+    liveness: models.RunLiveness,
+    project: str,
+    stamp: datetime,
+    active: list[models.Alert],
+) -> bool:
     """Measure every rank. A `per_rank` rule keeps one alert per (rule, run, rank); otherwise one alert per
     (rule, run) holds while any rank breaks the threshold (it names the rank). `active`: the rule's open alerts of
     the run. Whether an alert holds (opened, or kept open)."""
@@ -135,11 +150,27 @@ def _window(session: Session, rule: models.AlertRule, run: models.Run, liveness:
     for rank, (value, step) in keys.values():
         where = f" (rank {rank})" if len(measured) > 1 or rank != 0 else ""
         message = f"{_what(rule)} is {value:.4g} (threshold {rule.op} {rule.threshold:g}) at step {steps(step)}{where}."
-        details = {"value": value, "window_steps": rule.window_steps, "threshold": rule.threshold, "type": rule.name,
-                   "rank": rank, "message": message}  # fmt: skip
+        details = {
+            "value": value,
+            "window_steps": rule.window_steps,
+            "threshold": rule.threshold,
+            "type": rule.name,
+            "rank": rank,
+            "message": message,
+        }
         summary = f"{_title(rule, value)} in {project}/{run.name}{where} at step {steps(step)}"
-        alert, _ = _state.open_or_fold(session, rule=rule, run_id=run.id, rank=rank, step=step, summary=summary,
-                                       details=details, stamp=stamp, reason=message, occurrence=False)  # fmt: skip
+        alert, _ = _state.open_or_fold(
+            session,
+            rule=rule,
+            run_id=run.id,
+            rank=rank,
+            step=step,
+            summary=summary,
+            details=details,
+            stamp=stamp,
+            reason=message,
+            occurrence=False,
+        )
         if alert.state == "pending" and _for_met(rule, alert, step, stamp):
             _state.fire(session, alert, step=step, reason=f"held for {_for_text(rule)}", stamp=stamp)
     return bool(keys)
@@ -160,8 +191,13 @@ def _measure(
         if run.last_step is None or run.last_step - floor + 1 < window:
             return {}
         E = models.Event
-        counts = dict(session.execute(select(E.rank, func.count()).where(
-            E.run_id == run.id, E.type == rule.event_type, E.step > run.last_step - window, E.step >= floor).group_by(E.rank)).all())  # fmt: skip
+        counts = dict(
+            session.execute(
+                select(E.rank, func.count())
+                .where(E.run_id == run.id, E.type == rule.event_type, E.step > run.last_step - window, E.step >= floor)
+                .group_by(E.rank)
+            ).all()
+        )
         if not rule.per_rank:
             return {0: (float(sum(counts.values())), run.last_step)}  # the run's rate, every rank's events together
         return {rank: (float(counts.get(rank, 0)), run.last_step) for rank in {0, *counts}}
@@ -183,8 +219,12 @@ def aggregate(how: str, values: list[float | None]) -> float:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if not finite:
         return math.nan
-    return {"mean": lambda: sum(finite) / len(finite), "max": lambda: max(finite), "min": lambda: min(finite),
-            "sum": lambda: sum(finite)}[how]()  # fmt: skip
+    return {
+        "mean": lambda: sum(finite) / len(finite),
+        "max": lambda: max(finite),
+        "min": lambda: min(finite),
+        "sum": lambda: sum(finite),
+    }[how]()
 
 
 def _for_met(rule: models.AlertRule, alert: models.Alert, step: int | None, stamp: datetime) -> bool:

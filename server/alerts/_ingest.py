@@ -23,9 +23,14 @@ LIVENESS_TYPES = ("run_crashed", "run_stalled")
 
 
 def on_batch(
-    session: Session, *, run: models.Run, events: list[models.Event], new_step: int | None,
-    status: str | None, stamp: datetime,
-) -> None:  # fmt: skip
+    session: Session,
+    *,
+    run: models.Run,
+    events: list[models.Event],
+    new_step: int | None,
+    status: str | None,
+    stamp: datetime,
+) -> None:
     """Track step progress, resume a run the server had declared crashed or stalled, apply event rules."""
     liveness = ensure_liveness(session, run.id)
     detected = liveness.detected
@@ -134,17 +139,42 @@ def _open(
         else:
             _state.resolve(session, active, step=event.step, reason=reason, stamp=stamp)
     _state.open_or_fold(
-        session, rule=rule, run_id=run.id, rank=event.rank, step=event.step, summary=text, details=details,
-        stamp=stamp, reason=f"{event.type} event at step {steps(event.step)}", severity=severity,
-    )  # fmt: skip
+        session,
+        rule=rule,
+        run_id=run.id,
+        rank=event.rank,
+        step=event.step,
+        summary=text,
+        details=details,
+        stamp=stamp,
+        reason=f"{event.type} event at step {steps(event.step)}",
+        severity=severity,
+    )
 
 
-def raise_event(session: Session, *, run: models.Run, kind: str, severity: str, message: str, details: dict, stamp: datetime,
-                step: int | None = None) -> None:  # fmt: skip
+def raise_event(
+    session: Session,
+    *,
+    run: models.Run,
+    kind: str,
+    severity: str,
+    message: str,
+    details: dict,
+    stamp: datetime,
+    step: int | None = None,
+) -> None:
     """An event the server itself diagnosed (a crash, a hang, ranks out of step): stored like the agent's, then rules
     apply; at `step`, else at the run's last step."""
-    event = models.Event(run_id=run.id, step=step if step is not None else run.last_step or 0, rank=0, type=kind, severity=severity,
-                         message=message, details=details, time=stamp)  # fmt: skip
+    event = models.Event(
+        run_id=run.id,
+        step=step if step is not None else run.last_step or 0,
+        rank=0,
+        type=kind,
+        severity=severity,
+        message=message,
+        details=details,
+        time=stamp,
+    )
     session.add(event)
     run.health = vitals.worse_health(run.health, [severity])
     apply_event_rules(session, run=run, events=[event], stamp=stamp)

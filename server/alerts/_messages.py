@@ -44,11 +44,19 @@ def notice_for_flip(session: Session, flip: models.AlertFlip, base_url: str) -> 
     run_url = f"{base_url}/runs/{run.id}"
     step = alert.step
     body = {
-        "id": alert.id, "rule": alert.rule, "severity": alert.severity, "summary": alert.summary, "step": step,
-        "state": flip.new_state, "started_at": _iso(alert.started_at), "resolved_at": _iso(alert.resolved_at),
-        "count": alert.count, "last_step": alert.last_step, "rank": None if alert.rank < 0 else alert.rank,
+        "id": alert.id,
+        "rule": alert.rule,
+        "severity": alert.severity,
+        "summary": alert.summary,
+        "step": step,
+        "state": flip.new_state,
+        "started_at": _iso(alert.started_at),
+        "resolved_at": _iso(alert.resolved_at),
+        "count": alert.count,
+        "last_step": alert.last_step,
+        "rank": None if alert.rank < 0 else alert.rank,
         "url": f"{run_url}?step={step}" if step is not None else run_url,
-    }  # fmt: skip
+    }
     run_doc = {
         "id": run.id,
         "project": project_of(session, run),
@@ -63,8 +71,15 @@ def notice_for_flip(session: Session, flip: models.AlertFlip, base_url: str) -> 
 
 def test_notice(channel: models.AlertChannel, base_url: str) -> Notice:
     """A harmless notification that proves a channel works."""
-    alert = {"id": 0, "rule": "test", "severity": "info", "summary": f"Test notification for channel {channel.name}",
-             "step": None, "state": "firing", "url": base_url}  # fmt: skip
+    alert = {
+        "id": 0,
+        "rule": "test",
+        "severity": "info",
+        "summary": f"Test notification for channel {channel.name}",
+        "step": None,
+        "state": "firing",
+        "url": base_url,
+    }
     run = {"id": None, "project": None, "name": None, "url": base_url}
     return Notice("firing", alert, run, "a test sent from ampwatch", test=True)
 
@@ -102,11 +117,15 @@ def _context_lines(d: dict[str, Any], alert: dict[str, Any]) -> list[str]:
         out.append(f"Loss scale: {pow2(d['scale_before'])}{after}.")
     trend = d.get("grad_norm_trend")
     if trend and trend.get("median"):
-        out.append(f"Grad norm over the {trend.get('steps', '?')} steps before: median {trend['median']:.3g}, last "
-                   f"{trend['last']:.3g} ({trend['last'] / trend['median']:.1f}× the median), max {trend['max']:.3g}.")  # fmt: skip
+        out.append(
+            f"Grad norm over the {trend.get('steps', '?')} steps before: median {trend['median']:.3g}, last "
+            f"{trend['last']:.3g} ({trend['last'] / trend['median']:.1f}× the median), max {trend['max']:.3g}."
+        )
     elif trend and trend.get("max") is not None:
-        out.append(f"Grad norm over the {trend.get('steps', '?')} steps before: min {trend.get('min', 0):.3g}, "
-                   f"last {trend.get('last', 0):.3g}, max {trend['max']:.3g}.")  # fmt: skip
+        out.append(
+            f"Grad norm over the {trend.get('steps', '?')} steps before: min {trend.get('min', 0):.3g}, "
+            f"last {trend.get('last', 0):.3g}, max {trend['max']:.3g}."
+        )
     if alert.get("count", 1) > 1:
         out.append(f"Seen {alert['count']} times, last at step {steps(alert.get('last_step'))}.")
     return out
@@ -116,8 +135,16 @@ def webhook_body(notice: Notice) -> dict[str, Any]:
     """The generic webhook JSON: status, alert, run (PRODUCT.md), plus the text and the diagnosis details;
     `alerts` lists every alert of the run in this message (the lead `alert` first)."""
     alert = {**notice.alert, "details": notice.details}
-    return {"status": notice.status, "reminder": notice.reminder, "test": notice.test, "alert": alert,
-            "alerts": [alert, *notice.others], "run": notice.run, "reason": notice.reason, "text": text(notice)}  # fmt: skip
+    return {
+        "status": notice.status,
+        "reminder": notice.reminder,
+        "test": notice.test,
+        "alert": alert,
+        "alerts": [alert, *notice.others],
+        "run": notice.run,
+        "reason": notice.reason,
+        "text": text(notice),
+    }
 
 
 def slack_body(notice: Notice) -> dict[str, Any]:

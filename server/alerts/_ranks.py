@@ -23,15 +23,27 @@ RANK0_COMPARES = 8  # rank 0's batches are compared with ranks 1 to this - 1
 P, E = models.Point, models.Event
 
 
-def compare_ranks(session: Session, *, run: models.Run, rank: int, world: int, skipped: tuple[list[int], list[float]],
-                  series_id: int, stamp: datetime) -> None:  # fmt: skip
+def compare_ranks(
+    session: Session,
+    *,
+    run: models.Run,
+    rank: int,
+    world: int,
+    skipped: tuple[list[int], list[float]],
+    series_id: int,
+    stamp: datetime,
+) -> None:
     """A batch of `rank` brought `skipped` points (series `series_id`): compare them with the other ranks' at those steps."""
     others = [0] if rank else list(range(1, min(world, RANK0_COMPARES)))
     mine = dict(zip(*skipped))
-    query = select(P.rank, P.step, P.value).where(P.series_id == series_id, P.rank.in_(others),
-                                                  P.step.between(min(skipped[0]), max(skipped[0])))  # fmt: skip
-    apart = [(step, other, bool(value)) for other, step, value in session.execute(query)
-             if step in mine and bool(value) != bool(mine[step])]  # fmt: skip
+    query = select(P.rank, P.step, P.value).where(
+        P.series_id == series_id, P.rank.in_(others), P.step.between(min(skipped[0]), max(skipped[0]))
+    )
+    apart = [
+        (step, other, bool(value))
+        for other, step, value in session.execute(query)
+        if step in mine and bool(value) != bool(mine[step])
+    ]
     if not apart or _said(session, run.id):
         return
     step, other, other_skipped = min(apart)
@@ -44,10 +56,18 @@ def compare_ranks(session: Session, *, run: models.Run, rank: int, world: int, s
         "found_inf; with DDP, check that no_sync() does not cover the micro-batch before the step, and that every rank "
         "runs the same number of steps. (Ranks that train separate models on purpose: give each its own run, with "
         "AMPWATCH_RUN_ID.)"
-    )  # fmt: skip
+    )
     details = {"cause": CAUSE, "detected_by": "server", "skipped_by": skipper, "kept_by": kept}
-    raise_event(session, run=run, kind="scaler_misuse", severity="critical", message=message, details=details, stamp=stamp,
-                step=step)  # fmt: skip
+    raise_event(
+        session,
+        run=run,
+        kind="scaler_misuse",
+        severity="critical",
+        message=message,
+        details=details,
+        stamp=stamp,
+        step=step,
+    )
 
 
 def _said(session: Session, run_id: str) -> bool:

@@ -13,11 +13,25 @@ from ampwatch.server.alerts._db import insert, now
 REMINDER_S = 4 * 3600.0  # Alertmanager's default repeat_interval
 
 DEFAULTS: dict[str, Any] = {
-    "severity": "warning", "event_type": None, "min_event_severity": "info", "series": None, "aggregation": None, "op": None,
-    "threshold": None, "window_steps": None, "ignore_steps": 0, "for_steps": 0, "for_s": 0.0,
-    "keep_firing_for_s": 0.0, "repeat_interval_s": REMINDER_S, "per_rank": False, "inhibits": False,
-    "project": None, "enabled": True, "description": "",
-}  # fmt: skip
+    "severity": "warning",
+    "event_type": None,
+    "min_event_severity": "info",
+    "series": None,
+    "aggregation": None,
+    "op": None,
+    "threshold": None,
+    "window_steps": None,
+    "ignore_steps": 0,
+    "for_steps": 0,
+    "for_s": 0.0,
+    "keep_firing_for_s": 0.0,
+    "repeat_interval_s": REMINDER_S,
+    "per_rank": False,
+    "inhibits": False,
+    "project": None,
+    "enabled": True,
+    "description": "",
+}
 
 
 def _event(name: str, severity: str, description: str, **extra: Any) -> dict[str, Any]:
@@ -35,19 +49,37 @@ def _event(name: str, severity: str, description: str, **extra: Any) -> dict[str
 BUILTINS: list[dict[str, Any]] = [
     _event("nonfinite_loss", "critical", "The loss went NaN/Inf."),
     _event("nonfinite_param", "critical", "The parameters are non-finite: the run cannot recover."),
-    _event("nonfinite_grad", "critical", "NaN gradients that survive a halved loss scale (the backward made them).",
-           min_event_severity="critical"),
+    _event(
+        "nonfinite_grad",
+        "critical",
+        "NaN gradients that survive a halved loss scale (the backward made them).",
+        min_event_severity="critical",
+    ),
     _event("scale_collapse", "critical", "Every step is skipped and the loss scale keeps falling.", inhibits=True),
-    _event("scaler_misuse", "critical", "GradScaler was used wrongly (crash, or gradients left scaled).",
-           min_event_severity="warning"),
+    _event(
+        "scaler_misuse",
+        "critical",
+        "GradScaler was used wrongly (crash, or gradients left scaled).",
+        min_event_severity="warning",
+    ),
     _event("run_crashed", "critical", "The training process died without finish().", inhibits=True),
-    {**DEFAULTS, "name": "skip_rate", "kind": "threshold", "severity": "warning", "series": "skipped",
-     "aggregation": "mean", "op": ">", "threshold": 0.05, "window_steps": 200, "ignore_steps": 50,
-     "description": "More than 5% of the last 200 steps were skipped, start-up calibration excluded."},
+    {
+        **DEFAULTS,
+        "name": "skip_rate",
+        "kind": "threshold",
+        "severity": "warning",
+        "series": "skipped",
+        "aggregation": "mean",
+        "op": ">",
+        "threshold": 0.05,
+        "window_steps": 200,
+        "ignore_steps": 50,
+        "description": "More than 5% of the last 200 steps were skipped, start-up calibration excluded.",
+    },
     _event("grad_spike", "warning", "The gradient norm jumped far above its median without a skip."),
     _event("loss_spike", "warning", "The loss jumped far above its median."),
     _event("run_stalled", "warning", "Heartbeats continue but steps stopped advancing (a hang)."),
-]  # fmt: skip
+]
 
 
 def seed_builtins(session: Session) -> None:

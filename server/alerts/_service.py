@@ -130,9 +130,17 @@ class AlertService:
 
     def _send(self, delivery_ids: list[int]) -> None:
         try:
-            _guard(f"deliveries {delivery_ids}", lambda: _deliver.attempt(
-                self.sessions, delivery_ids, base_url=self.settings.base_url,
-                timeout_s=self.settings.alert_delivery_timeout_s, scope=self.scope, http=self._http))  # fmt: skip
+            _guard(
+                f"deliveries {delivery_ids}",
+                lambda: _deliver.attempt(
+                    self.sessions,
+                    delivery_ids,
+                    base_url=self.settings.base_url,
+                    timeout_s=self.settings.alert_delivery_timeout_s,
+                    scope=self.scope,
+                    http=self._http,
+                ),
+            )
         finally:
             with self._lock:
                 self._busy -= 1

@@ -20,10 +20,19 @@ from ampwatch.server.models import Alert
 
 
 def open_or_fold(
-    session: Session, *, rule: models.AlertRule, run_id: str, rank: int, step: int | None,
-    summary: str, details: dict[str, Any], stamp: datetime, reason: str, occurrence: bool = True,
+    session: Session,
+    *,
+    rule: models.AlertRule,
+    run_id: str,
+    rank: int,
+    step: int | None,
+    summary: str,
+    details: dict[str, Any],
+    stamp: datetime,
+    reason: str,
+    occurrence: bool = True,
     severity: str | None = None,
-) -> tuple[Alert, bool]:  # fmt: skip
+) -> tuple[Alert, bool]:
     """The active alert of (rule, run, rank): opened now (True), or the one already active with this
     occurrence folded in (False) — repeated NaNs update one alert instead of flooding. A windowed rule's
     re-evaluation is not a new `occurrence`. A new alert has `severity`, else the rule's."""
@@ -44,16 +53,36 @@ def open_or_fold(
 
 
 def _try_open(
-    session: Session, rule: models.AlertRule, run_id: str, rank: int, step: int | None,
-    summary: str, details: dict[str, Any], stamp: datetime, severity: str,
-) -> Alert | None:  # fmt: skip
+    session: Session,
+    rule: models.AlertRule,
+    run_id: str,
+    rank: int,
+    step: int | None,
+    summary: str,
+    details: dict[str, Any],
+    stamp: datetime,
+    severity: str,
+) -> Alert | None:
     state = "pending" if rule.for_s > 0 or rule.for_steps > 0 else "firing"
     values = dict(
-        run_id=run_id, rule=rule.name, rule_id=rule.id, severity=severity, state=state, started_at=stamp,
-        resolved_at=None, summary=summary, rank=rank, step=step, last_step=step, count=1,
-        fired_at=stamp if state == "firing" else None, cleared_at=None, last_notified_at=None, updated_at=stamp,
+        run_id=run_id,
+        rule=rule.name,
+        rule_id=rule.id,
+        severity=severity,
+        state=state,
+        started_at=stamp,
+        resolved_at=None,
+        summary=summary,
+        rank=rank,
+        step=step,
+        last_step=step,
+        count=1,
+        fired_at=stamp if state == "firing" else None,
+        cleared_at=None,
+        last_notified_at=None,
+        updated_at=stamp,
         details=details,
-    )  # fmt: skip
+    )
     stmt = (
         insert(session, cast(Table, Alert.__table__))
         .values(**values)
@@ -93,9 +122,11 @@ def transition(
     """Move `alert` from the state we saw to `new` unless another process already moved it; flip on success."""
     old = alert.state
     done = session.execute(
-        update(Alert).where(Alert.id == alert.id, Alert.state == old).values(state=new, updated_at=stamp, **values)
+        update(Alert)
+        .where(Alert.id == alert.id, Alert.state == old)
+        .values(state=new, updated_at=stamp, **values)
         .execution_options(synchronize_session=False)
-    )  # fmt: skip
+    )
     if cast(CursorResult[Any], done).rowcount != 1:
         session.expire(alert)
         return False
@@ -136,10 +167,15 @@ def remind(session: Session, alert: Alert, rule: models.AlertRule | None, *, sta
     if last is None or utc(last) > due:
         return False
     done = session.execute(
-        update(Alert).where(Alert.id == alert.id, Alert.state == "firing",
-                            or_(Alert.last_notified_at.is_(None), Alert.last_notified_at <= due))
-        .values(last_notified_at=stamp).execution_options(synchronize_session=False)
-    )  # fmt: skip
+        update(Alert)
+        .where(
+            Alert.id == alert.id,
+            Alert.state == "firing",
+            or_(Alert.last_notified_at.is_(None), Alert.last_notified_at <= due),
+        )
+        .values(last_notified_at=stamp)
+        .execution_options(synchronize_session=False)
+    )
     session.expire(alert)
     if cast(CursorResult[Any], done).rowcount != 1:
         return False
@@ -160,14 +196,23 @@ def unsuppress(session: Session, alert: Alert, *, stamp: datetime) -> bool:
     if _suppressed_by(session, alert, project, stamp) is not None:
         return False
     done = session.execute(
-        update(Alert).where(Alert.id == alert.id, Alert.state == "firing", Alert.last_notified_at.is_(None))
-        .values(last_notified_at=stamp).execution_options(synchronize_session=False)
-    )  # fmt: skip
+        update(Alert)
+        .where(Alert.id == alert.id, Alert.state == "firing", Alert.last_notified_at.is_(None))
+        .values(last_notified_at=stamp)
+        .execution_options(synchronize_session=False)
+    )
     session.expire(alert)
     if cast(CursorResult[Any], done).rowcount != 1:
         return False
-    row = models.AlertFlip(alert_id=alert.id, created_at=stamp, old_state="firing", new_state="firing", step=alert.last_step,
-                           reason="no longer silenced or inhibited: still firing", suppressed=None)  # fmt: skip
+    row = models.AlertFlip(
+        alert_id=alert.id,
+        created_at=stamp,
+        old_state="firing",
+        new_state="firing",
+        step=alert.last_step,
+        reason="no longer silenced or inhibited: still firing",
+        suppressed=None,
+    )
     session.add(row)
     session.flush()
     _queue(session, row, alert, project, stamp)
@@ -195,16 +240,24 @@ def flip(
 
 def _suppressed_by(session: Session, alert: Alert, project: str, stamp: datetime) -> str | None:
     S = models.AlertSilence
-    silence = session.scalars(select(S).where(
-        S.starts_at <= stamp, S.ends_at > stamp, or_(S.run_id.is_(None), S.run_id == alert.run_id),
-        or_(S.project.is_(None), S.project == project), or_(S.rule.is_(None), S.rule == alert.rule),
-    ).limit(1)).first()  # fmt: skip
+    silence = session.scalars(
+        select(S)
+        .where(
+            S.starts_at <= stamp,
+            S.ends_at > stamp,
+            or_(S.run_id.is_(None), S.run_id == alert.run_id),
+            or_(S.project.is_(None), S.project == project),
+            or_(S.rule.is_(None), S.rule == alert.rule),
+        )
+        .limit(1)
+    ).first()
     if silence is not None:
         return f"silenced by silence #{silence.id} until {utc(silence.ends_at):%Y-%m-%d %H:%M} UTC"
     inhibitors = session.execute(
-        select(Alert.id, Alert.rule, Alert.severity).join(models.AlertRule, Alert.rule_id == models.AlertRule.id)
+        select(Alert.id, Alert.rule, Alert.severity)
+        .join(models.AlertRule, Alert.rule_id == models.AlertRule.id)
         .where(Alert.run_id == alert.run_id, Alert.state == "firing", Alert.id != alert.id, models.AlertRule.inhibits)
-    ).all()  # fmt: skip
+    ).all()
     for other_id, other_rule, severity in inhibitors:
         if SEVERITY_RANK[severity] > SEVERITY_RANK[alert.severity]:
             return f"inhibited by the firing {other_rule} alert #{other_id}"
@@ -213,13 +266,26 @@ def _suppressed_by(session: Session, alert: Alert, project: str, stamp: datetime
 
 def _queue(session: Session, row: models.AlertFlip, alert: Alert, project: str, stamp: datetime) -> int:
     C = models.AlertChannel
-    channels = [c for c in session.scalars(select(C).where(C.enabled)) if at_least(alert.severity, c.min_severity)
-                and (c.project is None or c.project == project)]  # fmt: skip
+    channels = [
+        c
+        for c in session.scalars(select(C).where(C.enabled))
+        if at_least(alert.severity, c.min_severity) and (c.project is None or c.project == project)
+    ]
     for channel in channels:
-        session.add(models.AlertDelivery(
-            flip_id=row.id, channel_id=channel.id, attempt=1, status="queued", due_at=stamp, created_at=stamp,
-            claimed_at=None, finished_at=None, response_status=None, error=None,
-        ))  # fmt: skip
+        session.add(
+            models.AlertDelivery(
+                flip_id=row.id,
+                channel_id=channel.id,
+                attempt=1,
+                status="queued",
+                due_at=stamp,
+                created_at=stamp,
+                claimed_at=None,
+                finished_at=None,
+                response_status=None,
+                error=None,
+            )
+        )
     if channels:
         session.info[WAKE] = True
     return len(channels)

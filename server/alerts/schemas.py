@@ -91,8 +91,11 @@ class RuleIn(RuleFields):
 
     @model_validator(mode="after")
     def _complete(self) -> RuleIn:
-        needs = {"event": ("event_type",), "event_rate": ("event_type", "op", "threshold", "window_steps"),
-                 "threshold": ("series", "op", "threshold")}[self.kind]  # fmt: skip
+        needs = {
+            "event": ("event_type",),
+            "event_rate": ("event_type", "op", "threshold", "window_steps"),
+            "threshold": ("series", "op", "threshold"),
+        }[self.kind]
         missing = [n for n in needs if getattr(self, n) is None]
         if missing:
             raise ValueError(f"a {self.kind} rule needs {', '.join(missing)}")

@@ -31,8 +31,23 @@ from ampwatch.server.auth.pages import router
 from ampwatch.server.auth.tokens import OPEN, ROLES, Principal, Tokens, create_token, list_tokens, revoke_token
 
 __all__ = [
-    "COOKIE", "OPEN", "PUBLIC", "ROLES", "Guard", "Principal", "Tokens", "create_token", "document",
-    "exposure_problem", "flat_routes", "is_loopback", "list_tokens", "principal_of", "requires", "revoke_token",
+    "COOKIE",
+    "OPEN",
+    "PUBLIC",
+    "ROLES",
+    "Guard",
+    "Principal",
+    "Tokens",
+    "create_token",
+    "document",
+    "exposure_problem",
+    "flat_routes",
+    "is_loopback",
+    "list_tokens",
+    "principal_of",
+    "requires",
+    "revoke_token",
     "route_role",
-    "router", "undeclared",
-]  # fmt: skip
+    "router",
+    "undeclared",
+]

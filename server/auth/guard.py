@@ -29,9 +29,11 @@ COOKIE = "ampwatch_token"
 _SAFE = ("GET", "HEAD", "OPTIONS")
 _GRANTS = {"ingest": ("ingest", "admin"), "read": ("read", "admin"), "admin": ("admin",)}
 _HEADERS = {
-    "x-content-type-options": "nosniff", "x-frame-options": "DENY", "referrer-policy": "same-origin",
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "same-origin",
     "cross-origin-opener-policy": "same-origin",
-}  # fmt: skip
+}
 # Pages load only their own scripts; Plotly sets inline styles and draws images from data: URLs.
 _CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
@@ -84,8 +86,11 @@ def route_role(route: BaseRoute) -> str | None:
 
 def undeclared(app: FastAPI) -> list[str]:
     """The routes of `app` that declare no role ("METHODS /path")."""
-    return [f"{','.join(sorted(getattr(r, 'methods', None) or []))} {getattr(r, 'path', r)}"
-            for r in flat_routes(app.routes) if route_role(r) is None]  # fmt: skip
+    return [
+        f"{','.join(sorted(getattr(r, 'methods', None) or []))} {getattr(r, 'path', r)}"
+        for r in flat_routes(app.routes)
+        if route_role(r) is None
+    ]
 
 
 def is_loopback(host: str) -> bool:

@@ -20,7 +20,7 @@ from ampwatch.server.alerts.schemas import (
     SilenceIn,
     SilenceOut,
     TestResult,
-)  # fmt: skip
+)
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import MAX_INT
 
@@ -135,10 +135,19 @@ def delete_channel(channel_id: RowId, session: SessionDep) -> Response:
 def test_channel(channel_id: RowId, session: SessionDep, settings: SettingsDep) -> TestResult:
     """Send a test notification now and say whether it arrived (and why not)."""
     channel = _found(session.get(models.AlertChannel, channel_id), "channel", channel_id)
-    delivery, _ = alerts.send_test(session, channel, base_url=settings.base_url, timeout_s=settings.alert_delivery_timeout_s,
-                            scope=alerts.scope_of(settings))  # fmt: skip
-    return TestResult(ok=delivery.status == "delivered", error=delivery.error, response_status=delivery.response_status,
-                      delivery_id=delivery.id)  # fmt: skip
+    delivery, _ = alerts.send_test(
+        session,
+        channel,
+        base_url=settings.base_url,
+        timeout_s=settings.alert_delivery_timeout_s,
+        scope=alerts.scope_of(settings),
+    )
+    return TestResult(
+        ok=delivery.status == "delivered",
+        error=delivery.error,
+        response_status=delivery.response_status,
+        delivery_id=delivery.id,
+    )
 
 
 def _allowed(body: ChannelFields, settings: Any) -> None:

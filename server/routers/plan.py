@@ -16,9 +16,11 @@ _EXAMPLE = {
     "trouble": {"first_step": 65, "critical_step": 72, "signs": 3, "first_sign": {}, "critical": [{}]},
     "checkpoint": {"step": 60, "rank": 0, "path": "ckpt/step-60.pt"},
     "skip": {"from": 65, "to": 77, "steps": [65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77]},
-    "margin": 5, "episode_gap": 100, "summary": "Trouble began at step 65 ...",
+    "margin": 5,
+    "episode_gap": 100,
+    "summary": "Trouble began at step 65 ...",
     "files": {"lightning": "/api/v1/runs/3f2a9c1d0e4b5a67/plan?format=lightning", "megatron": "..."},
-}  # fmt: skip
+}
 
 
 @router.get(

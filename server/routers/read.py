@@ -20,21 +20,35 @@ _SERIES_EXAMPLE = {"loss": {"steps": [0, 1, 2], "values": [2.31, "NaN", "Infinit
 
 
 def run_out(
-    run: models.Run, project: str, settings: Settings, series: list[str] | None = None, ranks: list[int] | None = None,
+    run: models.Run,
+    project: str,
+    settings: Settings,
+    series: list[str] | None = None,
+    ranks: list[int] | None = None,
     firing: dict[str, int] | None = None,
-) -> RunOut:  # fmt: skip
+) -> RunOut:
     """A run as the API shows it; with `firing` (by severity), its firing alerts too."""
     counts = vitals.of(run, firing) if firing is not None else {"firing": None, "firing_by_severity": None}
     return RunOut(
-        id=run.id, project=project, name=run.name, status=cast(RunStatus, run.status),
+        id=run.id,
+        project=project,
+        name=run.name,
+        status=cast(RunStatus, run.status),
         health=cast(Health, run.health),
-        created_at=utc(run.created_at), last_seen_at=utc(run.last_seen_at),
-        finished_at=utc(run.finished_at) if run.finished_at else None, last_step=run.last_step,
-        config=run.config, environment=run.environment, url=f"{settings.base_url}/runs/{run.id}",
-        series=series or [], ranks=ranks or [], skip_rate=run.skip_rate,
+        created_at=utc(run.created_at),
+        last_seen_at=utc(run.last_seen_at),
+        finished_at=utc(run.finished_at) if run.finished_at else None,
+        last_step=run.last_step,
+        config=run.config,
+        environment=run.environment,
+        url=f"{settings.base_url}/runs/{run.id}",
+        series=series or [],
+        ranks=ranks or [],
+        skip_rate=run.skip_rate,
         scale=cast("float | Literal['NaN', 'Infinity', '-Infinity'] | None", vitals.scale_json(run)),
-        firing=counts["firing"], firing_by_severity=counts["firing_by_severity"],
-    )  # fmt: skip
+        firing=counts["firing"],
+        firing_by_severity=counts["firing_by_severity"],
+    )
 
 
 def _get_run(session: SessionDep, run_id: str) -> tuple[models.Run, str]:
@@ -49,14 +63,18 @@ Text = Annotated[str | None, Query(max_length=200)]
 
 @router.get("/runs", response_model=list[RunOut])
 def list_runs(
-    request: Request, response: Response, session: SessionDep, settings: SettingsDep, project: Text = None,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    project: Text = None,
     status: Annotated[str | None, Query(pattern="^(running|finished|crashed|stalled)$")] = None,
     q: Annotated[str | None, Query(max_length=200, description="Part of the run's name.")] = None,
     sort: Annotated[str, Query(pattern=f"^({'|'.join(runlist.SORTS)})$")] = "started",
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
     limit: Annotated[int, Query(ge=1, le=runlist.MAX_LIMIT)] = runlist.DEFAULT_LIMIT,
     cursor: Annotated[str | None, Query(max_length=1000, description="The `X-Next-Cursor` of the page before.")] = None,
-) -> list[RunOut]:  # fmt: skip
+) -> list[RunOut]:
     """One page of runs, newest first unless `sort`/`order` say otherwise; `project`, `status`, `q` filter. When
     more runs follow, the `X-Next-Cursor` header holds the next page's `cursor` and `Link: <...>; rel="next"` its
     URL. Without `cursor`, the first `limit` runs (100 by default)."""
@@ -155,7 +173,7 @@ def get_events(
             message=e.message,
             details=e.details,
             time=utc(e.time),
-        )  # fmt: skip
+        )
         for e in queries.list_events(session, run_id=run_id, limit=limit, after_id=after_id)
     ]
 
@@ -177,6 +195,6 @@ def list_alerts(
             started_at=utc(a.started_at),
             resolved_at=utc(a.resolved_at) if a.resolved_at else None,
             summary=a.summary,
-        )  # fmt: skip
+        )
         for a in queries.list_alerts(session, run_id=run_id, state=state)
     ]

@@ -163,8 +163,12 @@ async def _run_sync(fn: Callable[[], Any]) -> Any:
 
 
 def _start(
-    sessions: sessionmaker[Session], run: models.Run, after_position: int | None, after_step: int | None, after_event: int | None
-) -> RunCursor:  # fmt: skip
+    sessions: sessionmaker[Session],
+    run: models.Run,
+    after_position: int | None,
+    after_step: int | None,
+    after_event: int | None,
+) -> RunCursor:
     """A new stream's cursor: the feed position (now, unless given) and the steps after `after_step` stored so far."""
     with sessions() as session:
         position = after_position if after_position is not None else queries.feed_position(session, run_id=run.id)
@@ -224,10 +228,13 @@ def _new_events(session: Session, run_id: str, cursor: RunCursor) -> list[models
 def _read_feed(session: Session, run_id: str, rank: int, cursor: RunCursor) -> bool:
     """Add the step ranges of this rank's batches stored after the cursor's position; whether more wait."""
     query = (
-        select(models.PointFeed.position, models.PointFeed.rank, models.PointFeed.first_step, models.PointFeed.last_step)
+        select(
+            models.PointFeed.position, models.PointFeed.rank, models.PointFeed.first_step, models.PointFeed.last_step
+        )
         .where(models.PointFeed.run_id == run_id, models.PointFeed.position > cursor.position)
-        .order_by(models.PointFeed.position).limit(FEED_ROWS)
-    )  # fmt: skip
+        .order_by(models.PointFeed.position)
+        .limit(FEED_ROWS)
+    )
     rows = session.execute(query).all()
     for position, row_rank, first, last in rows:
         if row_rank == rank:
@@ -268,13 +275,25 @@ def _pending_points(
 
 
 def _run_state(run: models.Run) -> dict[str, Any]:
-    return {"status": run.status, "health": run.health, "last_step": run.last_step,
-            "last_seen_at": utc(run.last_seen_at).isoformat()}  # fmt: skip
+    return {
+        "status": run.status,
+        "health": run.health,
+        "last_step": run.last_step,
+        "last_seen_at": utc(run.last_seen_at).isoformat(),
+    }
 
 
 def _event(e: models.Event) -> dict[str, Any]:
-    out = EventOut(id=e.id, step=e.step, rank=e.rank, type=e.type, severity=e.severity, message=e.message,
-                   details=e.details, time=utc(e.time))  # fmt: skip
+    out = EventOut(
+        id=e.id,
+        step=e.step,
+        rank=e.rank,
+        type=e.type,
+        severity=e.severity,
+        message=e.message,
+        details=e.details,
+        time=utc(e.time),
+    )
     return out.model_dump(mode="json")
 
 
@@ -355,16 +374,29 @@ class RecentRuns:
             firing = vitals.firing(session, [r.id for r, _ in rows])
             out, newest = [], None
             for run, name in rows:
-                state = (run.status, run.health, run.last_step, utc(run.last_seen_at), run.skip_rate, run.scale,
-                         run.scale_step, tuple(sorted(firing[run.id].items())))  # fmt: skip
+                state = (
+                    run.status,
+                    run.health,
+                    run.last_step,
+                    utc(run.last_seen_at),
+                    run.skip_rate,
+                    run.scale,
+                    run.scale_step,
+                    tuple(sorted(firing[run.id].items())),
+                )
                 matches = self._matches(run)
                 before = self.known.get(run.id)
                 if before == (state, matches):
                     continue
                 self.known[run.id] = (state, matches)
                 if not first and (matches or before is None or before[1]):  # (changed, or it left the filters)
-                    out.append({**run_out(run, name, settings).model_dump(mode="json"),
-                                **vitals.of(run, firing[run.id]), "in_filter": matches})  # fmt: skip
+                    out.append(
+                        {
+                            **run_out(run, name, settings).model_dump(mode="json"),
+                            **vitals.of(run, firing[run.id]),
+                            "in_filter": matches,
+                        }
+                    )
                     newest = max(newest, state[3]) if newest else state[3]
         self.since = started
         return out, newest
@@ -388,8 +420,11 @@ def _missed_runs(
         rows += [(r, p) for r, p in heard if r.id not in matching]
         firing = vitals.firing(session, [r.id for r, _ in rows])
         out = [
-            {**run_out(r, p, settings).model_dump(mode="json"), **vitals.of(r, firing[r.id]),
-             "in_filter": r.id in matching}
+            {
+                **run_out(r, p, settings).model_dump(mode="json"),
+                **vitals.of(r, firing[r.id]),
+                "in_filter": r.id in matching,
+            }
             for r, p in rows
-        ]  # fmt: skip
+        ]
     return out, max((utc(r.last_seen_at) for r, _ in rows), default=None)

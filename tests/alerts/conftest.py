@@ -112,8 +112,12 @@ def alert_server(sqlite_url: str, receiver: Receiver, live_server_factory: Calla
     """Start a real uvicorn server whose alerts go to `receiver` (SQLite); keyword arguments are settings."""
 
     def start(**overrides: Any) -> Any:
-        values = {"database_url": sqlite_url, "alert_webhook_url": f"{receiver.url}/hook", "alert_eval_interval_s": 0.1,
-                  **overrides}  # fmt: skip
+        values = {
+            "database_url": sqlite_url,
+            "alert_webhook_url": f"{receiver.url}/hook",
+            "alert_eval_interval_s": 0.1,
+            **overrides,
+        }
         # A setting this version of Settings lacks (e.g. alert_url_scope, read with getattr) is set on the copy.
         unknown = {k: v for k, v in values.items() if k not in Settings.model_fields}
         return live_server_factory(Settings(**values).model_copy(update=unknown))  # stopped after the test

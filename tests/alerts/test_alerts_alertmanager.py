@@ -132,7 +132,7 @@ def _train(run: ampwatch.Run, steps: int, nan_at: int) -> None:
         clipped_step(model, optimizer, scaler, x)
 
 
-def test_a_nan_alert_reaches_alertmanager_firing_then_resolved(alert_server, alertmanager) -> None:  # type: ignore[no-untyped-def]
+def test_a_nan_alert_reaches_alertmanager_firing_then_resolved(alert_server, alertmanager) -> None:
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
         created = http.post(
@@ -147,8 +147,15 @@ def test_a_nan_alert_reaches_alertmanager_firing_then_resolved(alert_server, ale
         delivered = http.get("/metrics").text
     assert all(problems == [] for _, problems in alertmanager.posts), alertmanager.posts
 
-    labels = {"alertname": "ampwatch_nonfinite_loss", "severity": "critical", "rule": "nonfinite_loss",
-              "project": "vision", "run": run.id, "run_name": "resnet", "source": "ampwatch"}  # fmt: skip
+    labels = {
+        "alertname": "ampwatch_nonfinite_loss",
+        "severity": "critical",
+        "rule": "nonfinite_loss",
+        "project": "vision",
+        "run": run.id,
+        "run_name": "resnet",
+        "source": "ampwatch",
+    }
     assert {k: firing["labels"][k] for k in labels} == labels
     assert resolved["labels"] == firing["labels"]  # Alertmanager matches the resolve to the alert by its labels
     notes = firing["annotations"]
@@ -184,11 +191,26 @@ def test_a_grouped_notice_posts_one_alert_each_with_its_origin() -> None:
     from ampwatch.server.alerts._messages import Notice
 
     url = "http://h:8600/runs/r1?step=7"
-    alert = {"id": 3, "rule": "nonfinite_grad", "severity": "critical", "summary": "NaN gradients in p/n at step 7",
-             "step": 7, "rank": 1, "url": url, "started_at": "2026-01-01T00:00:00+00:00", "resolved_at": None}  # fmt: skip
+    alert = {
+        "id": 3,
+        "rule": "nonfinite_grad",
+        "severity": "critical",
+        "summary": "NaN gradients in p/n at step 7",
+        "step": 7,
+        "rank": 1,
+        "url": url,
+        "started_at": "2026-01-01T00:00:00+00:00",
+        "resolved_at": None,
+    }
     other = {**alert, "id": 4, "rule": "grad_spike", "severity": "warning", "summary": "spike", "rank": None}
-    notice = Notice("firing", alert, {"id": "r1", "project": "p", "name": "n", "url": url}, "fired",
-                    details={"origin": "encoder.layers.3.mlp", "phase": "backward"}, others=[other])  # fmt: skip
+    notice = Notice(
+        "firing",
+        alert,
+        {"id": "r1", "project": "p", "name": "n", "url": url},
+        "fired",
+        details={"origin": "encoder.layers.3.mlp", "phase": "backward"},
+        others=[other],
+    )
     lead, second = alertmanager_body(notice)
     assert schema_problems([lead, second]) == []
     assert (lead["annotations"]["origin"], lead["labels"]["rank"], lead["labels"]["alert_id"]) == (
@@ -205,7 +227,7 @@ def test_a_grouped_notice_posts_one_alert_each_with_its_origin() -> None:
     assert alertmanager_url("http://am:9093/") == alertmanager_url("http://am:9093/api/v2/alerts")
 
 
-def test_the_documented_config_file_example_makes_an_alertmanager_channel(alert_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_documented_config_file_example_makes_an_alertmanager_channel(alert_server, tmp_path) -> None:
     page = (Path(__file__).parents[2] / "docs" / "prometheus.md").read_text()
     example = re.search(r"<!-- alertmanager-config -->\s*```yaml\n(.+?)\n```", page, re.S)
     assert example, "docs/prometheus.md marks its config example"

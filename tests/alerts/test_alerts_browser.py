@@ -31,7 +31,7 @@ def _shot(page: Any, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / name), full_page=True)
 
 
-def test_a_rule_made_on_the_page_fires_on_a_real_training_run(alert_server, receiver, page) -> None:  # type: ignore[no-untyped-def]
+def test_a_rule_made_on_the_page_fires_on_a_real_training_run(alert_server, receiver, page) -> None:
     server = alert_server()
     page.goto(f"{server.url}/alerts/rules")
     form = page.locator("#add-threshold-rule")
@@ -89,7 +89,7 @@ def _deliveries(http: httpx.Client, alert_id: int) -> list[dict[str, Any]]:
     return http.get(f"/api/v1/alerts/{alert_id}").json()["flips"][0]["deliveries"]
 
 
-def test_a_channel_disabled_on_the_page_gets_no_more_notifications(alert_server, receiver, page, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_channel_disabled_on_the_page_gets_no_more_notifications(alert_server, receiver, page, wait_for) -> None:
     server = alert_server(alert_webhook_url="")
     page.goto(f"{server.url}/alerts/rules")
     form = page.locator("#add-channel")
@@ -121,7 +121,7 @@ def test_a_channel_disabled_on_the_page_gets_no_more_notifications(alert_server,
 
 def test_an_email_channel_added_on_the_page_sends_through_real_smtp_and_never_shows_its_password(
     alert_server, page
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     received: list[Any] = []
 
     class Inbox:
@@ -143,8 +143,15 @@ def test_an_email_channel_added_on_the_page_sends_through_real_smtp_and_never_sh
         server = alert_server(alert_webhook_url="")
         page.goto(f"{server.url}/alerts/rules")
         form = page.locator("#add-email-channel")
-        for name, value in {"name": "oncall", "to": "oncall@example.com", "smtp_from": "ampwatch@example.com",
-                            "smtp_host": "127.0.0.1", "smtp_port": str(port), "smtp_username": "bot", "smtp_password": PASSWORD}.items():  # fmt: skip
+        for name, value in {
+            "name": "oncall",
+            "to": "oncall@example.com",
+            "smtp_from": "ampwatch@example.com",
+            "smtp_host": "127.0.0.1",
+            "smtp_port": str(port),
+            "smtp_username": "bot",
+            "smtp_password": PASSWORD,
+        }.items():
             form.locator(f"[name={name}]").fill(value)
         form.locator("[name=smtp_starttls]").uncheck()  # aiosmtpd here offers no TLS: loopback only
         form.locator("button[type=submit]").click()

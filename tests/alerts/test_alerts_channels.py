@@ -57,8 +57,9 @@ def smtp() -> Iterator[tuple[Inbox, int]]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     inbox = Inbox()
-    controller = Controller(inbox, hostname="127.0.0.1", port=port, authenticator=_authenticate,
-                            auth_required=True, auth_require_tls=False)  # fmt: skip
+    controller = Controller(
+        inbox, hostname="127.0.0.1", port=port, authenticator=_authenticate, auth_required=True, auth_require_tls=False
+    )
     controller.start()
     yield inbox, port
     controller.stop()
@@ -82,13 +83,23 @@ def _deliveries(http: Any, run_id: str) -> list[dict[str, Any]]:
     return detail["flips"][0]["deliveries"]
 
 
-def test_email_goes_through_smtp_with_auth_and_the_password_is_never_shown(alert_server, smtp, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_email_goes_through_smtp_with_auth_and_the_password_is_never_shown(alert_server, smtp, caplog) -> None:
     inbox, port = smtp
     server = alert_server(alert_webhook_url="")
     caplog.set_level(logging.DEBUG)
-    channel = {"name": "oncall-mail", "kind": "email", "to": ["oncall@example.com"], "smtp": {
-        "host": "127.0.0.1", "port": port, "starttls": False, "username": "ampwatch", "password": PASSWORD,
-        "from": "ampwatch@example.com"}}  # fmt: skip
+    channel = {
+        "name": "oncall-mail",
+        "kind": "email",
+        "to": ["oncall@example.com"],
+        "smtp": {
+            "host": "127.0.0.1",
+            "port": port,
+            "starttls": False,
+            "username": "ampwatch",
+            "password": PASSWORD,
+            "from": "ampwatch@example.com",
+        },
+    }
     with server.client() as http:
         created = http.post("/api/v1/alert-channels", json=channel)
         assert created.status_code == 201, created.text
@@ -124,11 +135,15 @@ def test_email_goes_through_smtp_with_auth_and_the_password_is_never_shown(alert
     assert PASSWORD not in listing and PASSWORD not in caplog.text
 
 
-def test_wrong_smtp_credentials_are_a_permanent_failure_with_the_servers_answer(alert_server, smtp) -> None:  # type: ignore[no-untyped-def]
+def test_wrong_smtp_credentials_are_a_permanent_failure_with_the_servers_answer(alert_server, smtp) -> None:
     _, port = smtp
     server = alert_server(alert_webhook_url="")
-    channel = {"name": "bad-mail", "kind": "email", "to": ["a@example.com"],
-               "smtp": {"host": "127.0.0.1", "port": port, "starttls": False, "username": "ampwatch", "password": "wrong"}}  # fmt: skip
+    channel = {
+        "name": "bad-mail",
+        "kind": "email",
+        "to": ["a@example.com"],
+        "smtp": {"host": "127.0.0.1", "port": port, "starttls": False, "username": "ampwatch", "password": "wrong"},
+    }
     with server.client() as http:
         channel_id = http.post("/api/v1/alert-channels", json=channel).json()["id"]
         test = http.post(f"/api/v1/alert-channels/{channel_id}/test").json()
@@ -137,7 +152,7 @@ def test_wrong_smtp_credentials_are_a_permanent_failure_with_the_servers_answer(
     assert shown["last_delivery"]["status"] == "failed" and shown["last_delivery"]["error"].startswith("SMTP 535")
 
 
-def test_slack_gets_its_incoming_webhook_format_and_the_token_is_masked(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_slack_gets_its_incoming_webhook_format_and_the_token_is_masked(alert_server, receiver) -> None:
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
         made = http.post(
@@ -152,7 +167,7 @@ def test_slack_gets_its_incoming_webhook_format_and_the_token_is_masked(alert_se
     assert f"<{server.url}/runs/slacked?step=10|" in body["blocks"][-1]["elements"][0]["text"]
 
 
-def test_a_503_is_retried_after_retry_after_and_each_attempt_is_recorded(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_503_is_retried_after_retry_after_and_each_attempt_is_recorded(alert_server, receiver) -> None:
     server = alert_server()
     receiver.replies = [(503, {"Retry-After": "1"}, 0.0)]
     with server.client() as http:
@@ -170,7 +185,7 @@ def test_a_503_is_retried_after_retry_after_and_each_attempt_is_recorded(alert_s
     assert keys[0] and keys[0] == keys[1], keys
 
 
-def test_a_4xx_is_permanent_and_an_unreachable_channel_is_retried(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_4xx_is_permanent_and_an_unreachable_channel_is_retried(alert_server, receiver) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]  # nobody listens here once the socket is closed
@@ -200,34 +215,62 @@ def _wait_final(http: Any, run_id: str, count: int, timeout_s: float = 20.0) -> 
 
 
 @pytest.fixture
-def tls_smtp(tmp_path) -> Iterator[tuple[Inbox, int, str]]:  # type: ignore[no-untyped-def]
+def tls_smtp(tmp_path) -> Iterator[tuple[Inbox, int, str]]:
     """A real SMTP server that requires STARTTLS before AUTH, with a self-signed certificate (made by openssl)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     inbox = Inbox()
-    controller = Controller(inbox, hostname="127.0.0.1", port=port, authenticator=_authenticate, auth_required=True,
-                            tls_context=context, require_starttls=True)  # fmt: skip
+    controller = Controller(
+        inbox,
+        hostname="127.0.0.1",
+        port=port,
+        authenticator=_authenticate,
+        auth_required=True,
+        tls_context=context,
+        require_starttls=True,
+    )
     controller.start()
     yield inbox, port, str(cert)
     controller.stop()
 
 
-def test_starttls_verifies_the_servers_certificate_against_the_given_ca(alert_server, tls_smtp) -> None:  # type: ignore[no-untyped-def]
+def test_starttls_verifies_the_servers_certificate_against_the_given_ca(alert_server, tls_smtp) -> None:
     inbox, port, cert = tls_smtp
     server = alert_server(alert_webhook_url="")
     smtp = {"host": "127.0.0.1", "port": port, "starttls": True, "username": "ampwatch", "password": PASSWORD}
     with server.client() as http:
-        trusted = http.post("/api/v1/alert-channels", json={"name": "tls", "kind": "email", "to": ["a@example.com"],
-                                                            "smtp": {**smtp, "ca_file": cert}}).json()  # fmt: skip
+        trusted = http.post(
+            "/api/v1/alert-channels",
+            json={"name": "tls", "kind": "email", "to": ["a@example.com"], "smtp": {**smtp, "ca_file": cert}},
+        ).json()
         untrusted = http.post(
             "/api/v1/alert-channels",
             json={"name": "tls-unknown-ca", "kind": "email", "to": ["a@example.com"], "smtp": smtp},
@@ -239,7 +282,7 @@ def test_starttls_verifies_the_servers_certificate_against_the_given_ca(alert_se
     assert refused["ok"] is False and "CERTIFICATE_VERIFY_FAILED" in refused["error"]
 
 
-def test_a_retried_firing_notice_never_arrives_after_the_resolved_one(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_retried_firing_notice_never_arrives_after_the_resolved_one(alert_server, receiver) -> None:
     server = alert_server()
     receiver.replies = [(503, {"Retry-After": "3"}, 0.0)]  # the firing notice's first attempt fails
     with server.client() as http:
@@ -258,7 +301,7 @@ def test_a_retried_firing_notice_never_arrives_after_the_resolved_one(alert_serv
     assert retry and retry[0]["status"] == "superseded", deliveries
 
 
-def test_a_notification_is_retried_for_a_day_then_given_up(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_notification_is_retried_for_a_day_then_given_up(alert_server, receiver) -> None:
     # It gave up after 8 attempts: ~2 minutes of a receiver's downtime lost the NaN alert for good.
     from ampwatch.server import models
     from ampwatch.server.alerts import _deliver
@@ -275,8 +318,15 @@ def test_a_notification_is_retried_for_a_day_then_given_up(alert_server, receive
         flip = session.get(models.AlertFlip, first.flip_id)
         failing = Outcome(False, status=503, error="HTTP 503", temporary=True)
         for hours, attempt in ((1.0, 9), (23.9, 150), (24.1, 151)):
-            row = models.AlertDelivery(flip_id=flip.id, channel_id=first.channel_id, attempt=attempt, status="sending",
-                                       due_at=flip.created_at, created_at=flip.created_at, claimed_at=flip.created_at)  # fmt: skip
+            row = models.AlertDelivery(
+                flip_id=flip.id,
+                channel_id=first.channel_id,
+                attempt=attempt,
+                status="sending",
+                due_at=flip.created_at,
+                created_at=flip.created_at,
+                claimed_at=flip.created_at,
+            )
             session.add(row)
             session.commit()
             _deliver.record(session, row.id, failing, stamp=_deliver.utc(flip.created_at) + timedelta(hours=hours))
@@ -285,23 +335,38 @@ def test_a_notification_is_retried_for_a_day_then_given_up(alert_server, receive
     assert "gave up after 151 attempts over 24 h" in row.error
 
 
-def test_an_alert_names_infinite_gradients_as_such(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_an_alert_names_infinite_gradients_as_such(alert_server, receiver) -> None:
     server = alert_server()
     with server.client() as http:
         http.put("/api/v1/runs/inf", json={"project": "p", "name": "inf"}).raise_for_status()
-        event = {"step": 20, "type": "nonfinite_grad", "severity": "critical", "message": "Inf gradients at step 20.",
-                 "details": {"grad_norm": "Infinity", "loss": 1.5}}  # fmt: skip
+        event = {
+            "step": 20,
+            "type": "nonfinite_grad",
+            "severity": "critical",
+            "message": "Inf gradients at step 20.",
+            "details": {"grad_norm": "Infinity", "loss": 1.5},
+        }
         http.post("/api/v1/runs/inf/batches", json={"seq": 1, "events": [event]}).raise_for_status()
         [body] = receiver.wait(1)
     assert body["alert"]["summary"] == "Inf gradients in p/inf at step 20"  # (was "NaN gradients", whatever the value)
 
 
-def test_patching_a_channel_keeps_what_it_does_not_name_and_refuses_another_kinds_settings(alert_server, smtp) -> None:  # type: ignore[no-untyped-def]
+def test_patching_a_channel_keeps_what_it_does_not_name_and_refuses_another_kinds_settings(alert_server, smtp) -> None:
     inbox, port = smtp
     server = alert_server(alert_webhook_url="")
-    mail = {"name": "mail", "kind": "email", "to": ["oncall@example.com"], "smtp": {
-        "host": "127.0.0.1", "port": port + 1, "starttls": False, "username": "ampwatch", "password": PASSWORD,
-        "from": "ampwatch@example.com"}}  # fmt: skip
+    mail = {
+        "name": "mail",
+        "kind": "email",
+        "to": ["oncall@example.com"],
+        "smtp": {
+            "host": "127.0.0.1",
+            "port": port + 1,
+            "starttls": False,
+            "username": "ampwatch",
+            "password": PASSWORD,
+            "from": "ampwatch@example.com",
+        },
+    }
     with server.client() as http:
         hook = http.post(
             "/api/v1/alert-channels", json={"name": "hook", "kind": "webhook", "url": "http://127.0.0.1:9/h"}
@@ -328,7 +393,7 @@ def test_patching_a_channel_keeps_what_it_does_not_name_and_refuses_another_kind
     assert listed["hook"]["url"].startswith("http://127.0.0.1:9")
 
 
-def test_an_alert_that_fired_during_a_silence_is_notified_when_the_silence_ends(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_an_alert_that_fired_during_a_silence_is_notified_when_the_silence_ends(alert_server, receiver) -> None:
     server = alert_server()
     with server.client() as http:
         http.put("/api/v1/runs/hushed", json={"project": "p", "name": "hushed"}).raise_for_status()

@@ -17,7 +17,7 @@ def _events(server: Any, run_id: str, kind: str) -> list[dict[str, Any]]:
         return [e for e in http.get(f"/api/v1/runs/{run_id}/events").json() if e["type"] == kind]
 
 
-def test_a_killed_training_process_is_marked_crashed_and_alerts(alert_server, receiver, training, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_training_process_is_marked_crashed_and_alerts(alert_server, receiver, training, wait_for) -> None:
     server = alert_server(heartbeat_timeout_s=1.5)
     process, run_id = training(server.url)
     wait_for(lambda: (_run(server, run_id).get("last_step") or 0) >= 20, what="training to make progress")
@@ -34,7 +34,7 @@ def test_a_killed_training_process_is_marked_crashed_and_alerts(alert_server, re
 
 def test_a_hung_process_that_keeps_heartbeating_is_stalled_and_resolves_when_it_steps_again(
     alert_server, receiver, training, wait_for, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     server = alert_server(heartbeat_timeout_s=3.0, stall_min_s=1.0)
     flag = tmp_path / "go-on"
     process, run_id = training(server.url, str(flag))

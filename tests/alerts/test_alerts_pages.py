@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 
-def test_the_alerts_page_lists_open_alerts_and_silences_a_run_from_a_form(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_the_alerts_page_lists_open_alerts_and_silences_a_run_from_a_form(alert_server, receiver) -> None:
     server = alert_server()
     with server.client() as http:
         http.put("/api/v1/runs/bad", json={"project": "p", "name": "bad"}).raise_for_status()
@@ -30,7 +30,7 @@ def test_the_alerts_page_lists_open_alerts_and_silences_a_run_from_a_form(alert_
         assert http.get("/static/alerts.js").status_code == 200
 
 
-def test_the_rules_page_shows_rules_in_words_toggles_them_and_tests_a_channel(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_the_rules_page_shows_rules_in_words_toggles_them_and_tests_a_channel(alert_server, receiver) -> None:
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
         page = http.get("/alerts/rules").text
@@ -51,7 +51,7 @@ def test_the_rules_page_shows_rules_in_words_toggles_them_and_tests_a_channel(al
         assert http.get(f"/api/v1/alert-rules/{rule_id}").json()["enabled"] is False
 
 
-def test_the_rules_page_adds_an_alertmanager_channel_and_tests_it(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_the_rules_page_adds_an_alertmanager_channel_and_tests_it(alert_server, receiver) -> None:
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
         assert '<option value="alertmanager"' in http.get("/alerts/rules").text
@@ -68,11 +68,22 @@ def test_the_rules_page_adds_an_alertmanager_channel_and_tests_it(alert_server, 
 
 
 def _rule(**fields: str) -> dict[str, str]:
-    return {"kind": "threshold", "name": "loss_high", "series": "loss", "aggregation": "mean", "window_steps": "5",
-            "op": ">", "threshold": "10", "for": "3 steps", "project": "p", "severity": "critical", **fields}  # fmt: skip
+    return {
+        "kind": "threshold",
+        "name": "loss_high",
+        "series": "loss",
+        "aggregation": "mean",
+        "window_steps": "5",
+        "op": ">",
+        "threshold": "10",
+        "for": "3 steps",
+        "project": "p",
+        "severity": "critical",
+        **fields,
+    }
 
 
-def test_a_refused_rule_comes_back_filled_in_with_the_reason_and_a_good_one_is_added(alert_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_rule_comes_back_filled_in_with_the_reason_and_a_good_one_is_added(alert_server) -> None:
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
         bad = http.post("/alerts/rules", data=_rule(window_steps="five", threshold=""))
@@ -81,8 +92,13 @@ def test_a_refused_rule_comes_back_filled_in_with_the_reason_and_a_good_one_is_a
         form = re.search(
             r'<form method="post" action="/alerts/rules" id="add-threshold-rule">.*?</form>', bad.text, re.S
         ).group(0)
-        for typed in ('name="name" value="loss_high"', 'name="window_steps" value="five"', 'name="for" value="3 steps"',
-                      'name="project" value="p"', '<option value="critical" selected>'):  # fmt: skip
+        for typed in (
+            'name="name" value="loss_high"',
+            'name="window_steps" value="five"',
+            'name="for" value="3 steps"',
+            'name="project" value="p"',
+            '<option value="critical" selected>',
+        ):
             assert typed in form, typed
         assert "a threshold rule needs threshold" in http.post("/alerts/rules", data=_rule(threshold="")).text
         assert "is not like &#39;500 steps&#39;" in http.post("/alerts/rules", data=_rule(**{"for": "soon"})).text
@@ -118,7 +134,7 @@ def test_a_refused_rule_comes_back_filled_in_with_the_reason_and_a_good_one_is_a
     )
 
 
-def test_user_rules_can_be_deleted_from_the_page_and_built_in_ones_only_disabled(alert_server) -> None:  # type: ignore[no-untyped-def]
+def test_user_rules_can_be_deleted_from_the_page_and_built_in_ones_only_disabled(alert_server) -> None:
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
         assert http.post("/alerts/rules", data=_rule()).status_code == 303
@@ -134,10 +150,18 @@ def test_user_rules_can_be_deleted_from_the_page_and_built_in_ones_only_disabled
         assert http.post(f"/alerts/rules/{rules['loss_high']}/delete").status_code == 404
 
 
-def test_a_refused_channel_comes_back_filled_in_without_its_password(alert_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_channel_comes_back_filled_in_without_its_password(alert_server) -> None:
     server = alert_server(alert_webhook_url="")
-    mail = {"kind": "email", "name": "mail", "to": "a@example.com, nobody", "smtp_host": "127.0.0.1", "smtp_port": "2525",
-            "smtp_username": "u", "smtp_password": "hunter2-secret", "smtp_starttls": "on"}  # fmt: skip
+    mail = {
+        "kind": "email",
+        "name": "mail",
+        "to": "a@example.com, nobody",
+        "smtp_host": "127.0.0.1",
+        "smtp_port": "2525",
+        "smtp_username": "u",
+        "smtp_password": "hunter2-secret",
+        "smtp_starttls": "on",
+    }
     with server.client() as http:
         bad = http.post("/alerts/channels", data=mail)
         assert bad.status_code == 422
@@ -167,11 +191,14 @@ def test_a_refused_channel_comes_back_filled_in_without_its_password(alert_serve
     assert (channel["smtp"]["port"], channel["smtp"]["starttls"], channel["smtp"]["ssl"]) == (2525, True, False)
 
 
-def test_a_form_post_with_too_many_fields_is_a_422_not_a_500(alert_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_form_post_with_too_many_fields_is_a_422_not_a_500(alert_server) -> None:
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
-        crowded = http.post("/alerts/rules", content="&".join(f"f{i}=1" for i in range(100)),
-                            headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+        crowded = http.post(
+            "/alerts/rules",
+            content="&".join(f"f{i}=1" for i in range(100)),
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
     assert crowded.status_code == 422 and "Max number of fields exceeded" in crowded.text
 
 
@@ -183,13 +210,15 @@ def _alert_rows(page: str) -> dict[str, list[str]]:
     return {c[1]: c for c in cells}
 
 
-def test_the_run_page_lists_the_runs_firing_and_resolved_alerts_with_javascript_off(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_the_run_page_lists_the_runs_firing_and_resolved_alerts_with_javascript_off(alert_server, receiver) -> None:
     server = alert_server()
     with server.client() as http:
         for run in ("bad", "other", "quiet"):
             http.put(f"/api/v1/runs/{run}", json={"project": "p", "name": run}).raise_for_status()
-        events = [{"step": 9, "type": "nonfinite_loss", "severity": "critical", "message": "NaN", "details": {"loss": "NaN"}},
-                  {"step": 9, "type": "nonfinite_param", "severity": "critical", "message": "NaN weights"}]  # fmt: skip
+        events = [
+            {"step": 9, "type": "nonfinite_loss", "severity": "critical", "message": "NaN", "details": {"loss": "NaN"}},
+            {"step": 9, "type": "nonfinite_param", "severity": "critical", "message": "NaN weights"},
+        ]
         # One finite parameter norm after the event clears nonfinite_param; the loss stays unknown, so its alert fires on.
         batch = {"seq": 1, "events": events, "points": {"param_norm": {"steps": [10], "values": [1.0]}}}
         http.post("/api/v1/runs/bad/batches", json=batch).raise_for_status()
@@ -216,15 +245,17 @@ def test_the_run_page_lists_the_runs_firing_and_resolved_alerts_with_javascript_
     )
 
 
-def test_the_alerts_page_lists_the_most_severe_first(alert_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_alerts_page_lists_the_most_severe_first(alert_server) -> None:
     server = alert_server()
     with server.client() as http:
         rule = {"name": "amp_cfg", "kind": "event", "event_type": "amp_config", "severity": "info"}
         assert http.post("/api/v1/alert-rules", json=rule).status_code == 201
         http.put("/api/v1/runs/mixed", json={"project": "p", "name": "mixed"}).raise_for_status()
-        events = [{"step": 0, "type": "amp_config", "severity": "warning", "message": "no autocast"},
-                  {"step": 1, "type": "grad_spike", "severity": "warning", "message": "spike"},
-                  {"step": 2, "type": "nonfinite_loss", "severity": "critical", "message": "nan", "details": {"loss": "NaN"}}]  # fmt: skip
+        events = [
+            {"step": 0, "type": "amp_config", "severity": "warning", "message": "no autocast"},
+            {"step": 1, "type": "grad_spike", "severity": "warning", "message": "spike"},
+            {"step": 2, "type": "nonfinite_loss", "severity": "critical", "message": "nan", "details": {"loss": "NaN"}},
+        ]
         http.post("/api/v1/runs/mixed/batches", json={"seq": 1, "events": events}).raise_for_status()
         table = http.get("/alerts").text.split('id="open-alerts"')[1].split("</table>")[0]
     assert re.findall(r"sev-badge sev-(\w+)", table) == [

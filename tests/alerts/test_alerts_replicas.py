@@ -17,18 +17,22 @@ RUNS = 6
 def _batch(seq: int, step: int) -> dict[str, Any]:
     steps = list(range(step - 299, step + 1))
     event = {"step": step, "type": "nonfinite_loss", "severity": "critical", "message": f"NaN loss at step {step}."}
-    return {"seq": seq, "events": [event], "points": {
-        "skipped": {"steps": steps, "values": [1.0] * len(steps)},
-        "loss": {"steps": steps, "values": [1.0] * (len(steps) - 1) + ["NaN"]},
-    }}  # fmt: skip
+    return {
+        "seq": seq,
+        "events": [event],
+        "points": {
+            "skipped": {"steps": steps, "values": [1.0] * len(steps)},
+            "loss": {"steps": steps, "values": [1.0] * (len(steps) - 1) + ["NaN"]},
+        },
+    }
 
 
-def test_two_server_processes_on_one_postgres_notify_exactly_once(pg_url, receiver, server_processes) -> None:  # type: ignore[no-untyped-def]
+def test_two_server_processes_on_one_postgres_notify_exactly_once(pg_url, receiver, server_processes) -> None:
     env = {
         "AMPWATCH_ALERT_WEBHOOK_URL": f"{receiver.url}/hook",
         "AMPWATCH_ALERT_EVAL_INTERVAL_S": "0.05",
         "AMPWATCH_HEARTBEAT_TIMEOUT_S": "4",
-    }  # fmt: skip  (2 s called runs crashed before their first batch on a loaded machine)
+    }  # (2 s called runs crashed before their first batch on a loaded machine)
     servers = [server_processes(pg_url, **env), server_processes(pg_url, **env)]
     run_ids = [f"replica-{i}" for i in range(RUNS)]
     for run_id in run_ids:
@@ -59,7 +63,7 @@ def test_two_server_processes_on_one_postgres_notify_exactly_once(pg_url, receiv
     assert len(notified) == 3 * RUNS and len(set(notified)) == 3 * RUNS, notified
 
 
-def test_a_slow_channel_does_not_delay_ingest(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_slow_channel_does_not_delay_ingest(alert_server, receiver) -> None:
     server = alert_server()
     receiver.replies = [(200, {}, 4.0)] * 3  # the channel takes 4 s to answer
     with server.client() as http:

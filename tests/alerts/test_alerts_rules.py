@@ -15,8 +15,18 @@ import pytest
 from ampwatch.server import Settings, create_app
 from ampwatch.server.alerts import ConfigError
 
-BUILTINS = {"nonfinite_loss", "nonfinite_param", "nonfinite_grad", "scale_collapse", "scaler_misuse", "run_crashed",
-            "skip_rate", "grad_spike", "loss_spike", "run_stalled"}  # fmt: skip
+BUILTINS = {
+    "nonfinite_loss",
+    "nonfinite_param",
+    "nonfinite_grad",
+    "scale_collapse",
+    "scaler_misuse",
+    "run_crashed",
+    "skip_rate",
+    "grad_spike",
+    "loss_spike",
+    "run_stalled",
+}
 
 
 class Feed:
@@ -31,32 +41,38 @@ class Feed:
 
     def send(
         self, run_id: str, *, events: list[tuple[str, str, int]] = (), rank: int = 0, **series: tuple[range, float]
-    ) -> None:  # type: ignore[assignment]
+    ) -> None:
         self.seq += 1
         points = {
             name: {"steps": list(steps), "values": [value] * len(steps)} for name, (steps, value) in series.items()
         }
-        body = {"seq": self.seq, "rank": rank, "points": points,
-                "events": [{"step": s, "type": t, "severity": sev, "message": f"{t} at {s}"} for t, sev, s in events]}  # fmt: skip
+        body = {
+            "seq": self.seq,
+            "rank": rank,
+            "points": points,
+            "events": [{"step": s, "type": t, "severity": sev, "message": f"{t} at {s}"} for t, sev, s in events],
+        }
         self.http.post(f"/api/v1/runs/{run_id}/batches", json=body).raise_for_status()
 
     def alerts(self, run_id: str) -> dict[str, dict[str, Any]]:
         # Pending first: an alert that starts firing between the two requests is then in the second list, not in neither.
-        listed = [*self.http.get("/api/v1/alerts", params={"run_id": run_id, "state": "pending"}).json(),
-                  *self.http.get("/api/v1/alerts", params={"run_id": run_id}).json()]  # firing and resolved (PRODUCT.md)  # fmt: skip
+        listed = [
+            *self.http.get("/api/v1/alerts", params={"run_id": run_id, "state": "pending"}).json(),
+            *self.http.get("/api/v1/alerts", params={"run_id": run_id}).json(),
+        ]  # firing and resolved (PRODUCT.md)
         return {
             a["rule"]: self.http.get(f"/api/v1/alerts/{a['id']}").json() for a in {a["id"]: a for a in listed}.values()
         }
 
 
 @pytest.fixture
-def feed(alert_server) -> Any:  # type: ignore[no-untyped-def]
+def feed(alert_server) -> Any:
     server = alert_server()
     with server.client() as http:
         yield Feed(http)
 
 
-def test_builtin_rules_work_with_zero_configuration_and_can_be_disabled_but_not_deleted(feed) -> None:  # type: ignore[no-untyped-def]
+def test_builtin_rules_work_with_zero_configuration_and_can_be_disabled_but_not_deleted(feed) -> None:
     rules = {r["name"]: r for r in feed.http.get("/api/v1/alert-rules").json()}
     assert BUILTINS <= set(rules) and {rules[n]["source"] for n in BUILTINS} == {"builtin"}
     assert (rules["nonfinite_loss"]["severity"], rules["run_stalled"]["severity"]) == ("critical", "warning")
@@ -69,9 +85,19 @@ def test_builtin_rules_work_with_zero_configuration_and_can_be_disabled_but_not_
 
 def test_a_threshold_rule_goes_pending_then_fires_after_for_steps_and_resolves_after_keep_firing_for(
     feed, receiver, wait_for
-) -> None:  # type: ignore[no-untyped-def]
-    rule = {"name": "loss_high", "kind": "threshold", "series": "loss", "aggregation": "mean", "window_steps": 5,
-            "op": ">", "threshold": 10, "for": "20 steps", "keep_firing_for_s": 0.5, "project": "p"}  # fmt: skip
+) -> None:
+    rule = {
+        "name": "loss_high",
+        "kind": "threshold",
+        "series": "loss",
+        "aggregation": "mean",
+        "window_steps": 5,
+        "op": ">",
+        "threshold": 10,
+        "for": "20 steps",
+        "keep_firing_for_s": 0.5,
+        "project": "p",
+    }
     assert feed.http.post("/api/v1/alert-rules", json=rule).status_code == 201
     assert feed.http.post("/api/v1/alert-rules", json=rule).status_code == 409
     run, other = feed.run("hot"), feed.run("hot-elsewhere", project="q")
@@ -97,7 +123,7 @@ def _by_rank(feed: Feed, run_id: str, rule: str) -> dict[int | None, dict[str, A
     return {d["rank"]: d for d in details}
 
 
-def test_a_threshold_rule_watches_every_rank_of_a_two_rank_run(feed, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_threshold_rule_watches_every_rank_of_a_two_rank_run(feed, receiver, wait_for) -> None:
     common = {
         "kind": "threshold",
         "series": "loss",
@@ -130,14 +156,20 @@ def test_a_threshold_rule_watches_every_rank_of_a_two_rank_run(feed, receiver, w
     )
     wait_for(lambda: _by_rank(feed, run, "loss_per_rank")[0]["state"] == "resolved", what="rank 0 resolved")
     sent = sorted((status, rule) for status, _, rule in receiver.notified(6))
-    assert sent == [("firing", "loss_any_rank"), ("firing", "loss_per_rank"), ("firing", "loss_per_rank"),
-                    ("resolved", "loss_any_rank"), ("resolved", "loss_per_rank"), ("resolved", "loss_per_rank")], sent  # fmt: skip
+    assert sent == [
+        ("firing", "loss_any_rank"),
+        ("firing", "loss_per_rank"),
+        ("firing", "loss_per_rank"),
+        ("resolved", "loss_any_rank"),
+        ("resolved", "loss_per_rank"),
+        ("resolved", "loss_per_rank"),
+    ], sent
 
 
 @pytest.mark.parametrize(("change", "status"), [("delete", "finished"), ("disable", "crashed")])
 def test_deleting_or_disabling_a_rule_resolves_its_alert_on_a_run_that_already_ended(
     feed, receiver, wait_for, change, status
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     # (only running runs were evaluated again: the alert of a finished or crashed run stayed firing for good)
     rule = {"name": "val_high", "kind": "threshold", "series": "val", "aggregation": "last", "op": ">", "threshold": 5}
     rule_id = feed.http.post("/api/v1/alert-rules", json=rule).json()["id"]
@@ -156,7 +188,7 @@ def test_deleting_or_disabling_a_rule_resolves_its_alert_on_a_run_that_already_e
     assert feed.alerts(run)["val_high"]["state"] == "resolved"
 
 
-def test_a_firing_alert_sends_reminders_every_repeat_interval(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_firing_alert_sends_reminders_every_repeat_interval(feed, receiver) -> None:
     rule_id = next(r["id"] for r in feed.http.get("/api/v1/alert-rules").json() if r["name"] == "nonfinite_param")
     feed.http.patch(f"/api/v1/alert-rules/{rule_id}", json={"repeat_interval_s": 0.5}).raise_for_status()
     feed.send(feed.run("nag"), events=[("nonfinite_param", "critical", 3)])
@@ -165,7 +197,7 @@ def test_a_firing_alert_sends_reminders_every_repeat_interval(feed, receiver) ->
     assert reminder["text"].startswith("[STILL FIRING · critical] Non-finite parameters in p/nag at step 3")
 
 
-def test_a_firing_scale_collapse_inhibits_the_lesser_alerts_of_its_run(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_firing_scale_collapse_inhibits_the_lesser_alerts_of_its_run(feed, receiver) -> None:
     run = feed.run("collapsing")
     feed.send(run, events=[("grad_spike", "warning", 12), ("scale_collapse", "critical", 12)])
     feed.send(feed.run("spiky"), events=[("grad_spike", "warning", 12)])
@@ -174,10 +206,12 @@ def test_a_firing_scale_collapse_inhibits_the_lesser_alerts_of_its_run(feed, rec
     assert alerts["grad_spike"]["flips"][0]["deliveries"] == []
     receiver.wait(2)
     assert sorted((b["run"]["id"], b["alert"]["rule"]) for b in receiver.bodies()) == [
-        ("collapsing", "scale_collapse"), ("spiky", "grad_spike")]  # fmt: skip
+        ("collapsing", "scale_collapse"),
+        ("spiky", "grad_spike"),
+    ]
 
 
-def test_a_silence_mutes_its_run_until_it_ends(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_silence_mutes_its_run_until_it_ends(feed, receiver) -> None:
     quiet, loud = feed.run("quiet"), feed.run("loud")
     made = feed.http.post("/api/v1/silences", json={"run_id": quiet, "duration_s": 3600, "comment": "known bad data"})
     assert made.status_code == 201 and made.json()["active"] is True
@@ -190,12 +224,15 @@ def test_a_silence_mutes_its_run_until_it_ends(feed, receiver) -> None:  # type:
     feed.send(quiet, events=[("loss_spike", "warning", 8)])  # the silence ended: the run is heard again, and its
     receiver.wait(3)  # alert that is still firing is told once, now that nothing holds it back (as Alertmanager does)
     assert sorted((b["run"]["id"], b["alert"]["rule"]) for b in receiver.bodies()) == [
-        ("loud", "nonfinite_loss"), ("quiet", "loss_spike"), ("quiet", "nonfinite_loss")]  # fmt: skip
+        ("loud", "nonfinite_loss"),
+        ("quiet", "loss_spike"),
+        ("quiet", "nonfinite_loss"),
+    ]
     [late] = receiver.bodies(run__id="quiet", alert__rule="nonfinite_loss")
     assert late["reason"] == "no longer silenced or inhibited: still firing"
 
 
-def test_rules_and_channels_from_the_config_file_and_the_env_webhook(alert_server, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_rules_and_channels_from_the_config_file_and_the_env_webhook(alert_server, receiver, tmp_path) -> None:
     path = tmp_path / "alerts.yaml"
     path.write_text(f"""
 rules:
@@ -223,14 +260,14 @@ channels:
         assert "AMPWATCH_ALERT_WEBHOOK_URL" not in {c["name"] for c in http.get("/api/v1/alert-channels").json()}
 
 
-def test_a_broken_config_file_stops_the_server_from_starting_with_the_reason(tmp_path, sqlite_url) -> None:  # type: ignore[no-untyped-def]
+def test_a_broken_config_file_stops_the_server_from_starting_with_the_reason(tmp_path, sqlite_url) -> None:
     path = tmp_path / "alerts.json"
     path.write_text(json.dumps({"rules": [{"name": "x", "kind": "threshold", "series": "loss"}]}))
     with pytest.raises(ConfigError, match="a threshold rule needs op, threshold"):
         create_app(Settings(database_url=sqlite_url, alert_rules_file=str(path)))
 
 
-def test_alerts_of_one_run_firing_within_group_wait_go_out_as_one_message(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_alerts_of_one_run_firing_within_group_wait_go_out_as_one_message(alert_server, receiver) -> None:
     server = alert_server(alert_group_wait_s=1.0)
     with server.client() as http:
         feed = Feed(http)
@@ -258,9 +295,17 @@ def test_alerts_of_one_run_firing_within_group_wait_go_out_as_one_message(alert_
 
 def test_a_rule_with_for_in_seconds_stays_pending_until_that_time_has_passed_then_fires(
     feed, receiver, wait_for
-) -> None:  # type: ignore[no-untyped-def]
-    rule = {"name": "loss_high", "kind": "threshold", "series": "loss", "aggregation": "mean", "window_steps": 5,
-            "op": ">", "threshold": 10, "for": "2s"}  # fmt: skip
+) -> None:
+    rule = {
+        "name": "loss_high",
+        "kind": "threshold",
+        "series": "loss",
+        "aggregation": "mean",
+        "window_steps": 5,
+        "op": ">",
+        "threshold": 10,
+        "for": "2s",
+    }
     feed.http.post("/api/v1/alert-rules", json=rule).raise_for_status()
     run = feed.run("slow-burn")
     feed.send(run, loss=(range(0, 10), 50.0))
@@ -278,10 +323,18 @@ def test_a_rule_with_for_in_seconds_stays_pending_until_that_time_has_passed_the
 
 def test_a_run_crashed_alert_inhibits_a_lesser_alert_of_its_run_that_fires_after_it(
     alert_server, receiver, wait_for
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     server = alert_server(heartbeat_timeout_s=1.0)
-    rule = {"name": "loss_high", "kind": "threshold", "series": "loss", "aggregation": "mean", "window_steps": 5,
-            "op": ">", "threshold": 10, "for": "4s"}  # fmt: skip
+    rule = {
+        "name": "loss_high",
+        "kind": "threshold",
+        "series": "loss",
+        "aggregation": "mean",
+        "window_steps": 5,
+        "op": ">",
+        "threshold": 10,
+        "for": "4s",
+    }
     with server.client() as http:
         feed = Feed(http)
         http.post("/api/v1/alert-rules", json=rule).raise_for_status()
@@ -298,7 +351,7 @@ def test_a_run_crashed_alert_inhibits_a_lesser_alert_of_its_run_that_fires_after
     assert [b["alert"]["rule"] for b in receiver.bodies()] == ["run_crashed"]
 
 
-def test_a_project_silence_mutes_the_runs_of_that_project_only(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_project_silence_mutes_the_runs_of_that_project_only(feed, receiver) -> None:
     muted, elsewhere = feed.run("muted", project="noisy"), feed.run("elsewhere", project="calm")
     made = feed.http.post(
         "/api/v1/silences", json={"project": "noisy", "duration_s": 3600, "comment": "sweep in progress"}
@@ -314,12 +367,15 @@ def test_a_project_silence_mutes_the_runs_of_that_project_only(feed, receiver) -
         3
     )  # its alert that is still firing is told once, now that nothing holds it back (as Alertmanager does)
     assert sorted((b["run"]["id"], b["alert"]["rule"]) for b in receiver.bodies()) == [
-        ("elsewhere", "nonfinite_loss"), ("muted", "loss_spike"), ("muted", "nonfinite_loss")]  # fmt: skip
+        ("elsewhere", "nonfinite_loss"),
+        ("muted", "loss_spike"),
+        ("muted", "nonfinite_loss"),
+    ]
     [late] = receiver.bodies(run__id="muted", alert__rule="nonfinite_loss")
     assert late["reason"] == "no longer silenced or inhibited: still firing"
 
 
-def test_a_scale_collapse_that_clears_sends_where_the_skips_stopped_and_the_scale_now(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_scale_collapse_that_clears_sends_where_the_skips_stopped_and_the_scale_now(feed, receiver) -> None:
     run = feed.run("collapse")
     feed.send(run, skipped=(range(0, 13), 1.0), events=[("scale_collapse", "critical", 12)])  # every step skipped
     feed.send(run, scale=(range(0, 13), 2.0**4))
@@ -332,7 +388,7 @@ def test_a_scale_collapse_that_clears_sends_where_the_skips_stopped_and_the_scal
     assert resolved["text"].startswith(f"[RESOLVED · critical] Loss-scale collapse in p/collapse at step 12\n{said}\n")
 
 
-def test_the_documented_rules_file_example_loads(alert_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_documented_rules_file_example_loads(alert_server, tmp_path) -> None:
     # (the docs once named fields the server refuses: a rules file written from them stopped the server)
     page = (Path(__file__).resolve().parents[2] / "docs" / "alerts.md").read_text()
     example = re.search(r"```yaml\n(rules:.+?)```", page, re.S)
@@ -347,7 +403,7 @@ def test_the_documented_rules_file_example_loads(alert_server, tmp_path) -> None
     assert rules["many_spikes"]["source"] == "file" and {"oncall", "mail"} <= channels
 
 
-def test_a_misuse_that_recurs_unseen_is_not_cleared_by_quiet_steps_only_by_the_run_s_end(feed, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_misuse_that_recurs_unseen_is_not_cleared_by_quiet_steps_only_by_the_run_s_end(feed, receiver) -> None:
     def misuse(run: str, cause: str, step: int) -> None:
         feed.seq += 1
         event = {
@@ -373,15 +429,17 @@ def test_a_misuse_that_recurs_unseen_is_not_cleared_by_quiet_steps_only_by_the_r
     assert feed.alerts(lasting)["scaler_misuse"]["state"] == "firing"
     assert not receiver.bodies(status="resolved", run__id=lasting)
     feed.seq += 1
-    feed.http.post(f"/api/v1/runs/{lasting}/batches", json={"seq": feed.seq, "rank": 0, "points": {}, "events": [],
-                                                            "status": "finished"}).raise_for_status()  # fmt: skip
+    feed.http.post(
+        f"/api/v1/runs/{lasting}/batches",
+        json={"seq": feed.seq, "rank": 0, "points": {}, "events": [], "status": "finished"},
+    ).raise_for_status()
     [ended] = receiver.wait(1, status="resolved", run__id=lasting)
     assert ended["reason"] == "The run ended (finished); the mistake is in its code."
 
 
 def test_a_run_whose_evaluation_fails_gives_its_lease_back_and_the_other_runs_are_evaluated(
     alert_server, caplog
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """A rule row no version of the API writes (an operator typed into the database: `!=`) makes one project's
     evaluation raise: logged, the lease given back, the run counted as evaluated (not retried every second), and
     another project's run still gets its skip_rate alert in the same pass."""
@@ -400,33 +458,62 @@ def test_a_run_whose_evaluation_fails_gives_its_lease_back_and_the_other_runs_ar
         feed.send(good, skipped=(range(0, 300), 1.0))
         stamp = now()
         with sessions() as session:
-            session.add(models.AlertRule(
-                name="typed_in", kind="threshold", severity="warning", min_event_severity="info", series="loss", aggregation="mean", op="!=",
-                threshold=1.0, window_steps=10, ignore_steps=0, for_steps=0, for_s=0.0, keep_firing_for_s=0.0,
-                repeat_interval_s=None, per_rank=False, inhibits=False, project="hand-edited", enabled=True, source="api",
-                description="", created_at=stamp, updated_at=stamp))  # fmt: skip
+            session.add(
+                models.AlertRule(
+                    name="typed_in",
+                    kind="threshold",
+                    severity="warning",
+                    min_event_severity="info",
+                    series="loss",
+                    aggregation="mean",
+                    op="!=",
+                    threshold=1.0,
+                    window_steps=10,
+                    ignore_steps=0,
+                    for_steps=0,
+                    for_s=0.0,
+                    keep_firing_for_s=0.0,
+                    repeat_interval_s=None,
+                    per_rank=False,
+                    inhibits=False,
+                    project="hand-edited",
+                    enabled=True,
+                    source="api",
+                    description="",
+                    created_at=stamp,
+                    updated_at=stamp,
+                )
+            )
             session.commit()
         with caplog.at_level("ERROR", logger="ampwatch.alerts"):
             service.evaluate_once()
         assert "evaluation of run bad failed" in caplog.text
         assert set(feed.alerts(good)) == {"skip_rate"} and feed.alerts(bad) == {}
         with sessions() as session:
-            liveness, seen = session.execute(select(models.RunLiveness, models.Run.last_seen_at)
-                                             .join(models.Run, models.Run.id == models.RunLiveness.run_id).where(models.Run.id == bad)).one()  # fmt: skip
+            liveness, seen = session.execute(
+                select(models.RunLiveness, models.Run.last_seen_at)
+                .join(models.Run, models.Run.id == models.RunLiveness.run_id)
+                .where(models.Run.id == bad)
+            ).one()
             assert liveness.lease_until is None and liveness.evaluated_at == seen
             assert bad not in _evaluate.runs_to_evaluate(session)
 
 
 def test_a_misuse_alert_that_only_the_run_s_end_resolves_resolves_when_the_server_finds_the_run_crashed(
     alert_server, receiver
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     server = alert_server(heartbeat_timeout_s=1.0)
     with server.client() as http:
         feed = Feed(http)
         run = feed.run("clips-scaled-then-dies")
         feed.seq += 1
-        event = {"step": 3, "type": "scaler_misuse", "severity": "warning", "message": "clips scaled gradients",
-                 "details": {"cause": "clip_before_unscale"}}  # fmt: skip
+        event = {
+            "step": 3,
+            "type": "scaler_misuse",
+            "severity": "warning",
+            "message": "clips scaled gradients",
+            "details": {"cause": "clip_before_unscale"},
+        }
         http.post(
             f"/api/v1/runs/{run}/batches", json={"seq": feed.seq, "rank": 0, "points": {}, "events": [event]}
         ).raise_for_status()

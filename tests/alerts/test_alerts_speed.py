@@ -41,7 +41,7 @@ def _alerts(server: Any, run_id: str) -> list[tuple[str, str, str]]:
     return sorted((a["rule"], a["severity"], a["state"]) for a in rows)
 
 
-def test_a_recurring_bad_batch_gives_the_same_alerts_in_a_slow_loop_and_a_fast_one(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_recurring_bad_batch_gives_the_same_alerts_in_a_slow_loop_and_a_fast_one(alert_server, receiver) -> None:
     slow_server = alert_server()  # (evaluates every 0.1 s)
     fast_server = alert_server(alert_eval_interval_s=3600.0)  # (never evaluates during the run: as if it ran fast)
 
@@ -55,7 +55,7 @@ def test_a_recurring_bad_batch_gives_the_same_alerts_in_a_slow_loop_and_a_fast_o
     assert [rule for rule, _, _ in slow_alerts] == [rule for rule, _, _ in fast_alerts] == ["nonfinite_loss"] * 3
 
 
-def test_a_warning_level_misuse_raises_a_warning_alert_not_a_critical_one(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_warning_level_misuse_raises_a_warning_alert_not_a_critical_one(alert_server, receiver) -> None:
     server = alert_server()
     model = torch.nn.Linear(8, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

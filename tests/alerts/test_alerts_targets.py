@@ -26,20 +26,23 @@ def _create(http: Any, url: str, name: str = "c") -> Any:
     return http.post("/api/v1/alert-channels", json={"name": name, "kind": "webhook", "url": url})
 
 
-@pytest.mark.parametrize(("url", "why"), [
-    ("ftp://127.0.0.1/hook", "must start with http:// or https://"),
-    ("file:///etc/passwd", "must start with http:// or https://"),
-    ("http:///no-host", "has no host"),
-    ("http://user:pw@127.0.0.1/hook", "must not contain a user name or password"),
-    ("http://169.254.169.254/latest/meta-data/", "link-local"),
-    ("http://[fe80::1]/hook", "link-local"),
-    ("http://[::ffff:169.254.169.254]/hook", "link-local"),
-    ("http://[64:ff9b::a9fe:a9fe]/hook", "link-local"),  # NAT64 of 169.254.169.254
-    ("http://0.0.0.0:80/hook", "unspecified, multicast or reserved"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("ftp://127.0.0.1/hook", "must start with http:// or https://"),
+        ("file:///etc/passwd", "must start with http:// or https://"),
+        ("http:///no-host", "has no host"),
+        ("http://user:pw@127.0.0.1/hook", "must not contain a user name or password"),
+        ("http://169.254.169.254/latest/meta-data/", "link-local"),
+        ("http://[fe80::1]/hook", "link-local"),
+        ("http://[::ffff:169.254.169.254]/hook", "link-local"),
+        ("http://[64:ff9b::a9fe:a9fe]/hook", "link-local"),  # NAT64 of 169.254.169.254
+        ("http://0.0.0.0:80/hook", "unspecified, multicast or reserved"),
+    ],
+)
 def test_a_channel_url_that_is_not_plain_http_to_a_host_is_a_422_with_the_reason(
     alert_server, url: str, why: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     server = alert_server(alert_webhook_url="")
     with server.client() as http:
         refused = _create(http, url)
@@ -50,7 +53,7 @@ def test_a_channel_url_that_is_not_plain_http_to_a_host_is_a_422_with_the_reason
 
 def test_loopback_and_private_addresses_are_allowed_by_default_and_refused_in_narrower_scopes(
     alert_server, receiver
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     default = alert_server(alert_webhook_url="")
     with default.client() as http:
         assert _create(http, f"{receiver.url}/hook", "here").status_code == 201
@@ -73,7 +76,7 @@ def _server_with_scope(alert_server: Any, scope: str) -> Any:
     return alert_server(alert_webhook_url="", alert_url_scope=scope)
 
 
-def test_a_name_is_checked_after_dns_when_sending(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_a_name_is_checked_after_dns_when_sending(alert_server, receiver) -> None:
     server = _server_with_scope(alert_server, "public")
     with server.client() as http:  # a name is accepted when saved (no DNS on the request path) ...
         made = _create(http, f"http://localhost:{receiver.url.rsplit(':', 1)[1]}/hook")
@@ -107,7 +110,7 @@ def test_the_metadata_address_spelled_as_a_number_is_refused_when_sending(host: 
         resolve(host, 80, "private")  # the C library reads these as addresses: no DNS query leaves
 
 
-def test_a_name_that_resolves_to_the_metadata_address_is_refused(fake_dns) -> None:  # type: ignore[no-untyped-def]
+def test_a_name_that_resolves_to_the_metadata_address_is_refused(fake_dns) -> None:
     fake_dns["metadata.rebind.test"] = ["169.254.169.254"]
     with pytest.raises(TargetError, match="link-local"):
         resolve("metadata.rebind.test", 80, "private")
@@ -117,7 +120,7 @@ def test_a_name_that_resolves_to_the_metadata_address_is_refused(fake_dns) -> No
         resolve("mixed.rebind.test", 80, "private")  # ... a later one is checked too
 
 
-def test_plain_http_goes_to_the_address_that_was_checked_not_a_later_answer(alert_server, receiver, fake_dns) -> None:  # type: ignore[no-untyped-def]
+def test_plain_http_goes_to_the_address_that_was_checked_not_a_later_answer(alert_server, receiver, fake_dns) -> None:
     # The first lookup (the check) says the receiver; any later one says 127.0.0.2, where nothing listens.
     # Were the request to resolve the name again, it would fail to connect.
     fake_dns["hook.rebind.test"] = ["127.0.0.1", "127.0.0.2"]
@@ -141,8 +144,14 @@ def echoing_smtp() -> Iterator[int]:
     def authenticate(server: Any, session: Any, envelope: Any, mechanism: str, auth_data: Any) -> AuthResult:
         return AuthResult(success=False, handled=False, message=f"535 5.7.8 bad password {auth_data.password.decode()}")
 
-    controller = Controller(object(), hostname="127.0.0.1", port=port, authenticator=authenticate,
-                            auth_required=True, auth_require_tls=False)  # fmt: skip
+    controller = Controller(
+        object(),
+        hostname="127.0.0.1",
+        port=port,
+        authenticator=authenticate,
+        auth_required=True,
+        auth_require_tls=False,
+    )
     controller.start()
     yield port
     controller.stop()
@@ -150,13 +159,17 @@ def echoing_smtp() -> Iterator[int]:
 
 def test_secrets_are_write_only_and_kept_out_of_errors_pages_and_logs(
     alert_server, receiver, echoing_smtp, caplog, wait_for
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     caplog.set_level(logging.DEBUG)
     receiver.echo_path = True
     receiver.replies = [(400, {}, 0.0)] * 4  # "invalid token", quoting the URL's path
     server = alert_server(alert_webhook_url="")
-    mail = {"name": "mail", "kind": "email", "to": ["a@example.com"],
-            "smtp": {"host": "127.0.0.1", "port": echoing_smtp, "starttls": False, "username": "u", "password": PASSWORD}}  # fmt: skip
+    mail = {
+        "name": "mail",
+        "kind": "email",
+        "to": ["a@example.com"],
+        "smtp": {"host": "127.0.0.1", "port": echoing_smtp, "starttls": False, "username": "u", "password": PASSWORD},
+    }
     with server.client() as http:
         mail_id = http.post("/api/v1/alert-channels", json=mail).json()["id"]
         slack_id = http.post(
@@ -167,8 +180,14 @@ def test_secrets_are_write_only_and_kept_out_of_errors_pages_and_logs(
         slack_test = http.post(f"/api/v1/alert-channels/{slack_id}/test").json()
         _nan_event(http)
         wait_for(lambda: _deliveries_done(http, 2), what="the background deliveries to both channels")
-        shown = [http.get("/api/v1/alert-channels").text, http.get("/alerts/rules").text, http.get("/alerts").text,
-                 str(mail_test), str(slack_test), http.get("/api/v1/alerts/1").text]  # fmt: skip
+        shown = [
+            http.get("/api/v1/alert-channels").text,
+            http.get("/alerts/rules").text,
+            http.get("/alerts").text,
+            str(mail_test),
+            str(slack_test),
+            http.get("/api/v1/alerts/1").text,
+        ]
     assert mail_test["error"].startswith("SMTP 535") and "***" in mail_test["error"], mail_test
     assert slack_test["error"].startswith("HTTP 400: /***/"), slack_test
     assert receiver.bodies(f"/services/T0/B0/{TOKEN}")  # the real URL was used to send
@@ -199,7 +218,7 @@ def _nan_event(http: Any) -> None:
 
 def test_a_refused_env_webhook_or_config_file_stops_the_server_without_repeating_the_secret(
     sqlite_url, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     with pytest.raises(ConfigError) as refused:
         create_app(Settings(database_url=sqlite_url, alert_webhook_url=f"http://user:{TOKEN}@127.0.0.1/hook"))
     assert (
@@ -207,19 +226,34 @@ def test_a_refused_env_webhook_or_config_file_stops_the_server_without_repeating
         == "AMPWATCH_ALERT_WEBHOOK_URL: url: the URL must not contain a user name or password (user:password@host): put a token in the path or query"
     )
     path = tmp_path / "alerts.json"
-    path.write_text(json.dumps({"channels": [{"name": "m", "kind": "email", "to": ["a@example.com"],
-                                              "smtp": {"host": "127.0.0.1", "port": "many", "password": PASSWORD}}]}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "channels": [
+                    {
+                        "name": "m",
+                        "kind": "email",
+                        "to": ["a@example.com"],
+                        "smtp": {"host": "127.0.0.1", "port": "many", "password": PASSWORD},
+                    }
+                ]
+            }
+        )
+    )
     with pytest.raises(ConfigError) as broken:
         create_app(Settings(database_url=sqlite_url, alert_rules_file=str(path)))
     assert str(broken.value) == f"{path}: port: Input should be a valid integer, unable to parse string as an integer"
     assert PASSWORD not in str(broken.value) and broken.value.__cause__ is None
 
 
-@pytest.mark.parametrize("url", [
-    "https://api.telegram.org/bot123456:AAH-secretTOKEN/sendMessage?chat_id=1",
-    "https://ntfy.sh/secret-topic-8f3a",
-    "https://hooks.slack.com/services/T0/B0/SUPERSECRETXYZ",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://api.telegram.org/bot123456:AAH-secretTOKEN/sendMessage?chat_id=1",
+        "https://ntfy.sh/secret-topic-8f3a",
+        "https://hooks.slack.com/services/T0/B0/SUPERSECRETXYZ",
+    ],
+)
 def test_a_masked_url_shows_no_part_of_its_path_or_query(url: str) -> None:
     from ampwatch.server.alerts._targets import mask_url
 
@@ -238,7 +272,7 @@ def test_cloud_metadata_addresses_are_refused_in_every_scope(address: str) -> No
             check_host(address, scope)
 
 
-def test_email_goes_to_the_address_that_was_checked_not_a_later_answer(alert_server, fake_dns) -> None:  # type: ignore[no-untyped-def]
+def test_email_goes_to_the_address_that_was_checked_not_a_later_answer(alert_server, fake_dns) -> None:
     class Inbox:
         def __init__(self) -> None:
             self.count = 0

@@ -19,10 +19,14 @@ def _model() -> torch.nn.Sequential:
 
 
 def _train(
-    url: str, name: str, steps: int, *, scaler: torch.amp.GradScaler | None = None,
+    url: str,
+    name: str,
+    steps: int,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
     batch: Callable[[int, torch.Tensor], torch.Tensor] = lambda s, x: x,
     after: Callable[[int], None] = lambda s: None,
-) -> str:  # fmt: skip
+) -> str:
     """A standard fp16 AMP loop with the agent attached; returns the run id."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -48,14 +52,17 @@ def _alerts(server: Any, run_id: str) -> list[dict[str, Any]]:
 def _evaluated(server: Any, run_id: str) -> bool:
     """The background evaluator has seen everything the run sent."""
     with server.app.state.sessions() as session:
-        row = session.execute(select(models.RunLiveness.evaluated_at, models.Run.last_seen_at).join(models.Run)
-                              .where(models.Run.id == run_id)).first()  # fmt: skip
+        row = session.execute(
+            select(models.RunLiveness.evaluated_at, models.Run.last_seen_at)
+            .join(models.Run)
+            .where(models.Run.id == run_id)
+        ).first()
     return row is not None and row[0] is not None and row[0] >= row[1]
 
 
 def test_a_nan_loss_fires_one_notification_with_a_diagnosis_and_resolves_when_the_loss_is_finite(
     alert_server, receiver, wait_for
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     server = alert_server()
 
     def corrupt(step: int, x: torch.Tensor) -> torch.Tensor:
@@ -73,8 +80,13 @@ def test_a_nan_loss_fires_one_notification_with_a_diagnosis_and_resolves_when_th
     alert = firing["alert"]
     assert (alert["rule"], alert["severity"], alert["step"]) == ("nonfinite_loss", "critical", 30)
     assert alert["summary"] == "NaN loss in alerts/nan-run at step 30"
-    assert firing["run"] == {"id": run_id, "project": "alerts", "name": "nan-run", "url": f"{server.url}/runs/{run_id}",
-                             "status": firing["run"]["status"]}  # fmt: skip
+    assert firing["run"] == {
+        "id": run_id,
+        "project": "alerts",
+        "name": "nan-run",
+        "url": f"{server.url}/runs/{run_id}",
+        "status": firing["run"]["status"],
+    }
     assert alert["url"] == f"{server.url}/runs/{run_id}?step=30"
     text = firing["text"]
     assert "the forward pass produced a non-finite value" in text and "GradScaler skipped the step" in text
@@ -94,7 +106,7 @@ def test_a_nan_loss_fires_one_notification_with_a_diagnosis_and_resolves_when_th
     assert len(receiver.bodies()) == 2
 
 
-def test_a_healthy_fp16_run_with_startup_calibration_skips_raises_no_alert(alert_server, receiver, wait_for) -> None:  # type: ignore[no-untyped-def]
+def test_a_healthy_fp16_run_with_startup_calibration_skips_raises_no_alert(alert_server, receiver, wait_for) -> None:
     server = alert_server()
     run_id = _train(server.url, "healthy", 2000, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**24))
     with server.client() as http:
@@ -106,7 +118,7 @@ def test_a_healthy_fp16_run_with_startup_calibration_skips_raises_no_alert(alert
     assert receiver.bodies() == []
 
 
-def test_frequent_overflow_skips_after_calibration_fire_the_skip_rate_warning(alert_server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_frequent_overflow_skips_after_calibration_fire_the_skip_rate_warning(alert_server, receiver) -> None:
     server = alert_server()
     # The scale grows every 10 steps into overflow again: about one step in ten is thrown away.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10)
