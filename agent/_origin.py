@@ -255,7 +255,7 @@ class Diagnosis:
             index, received = first_bwd  # type: ignore[misc]
             module = backward[index - 1][0] if index > 0 else INPUT
             diverged = self.analyzer.diverged
-            diverging = bool(diverged) and step - diverged[0] <= MAX_DIVERGED_STEPS  # (then no operation is to blame)
+            diverging = diverged is not None and step - diverged[0] <= MAX_DIVERGED_STEPS  # (no operation to blame)
             if module != INPUT:  # (else the first of its pass: the loss made it)
                 example = (
                     "a functional call in a parent's forward"
@@ -274,7 +274,7 @@ class Diagnosis:
                     "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
                     "division by 0)"
                 )
-            if diverging:
+            if diverging and diverged is not None:
                 look = (
                     f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and the "
                     "gradients outgrew what the dtype holds there. Lower the learning rate."
