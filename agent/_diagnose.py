@@ -423,6 +423,7 @@ class Analyzer(Trends, Episodes):
         if scaled:
             nan_steps = self._nan_steps
             # (only at a scale no higher than the last applied step's: the NaN of an overflow after the scale grew is not)
+            # (scale is a float on scaled runs, the only ones that get here)
             if scale <= self._applied_scale:  # type: ignore[operator]
                 nan_steps.append(step)
             while nan_steps and nan_steps[0] <= step - self.t.window:

@@ -252,6 +252,7 @@ class Diagnosis:
         else:
             # Output gradients arrive in backward order: the first non-finite one was made by the backward of the
             # module processed just before it, or of functional code between the two (for the very first, by the loss).
+            # (first_bwd is not None here: the branch is taken only when first_fwd is None and one of them is not)
             index, received = first_bwd  # type: ignore[misc]
             module = backward[index - 1][0] if index > 0 else INPUT
             diverged = self.analyzer.diverged

@@ -111,6 +111,7 @@ class Outbox:
                 if rewritten:
                     changed = True
                     if stored:
+                        # (the spool exists wherever a batch is marked stored: mypy cannot follow that invariant)
                         self.spool.remove(number)  # type: ignore[union-attr]
                     queue[index] = (number, body, False)  # (spilled again, rewritten, if it cannot go out now)
             self._queue = collections.deque(queue)
@@ -122,6 +123,7 @@ class Outbox:
         with self._lock:
             if spool is not None:
                 queue = [
+                    # (body is bytes for every batch not yet stored: the queue's invariant)
                     (seq, body, stored or spool.put(seq, body))  # type: ignore[arg-type]
                     for seq, body, stored in self._queue
                 ]
@@ -169,6 +171,7 @@ class Outbox:
             self._failures = 0
             self._pop()
             if stored:
+                # (stored batches imply a spool)
                 (self.spool.set_aside if rejected else self.spool.remove)(seq)  # type: ignore[union-attr]
             if stop_at is not None and time.monotonic() >= stop_at:
                 return True
@@ -185,8 +188,10 @@ class Outbox:
     def _load(self, seq: int) -> bytes | None:
         """A spooled batch; an unreadable one (a crash mid-write) is set aside so the rest still flows."""
         try:
+            # (only spooled batches are loaded)
             return self.spool.load(seq)  # type: ignore[union-attr]
         except FileNotFoundError:  # `ampwatch sync` delivered it meanwhile (and removed it, as it does)
+            # (only spooled batches are loaded)
             if not self.spool.folder.is_dir():  # type: ignore[union-attr]
                 self._drop(
                     SPOOL_LOST, "ampwatch: the spool folder was removed: batches waiting there are lost (counted)"
@@ -195,6 +200,7 @@ class Outbox:
         except (OSError, ValueError) as error:
             self.losses.add(SPOOL_LOST)
             log.error("ampwatch: spooled batch %d is unreadable (%s); set aside as .bad", seq, error)
+            # (only spooled batches are loaded)
             self.spool.set_aside(seq)  # type: ignore[union-attr]
             return None
 

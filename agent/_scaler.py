@@ -224,6 +224,7 @@ def stop_listening(recorder: Any) -> None:
         for name in ("torch.nn.utils", "torch.nn.utils.clip_grad"):
             module = sys.modules.get(name)
             if getattr(module, "clip_grad_norm_", None) is _clip_grad_norm_:
+                # (the module is there: it was imported to be patched)
                 module.clip_grad_norm_ = _clip_original  # type: ignore[union-attr]
 
 

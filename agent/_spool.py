@@ -17,6 +17,7 @@ from typing import IO, Any
 try:
     import fcntl
 except ImportError:  # (Windows: no lock, so `ampwatch sync` cannot tell a live run's folder from a finished one's)
+    # (fcntl is optional: absent on Windows)
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("ampwatch")

@@ -170,10 +170,12 @@ class StepDecoder:
     def _advance(self, skipped: bool) -> None:
         growth, backoff, interval = self._rule
         if skipped:
+            # (the scale is set by an anchor before any step advances it)
             self._scale, self._tracker = _f32(self._scale * backoff), 0  # type: ignore[operator]
         else:
             self._tracker += 1
             if self._tracker == interval:
+                # (the scale is set by an anchor before any step advances it)
                 self._scale, self._tracker = _f32(self._scale * growth), 0  # type: ignore[operator]
 
 

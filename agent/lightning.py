@@ -26,6 +26,7 @@ try:
     from lightning.pytorch import Callback
 except ImportError:
     try:
+        # (the older package's Callback stands in for the newer one's)
         from pytorch_lightning import Callback  # type: ignore[assignment]
     except ImportError as error:
         raise ImportError("ampwatch.lightning needs Lightning: pip install lightning") from error

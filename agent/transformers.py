@@ -91,6 +91,7 @@ class AmpwatchCallback(TrainerCallback):
                     Integration(self.run).finish(exc)  # (a second finish of a finished run does nothing)
                 raise
 
+        # (functions take attributes; mypy's Callable type does not say so)
         guarded_train.__wrapped__ = train  # type: ignore[attr-defined]
         trainer.train = guarded_train
 
@@ -124,6 +125,7 @@ class AmpwatchCallback(TrainerCallback):
                 integration.take_grad_norm(optimizer)
             return loss
 
+        # (functions take attributes; mypy's Callable type does not say so)
         watched_training_step.__wrapped__ = training_step  # type: ignore[attr-defined]
         trainer.training_step = self._step_wrapper = watched_training_step
 
@@ -139,6 +141,7 @@ def _calling_trainer(callback: AmpwatchCallback) -> Any:
     are not handed the Trainer). Looked up once or twice per `train()`, never per step."""
     frame = sys._getframe(1)
     for _ in range(12):
+        # (a frame walked up stays a frame until the loop checks for None)
         frame = frame.f_back  # type: ignore[assignment]
         if frame is None:
             return None

@@ -110,7 +110,9 @@ def _extremes_in(steps: list[int], values: list[float | None]) -> Extremes | Non
         if not kept:
             return None
         steps, values = [s for s, _ in kept], [v for _, v in kept]
+    # (no None is left: it was filtered out just above)
     low, high = min(values), max(values)  # type: ignore[type-var]
+    # (no None is left: it was filtered out just above)
     return (steps[values.index(low)], low, steps[values.index(high)], high, steps[-1])  # type: ignore[return-value]
 
 

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from ampwatch._protocol import EVENT_TYPES, SEVERITIES
 
+# (a Literal built from the protocol's tuple: one list, not two; mypy wants literals spelled out)
 EventType = Literal[EVENT_TYPES]  # type: ignore[valid-type]  # (the agent's list: ampwatch._protocol)
 Severity = Literal[SEVERITIES]  # type: ignore[valid-type]
 RunStatus = Literal["running", "finished", "crashed", "stalled"]

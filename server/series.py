@@ -174,6 +174,7 @@ def _from_blocks(
     for a, b in edges:
         if a // BLOCK_STEPS < inner[0] or b // BLOCK_STEPS > inner[1]:
             for step, value in _finite_extremes(session, series_id, rank, a, b).items():
+                # (_finite_extremes reads finite values only, never None)
                 fold(step // BLOCK_STEPS, step, value)  # type: ignore[arg-type]
     return {s: v for cell in best.values() for s, v in ((cell[0], cell[1]), (cell[2], cell[3]))}
 

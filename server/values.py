@@ -39,8 +39,10 @@ def downsample(steps: list[int], values: list[float | None], max_points: int) ->
             if v is None or not math.isfinite(v):
                 keep.add(i)
                 continue
+            # (the index is one this loop kept: a finite value, never None)
             if lo_i < 0 or v < values[lo_i]:  # type: ignore[operator]
                 lo_i = i
+            # (the index is one this loop kept: a finite value, never None)
             if hi_i < 0 or v > values[hi_i]:  # type: ignore[operator]
                 hi_i = i
         keep.update(i for i in (lo_i, hi_i) if i >= 0)

@@ -150,6 +150,7 @@ class _Pinned:
     _host: str  # (smtplib sets it in __init__; its stubs leave it out)
 
     def _get_socket(self, host: str, port: int, timeout: float) -> socket.socket:
+        # (smtplib's _get_socket is private and untyped in the stubs; it is what the pinned class overrides)
         return super()._get_socket(self.address, port, timeout)  # type: ignore[misc]
 
 

@@ -230,8 +230,10 @@ def document(app: FastAPI) -> None:
             schema = build()
             schema.setdefault("components", {})["securitySchemes"] = {"token": {"type": "http", "scheme": "bearer"}}
             schema["security"] = [{"token": []}, {}]  # optional: a server without tokens is open
+        # (FastAPI types openapi_schema as optional; it was just set)
         return app.openapi_schema  # type: ignore[return-value]
 
+    # (FastAPI documents replacing app.openapi to extend the schema)
     app.openapi = openapi  # type: ignore[method-assign]
 
 

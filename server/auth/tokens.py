@@ -67,6 +67,7 @@ def revoke_token(session: Session, token_id: int) -> bool:
         .values(revoked_at=now())
     )
     session.commit()
+    # (an UPDATE's result has a rowcount; SQLAlchemy types it as a plain Result)
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
@@ -113,6 +114,7 @@ class Tokens:
         """The principal of a valid, active token, compared in constant time; None otherwise."""
         match = _TOKEN.fullmatch(token)
         row = (self._rows or {}).get(int(match[1])) if match else None
+        # (match is not None here: without one, row is None and the test stops before)
         if row is None or row.revoked_at is not None or not hmac.compare_digest(row.secret_sha256, _digest(match[2])):  # type: ignore[index]
             return None
         return Principal(row.role, row.project, row.id)
