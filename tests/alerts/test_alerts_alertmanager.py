@@ -119,7 +119,8 @@ def alertmanager() -> Iterator[Alertmanager]:
     receiver.server.server_close()
 
 
-def _train(run: ampwatch.Run, steps: int, nan_at: int) -> None:
+def _train(run: ampwatch.Run, steps: int, nan_at: int, after_nan: Any = None) -> None:
+    """A watched fp16 loop with a NaN batch at `nan_at`; `after_nan()` runs once, two steps after it."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -130,6 +131,8 @@ def _train(run: ampwatch.Run, steps: int, nan_at: int) -> None:
         if step == nan_at:
             x[0, 0] = float("nan")
         clipped_step(model, optimizer, scaler, x)
+        if step == nan_at + 2 and after_nan is not None:
+            after_nan()
 
 
 def test_a_nan_alert_reaches_alertmanager_firing_then_resolved(alert_server, alertmanager) -> None:
@@ -142,7 +145,9 @@ def test_a_nan_alert_reaches_alertmanager_firing_then_resolved(alert_server, ale
         assert created.json()["kind"] == "alertmanager"
         before = datetime.now(timezone.utc)
         with ampwatch.init("vision", name="resnet", url=server.url) as run:
-            _train(run, 30, nan_at=10)  # 19 finite losses after the NaN: the alert resolves
+            # The firing notice is out before the steps that resolve the alert are trained (a loop that ran them all
+            # in one batch would resolve it before its firing notice is sent: then only the resolve goes out).
+            _train(run, 30, nan_at=10, after_nan=lambda: (run.flush(), alertmanager.wait(1)))
         firing, resolved = alertmanager.wait(2)
         # (the server marks a delivery delivered once the receiver has answered: a moment after the post arrived)
         counted = 'ampwatch_alert_deliveries_total{outcome="delivered"} 2.0'
