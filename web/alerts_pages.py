@@ -48,9 +48,11 @@ def _back(path: str, message: str) -> RedirectResponse:
 @router.get("/alerts", response_class=HTMLResponse)
 def alerts_page(request: Request, session: SessionDep, msg: str | None = None) -> Any:
     """Open alerts (most severe first) with where their notifications went, recent resolutions, silences."""
+    open_rows = alerts.alert_rows(session, active=True)
+    shown = {row.alert.id for row in open_rows}  # (one that resolved between the two reads is shown once, as open)
     context = {
-        "open": alerts.alert_rows(session, active=True),
-        "resolved": alerts.alert_rows(session, active=False, limit=50),
+        "open": open_rows,
+        "resolved": [row for row in alerts.alert_rows(session, active=False, limit=50) if row.alert.id not in shown],
         "silences": alerts.list_silences(session, active=True),
         "now": now(),
         "since": alerts.since,
