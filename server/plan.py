@@ -20,7 +20,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import models
-from ampwatch.server.db import utc
 from ampwatch.server.schemas import EventOut
 
 SIGN_TYPES = (
@@ -41,16 +40,7 @@ FORMATS = ("json", "lightning", "megatron")
 
 def event_json(event: models.Event) -> dict[str, Any]:
     """An event as the read API shows it (`GET /api/v1/runs/{id}/events`)."""
-    return EventOut(
-        id=event.id,
-        step=event.step,
-        rank=event.rank,
-        type=event.type,
-        severity=event.severity,
-        message=event.message,
-        details=event.details,
-        time=utc(event.time),
-    ).model_dump(mode="json")
+    return EventOut.of(event).model_dump(mode="json")
 
 
 def load(session: Session, run_id: str) -> tuple[list[models.Event], list[models.Event]]:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from ampwatch._protocol import EVENT_TYPES, SEVERITIES
+from ampwatch.server.db import utc
 
 # (a Literal built from the protocol's tuple: one list, not two; mypy wants literals spelled out)
 EventType = Literal[EVENT_TYPES]  # type: ignore[valid-type]  # (the agent's list: ampwatch._protocol)
@@ -168,6 +169,14 @@ class EventOut(BaseModel):
     message: str
     details: dict[str, Any]
     time: datetime
+
+    @classmethod
+    def of(cls, event: Any) -> EventOut:
+        """An event row (`models.Event`) as the read API, the streams and the plan show it."""
+        return cls(
+            id=event.id, step=event.step, rank=event.rank, type=event.type, severity=event.severity,
+            message=event.message, details=event.details, time=utc(event.time),
+        )  # fmt: skip
 
 
 class AlertOut(BaseModel):

@@ -163,19 +163,7 @@ def get_events(
     """The run's newest `limit` events (step, rank, type, severity, message, details, time) in step order; with
     `after_id`, the first `limit` stored after that event."""
     _get_run(session, run_id)
-    return [
-        EventOut(
-            id=e.id,
-            step=e.step,
-            rank=e.rank,
-            type=e.type,
-            severity=e.severity,
-            message=e.message,
-            details=e.details,
-            time=utc(e.time),
-        )
-        for e in queries.list_events(session, run_id=run_id, limit=limit, after_id=after_id)
-    ]
+    return [EventOut.of(e) for e in queries.list_events(session, run_id=run_id, limit=limit, after_id=after_id)]
 
 
 @router.get("/alerts", response_model=list[AlertOut])

@@ -284,17 +284,7 @@ def _run_state(run: models.Run) -> dict[str, Any]:
 
 
 def _event(e: models.Event) -> dict[str, Any]:
-    out = EventOut(
-        id=e.id,
-        step=e.step,
-        rank=e.rank,
-        type=e.type,
-        severity=e.severity,
-        message=e.message,
-        details=e.details,
-        time=utc(e.time),
-    )
-    return out.model_dump(mode="json")
+    return EventOut.of(e).model_dump(mode="json")
 
 
 @router.get("/stream/runs", response_class=EventSourceResponse)
