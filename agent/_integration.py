@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampwatch import _resume
 from ampwatch._guard import guarded
 from ampwatch._run import Run
 from ampwatch._watch import _unwrap
@@ -81,7 +80,7 @@ class Integration:
         `ampwatch.init(..., resume_step=step)`; unless the user passed `resume_step`, or the run already counted a step."""
         run = self.run
         if self.recording and step > 0 and run._resume_step is None and run._recorder.step == 0:
-            guarded(_resume.start_at, run, step)
+            guarded(run._resume_from, step)
 
     def finish(self, exc: BaseException | None = None) -> None:
         """Finish the run: crashed with `exc`'s traceback (Ctrl-C too), or finished without one (or a clean
