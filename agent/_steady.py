@@ -25,11 +25,11 @@ from time import monotonic
 from typing import Any
 
 from ampwatch import _misuse, _scaler
+from ampwatch._buffer import FAST_RECORDS
 from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
 from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
 from ampwatch._step_state import StepState
-from ampwatch._worker import FAST_RECORDS
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 WAKE_EVERY_S = (
@@ -89,7 +89,7 @@ class StepEnd:
 
     def _end_step(self: Any, entry: tuple, step: int, wake: bool) -> None:
         """Where every step ends, on the full path and the lean one: its record goes to the sender's buffer (through the
-        buffer's own append while it has room, see Worker.record), the step count moves on, and the iteration's loss
+        buffer's own append while it has room, see RecordBuffer.append), the step count moves on, and the iteration's loss
         and norm are let go. `wake`: the step may have been skipped, so the sender reads it now."""
         append = self._append
         if append is not None and step & (FAST_RECORDS - 1):

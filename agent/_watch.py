@@ -87,7 +87,7 @@ class Recorder(StepEnd):
     def __init__(
         self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50
     ) -> None:
-        self._record = record  # may return the buffer's append, for the next step records (see Worker.record)
+        self._record = record  # may return the buffer's append, for the next step records (see RecordBuffer.append)
         self._append: Callable[[tuple], None] | None = None
         self.rank = rank
         self.step = 0

@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampwatch
 from ampwatch import _watch
+from ampwatch._buffer import KEEP_READ
 from ampwatch._protocol import APPLIED_STEP
-from ampwatch._worker import KEEP_READ
 
 
 def _train(run: Any, steps: int = 30, *, fused: bool = False, nan_step: int | None = 7) -> list[torch.Tensor]:
@@ -327,6 +327,8 @@ def test_the_sender_reads_the_step_tensors_and_the_training_thread_frees_them(me
     for step in range(40):
         only_logs.log({"x": torch.tensor(float(step))}, step=step)
         time.sleep(0.03)
-    assert 0 < len(only_logs._worker.read) <= KEEP_READ  # (private: the records kept for the training thread to free)
+    assert (
+        0 < len(only_logs._worker.buffer.read) <= KEEP_READ
+    )  # (private: the records kept for the training thread to free)
     only_logs.finish()
-    assert not only_logs._worker.read
+    assert not only_logs._worker.buffer.read
