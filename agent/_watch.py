@@ -295,7 +295,8 @@ class Recorder(StepEnd):
 
     def on_clipped(self, parameters: Any, args: tuple, kwargs: dict[str, Any], total: Any) -> None:
         """`clip_grad_norm_` returned `total`: after this run's `unscale_` and over its optimizer's parameters,
-        that is the step's gradient norm (and the next steps' norm is left to it too)."""
+        that is the step's gradient norm, recorded as the clip returned it on every step (and the next steps' norm is
+        left to it too)."""
         cur = self.current
         optimizer = cur.unscaled
         if optimizer is None:  # not between this run's unscale_ and step (before unscale_, after scale())
@@ -319,6 +320,16 @@ class Recorder(StepEnd):
                     cur.add_norms(([total], False, None))
             elif not self.clip.param_ids(optimizer).isdisjoint(ids):
                 cur.deferred = None  # another clip changed these gradients: this step's norm is lost
+        elif (
+            cur.norm.__class__ is list
+            and len(cur.norm) == 1
+            and len(cur.normed) == 1
+            and not cur.norm[0][1]
+            and (self.clip.trusted or seen[1] == 2.0 and self.clip.covers_gradients(optimizer, ids))
+        ):
+            # Only this optimizer's norms were taken, before the clip (per-layer norms are due, or the clip was not
+            # judged yet): the clip's total is the step's norm, the same value to the last digit as on other steps.
+            cur.norm.append(([total], False, CLIP_TOTAL))
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
         """Remember the stage for diagnosis; fused optimizers unscale in their kernel: norm of grads / scale."""
