@@ -27,7 +27,7 @@ OBSERVED = ("loss", "scale", "skipped", "grad_norm", "lr", "param_norm")  # what
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a pattern becomes an event. Defaults follow AMP_NOTES.md's failure signatures."""
+    """When a pattern becomes an event: one threshold per failure signature, each saying what it counts."""
 
     scale_floor: float = 1.0  # PyTorch's docs: a scale below 1 means something is wrong
     collapse_streak: int = 10  # consecutive skips that are a collapse whatever the scale
