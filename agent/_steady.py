@@ -32,9 +32,7 @@ from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
 from ampwatch._step_state import StepState
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
-WAKE_EVERY_S = (
-    0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
-)
+WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips each)
 
 
 class StepEnd:
