@@ -158,31 +158,48 @@ const AW = (() => {
   /** A layer × step grid (`GET /runs/{id}/heatmap`) colored by log10 of each cell's largest value; NaN and ±Inf
    *  cells are markers on top, since no color can say "not a number". */
   function heatmap(el, full, opts = {}) {
-    // Columns where no layer has a value are left out, so a norm recorded every N steps fills the N steps.
+    // Columns where no layer has a value are left out, so a norm recorded every N steps fills the N steps after it.
     const keep = full.steps.map((_, j) => full.values.some((row) => row[j] !== null));
     const grid = { ...full, steps: full.steps.filter((_, j) => keep[j]),
                    values: full.values.map((row) => row.filter((_, j) => keep[j])) };
     const half = (grid.width - 1) / 2;
-    const x = grid.steps.map((s) => s + half);
+    const x = grid.steps.map((s) => s + half); // (where each cell's values were taken: its markers go there)
+    const edges = cellEdges(grid.steps, grid.width, opts.until);
     const layers = grid.layers.map(esc);
     const z = grid.values.map((row) => row.map((v) => (typeof v === "number" && v > 0 ? Math.log10(v) : null)));
     const text = grid.values.map((row) => row.map((v, j) => {
       const a = grid.steps[j], b = a + grid.width - 1;
       return `${v === null ? "no value" : num(v)} · step${a === b ? " " + a : `s ${a}–${b}`}`;
     }));
-    const heat = { type: "heatmap", x, y: layers, z, text, colorscale: "Viridis", zsmooth: false, ygap: 1,
-                   hovertemplate: "%{y}<br>max %{text}<extra></extra>", name: "grad norm",
-                   colorbar: { title: { text: "log₁₀", side: "top" }, thickness: 10, len: 0.9 } };
-    const traces = [heat, ...cellMarkers(grid, x, layers)];
     const rows = Math.max(1, layers.length);
-    const shown = layout(esc(opts.title || el.dataset.title), {}, {}, !layers.length, opts.view,
-                         { ...opts, spans: [], height: layers.length ? Math.min(640, Math.max(220, 70 + 18 * rows)) : 110 });
-    Object.assign(shown, { hovermode: "closest", showlegend: false, margin: { l: 64, r: 20, t: 40, b: 36 } });
+    const height = layers.length ? Math.min(640, Math.max(220, 70 + 18 * rows)) : 110;
+    // The color scale sits in the top margin, under the title: beside the plot it would narrow it, and a step would
+    // no longer be at the same x as on the charts above and below. (A title of its own would move the chart's.)
+    const colorbar = { orientation: "h", thickness: 8, len: 0.3, x: 1, xanchor: "right", yref: "container",
+                       y: 1 - 28 / height, yanchor: "top", ypad: 0, tickfont: { size: 10 } };
+    const heat = { type: "heatmap", x: edges, y: layers, z, text, colorscale: "Viridis", zsmooth: false, ygap: 1,
+                   hovertemplate: "%{y}<br>max %{text}<extra></extra>", name: "grad norm", colorbar };
+    const traces = [heat, ...cellMarkers(grid, x, layers)];
+    const shown = layout(esc(opts.title || el.dataset.title), {}, {}, !layers.length, opts.view, { ...opts, spans: [], height });
+    Object.assign(shown, { hovermode: "closest", showlegend: false, margin: { l: 64, r: 20, t: 64, b: 36 } });
     Object.assign(shown.yaxis, { autorange: "reversed", automargin: true, tickfont: { size: 10 }, gridcolor: "rgba(0,0,0,0)" });
     el.dataset.layers = String(layers.length);
     el.dataset.columns = String(grid.steps.length);
     el._aw = { marks: {} };
     return Plotly.react(el, traces, shown, CONFIG);
+  }
+
+  /** Where each kept column's cell begins and the last one ends (Plotly takes n + 1 x values as cell edges). A cell
+   *  begins at its own first step and reaches the next kept column: given only centers, Plotly would split every
+   *  gap between two columns in half, drawing each sample half a gap before it was taken, and the first cell of a
+   *  run of per-step samples (the NaN probe's) across half the gap before it. The last cell is as wide as the
+   *  gap before it (the sampling interval), but ends at `until` (the step after the run's last) when that is sooner. */
+  function cellEdges(steps, width, until) {
+    if (!steps.length) return [];
+    const last = steps[steps.length - 1];
+    const interval = steps.length > 1 ? last - steps[steps.length - 2] : width;
+    const end = Math.max(last + width, Math.min(last + interval, until == null ? last + width : until));
+    return [...steps, end];
   }
 
   function cellMarkers(grid, x, layers) {

@@ -187,7 +187,9 @@
 
   function drawHeat() {
     const notice = "no per-layer gradient norms: pass the model to run.watch(model=…)";
-    AW.heatmap(heatEl, state.grid || { layers: [], steps: [], width: 1, values: [] }, { view: view(), cursor: state.cursor, notice });
+    const until = Math.max(...Object.values(state.cache).map(lastStep)) + 1; // (the last cell reaches no further)
+    AW.heatmap(heatEl, state.grid || { layers: [], steps: [], width: 1, values: [] },
+               { view: view(), cursor: state.cursor, notice, until: until > 0 ? until : null });
     bind(heatEl);
   }
 
