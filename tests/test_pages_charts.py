@@ -57,3 +57,63 @@ def test_heatmap_shares_the_step_axis_of_the_charts_above_and_below_it(sqlite_se
     areas = {chart_id: page.evaluate(PLOT_AREA, chart_id) for chart_id in ("chart-loss", "chart-layers", "chart-lr")}
     assert areas["chart-layers"] == areas["chart-loss"] == areas["chart-lr"], areas  # (a step is at one x on all)
     assert ui.chart(page, "chart-layers")["range"] == ui.chart(page, "chart-loss")["range"]
+
+
+def _resume_marks(page: Any, chart_id: str) -> tuple[list[float], list[float]]:
+    """A chart's resume lines (their steps) and the steps of its "resumed" labels."""
+    drawn = page.evaluate(
+        """(id) => { const l = document.getElementById(id).layout;
+                     return [(l.shapes || []).filter((s) => s.meta === "resume").map((s) => s.x0),
+                             (l.annotations || []).filter((a) => a.text === "resumed").map((a) => a.x)]; }""",
+        chart_id,
+    )
+    return drawn[0], drawn[1]
+
+
+def test_each_resume_of_a_real_save_resume_loop_is_a_line_on_every_chart(
+    sqlite_server: Any, page: Any, tmp_path: Any, monkeypatch: Any
+) -> None:
+    from test_resume import _launch
+
+    monkeypatch.setenv("AMPWATCH_RUN_ID", "resumed-twice")
+    checkpoint = tmp_path / "ckpt.pt"
+    _launch(sqlite_server, checkpoint, range(0, 20))
+    _launch(sqlite_server, checkpoint, range(20, 35), resume_step=20)
+    _launch(sqlite_server, checkpoint, range(35, 50), resume_step=35)
+    checkpoint.unlink()
+    _launch(sqlite_server, checkpoint, range(0, 5))  # (a relaunch without resume_step: held back, no resume line)
+    ui.open_run(page, sqlite_server.url, "resumed-twice")
+    ui.shot(page, "run-resumed.png")
+    for chart_id in (*ui.CHARTS, "chart-layers"):
+        assert _resume_marks(page, chart_id) == ([20, 35], [20, 35]), chart_id
+    assert page.locator("#resume-key").is_visible()
+    # Zoomed in (an event's step), the lines stay with their steps.
+    page.locator("#timeline li.ev[data-step='35'] button").first.click()
+    page.wait_for_function("Number(document.getElementById('charts').dataset.view.split(',')[0]) >= 10", timeout=10_000)
+    loss = ui.chart(page, "chart-loss")
+    assert [s["x0"] for s in loss["shapes"] if s["meta"] == "resume"] == [20, 35] and 10 <= loss["range"][0] < 20
+
+
+def test_a_resume_that_arrives_live_adds_its_line(sqlite_server: Any, page: Any) -> None:
+    url = sqlite_server.url
+    ui.register(url, "live-resume", "resume", "live")
+    ui.post(url, "live-resume", 1, {"loss": {"steps": list(range(10)), "values": [1.0] * 10}})
+    ui.open_run(page, url, "live-resume")
+    page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
+    assert _resume_marks(page, "chart-loss") == ([], []) and not page.locator("#resume-key").is_visible()
+    resumed = {  # (as the agent's init(..., resume_step=10) records it)
+        "step": 10,
+        "type": "amp_config",
+        "severity": "info",
+        "message": "Resumed at step 10: this launch's steps continue the run's numbering from there.",
+        "details": {"check": "resumed", "step": 10},
+    }
+    other_rank = {**resumed, "step": 12, "rank": 1}  # (the page shows rank 0)
+    ui.post(url, "live-resume", 2, {"loss": {"steps": list(range(10, 20)), "values": [0.5] * 10}}, [resumed])
+    ui.post(url, "live-resume", 3, {}, [other_rank])
+    page.wait_for_function(
+        "(document.getElementById('chart-loss').layout.shapes || []).some((s) => s.meta === 'resume')", timeout=10_000
+    )
+    page.wait_for_selector("#timeline li.ev[data-step='12']", timeout=10_000)
+    assert _resume_marks(page, "chart-loss") == ([10], [10]) and page.locator("#resume-key").is_visible()
+    assert ui.chart(page, "chart-loss")["points"] == 20

@@ -13,6 +13,8 @@ const AW = (() => {
   const FONT = 'system-ui, -apple-system, "Segoe UI", Roboto, sans-serif';
   const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
   const SKIP_FILL = "rgba(201, 42, 42, 0.10)";
+  const RESUME = "#1971c2";
+  const MAX_RESUMES = 100; // resume lines (and labels) per chart
 
   /** Plotly renders a subset of HTML in titles, legends and ticks: user-chosen names must stay text. */
   function esc(text) {
@@ -111,12 +113,29 @@ const AW = (() => {
     return Object.fromEntries(Object.entries(updates).filter(([, v]) => v !== null).map(([k, v]) => [k.replace("xaxis.", ""), v]));
   }
 
-  /** Every shape of a chart: the non-finite strip and its guides, skipped-step spans, the event cursor. */
-  function shapes(marks, spans, cursor) {
+  /** A line at the first step of each launch that resumed the run from a checkpoint. */
+  function resumeLines(resumes) {
+    return (resumes || []).slice(-MAX_RESUMES).map((step) => ({
+      type: "line", xref: "x", yref: "paper", x0: step, x1: step, y0: 0, y1: 1, meta: "resume",
+      line: { color: RESUME, width: 1.5, dash: "dash" },
+    }));
+  }
+
+  /** Their labels, at the foot of the plot (the non-finite strip is at its top); the full sentence on hover. */
+  function resumeLabels(resumes) {
+    return (resumes || []).slice(-MAX_RESUMES).map((step) => ({
+      text: "resumed", x: step, xref: "x", yref: "paper", y: 0, yanchor: "bottom", xanchor: "left", xshift: 2,
+      showarrow: false, font: { size: 10, color: RESUME }, bgcolor: "rgba(255, 255, 255, 0.8)",
+      hovertext: `resumed at step ${step}: the steps from here are a later launch's, continuing the run`,
+    }));
+  }
+
+  /** Every shape of a chart: the non-finite strip and its guides, skipped-step spans, resume lines, the event cursor. */
+  function shapes(marks, spans, cursor, resumes) {
     const flagged = hasMarks(marks);
     const strip = { type: "rect", xref: "paper", yref: "paper", x0: 0, x1: 1, y0: 0.88, y1: 1, layer: "below",
                     fillcolor: "#fff5f5", line: { width: 0 } };
-    return [...(flagged ? [strip, ...guides(marks)] : []), ...overlays(spans || [], cursor, flagged)];
+    return [...(flagged ? [strip, ...guides(marks)] : []), ...resumeLines(resumes), ...overlays(spans || [], cursor, flagged)];
   }
 
   function layout(title, yaxis, marks, empty, view, extra = {}) {
@@ -134,8 +153,8 @@ const AW = (() => {
                range: view ? view.slice() : undefined, autorange: !view, ...(view ? unflat(stepTicks(view)) : {}) },
       yaxis: Object.assign({ zeroline: false, gridcolor: "#eef0f5", domain: [0, flagged ? 0.86 : 1], visible: !empty }, yaxis),
       yaxis2: { domain: [0.88, 1], range: [0, 1], visible: false, fixedrange: true },
-      shapes: shapes(marks, extra.spans, extra.cursor),
-      annotations: [...(flagged ? [label] : []), ...(empty ? [notice] : [])],
+      shapes: shapes(marks, extra.spans, extra.cursor, empty ? [] : extra.resumes),
+      annotations: [...(flagged ? [label] : []), ...(empty ? [notice] : resumeLabels(extra.resumes))],
       hovermode: "x unified", paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "#fff",
     };
   }
@@ -151,7 +170,7 @@ const AW = (() => {
     const shown = Object.assign(layout(title, yaxis, marks, !x.length, opts.view, opts), { showlegend: traces.length > 1 });
     el.dataset.points = String(x.length);
     el.dataset.nonfinite = String(marks["NaN"].length + marks["Infinity"].length + marks["-Infinity"].length);
-    el._aw = { marks };
+    el._aw = { marks, empty: !x.length };
     return Plotly.react(el, traces, shown, CONFIG);
   }
 
@@ -185,7 +204,7 @@ const AW = (() => {
     Object.assign(shown.yaxis, { autorange: "reversed", automargin: true, tickfont: { size: 10 }, gridcolor: "rgba(0,0,0,0)" });
     el.dataset.layers = String(layers.length);
     el.dataset.columns = String(grid.steps.length);
-    el._aw = { marks: {} };
+    el._aw = { marks: {}, empty: !layers.length };
     return Plotly.react(el, traces, shown, CONFIG);
   }
 
