@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from ampwatch import _resume
+from ampwatch._capture import Capture
 from ampwatch._guard import guarded, warn_once
 from ampwatch._origin import Diagnosis
 from ampwatch._protocol import EVENT, MAX_NAME, MAX_STEP, STATUS, VALUES
@@ -82,6 +83,7 @@ class Run:
         mailbox = self._recorder.mailbox
         mailbox.wake, mailbox.free_read_records = self._worker.wake, self._worker.free_read_records
         self._worker.batcher.diagnosis = Diagnosis(mailbox, self.rank)  # (it writes the probe's requests there)
+        mailbox.capture = Capture.of(settings, self.id, self.rank)  # (None unless AMPWATCH_CAPTURE_DIR is set)
         self._resume_step = None if resume_step is None else int(resume_step)
         if self._resume_step is not None:
             _resume.start_at(self, self._resume_step)
