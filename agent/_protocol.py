@@ -37,6 +37,7 @@ EVENT_TYPES = (
     "run_crashed",
     "run_stalled",
     "checkpoint",
+    "ranks_desync",
 )
 SEVERITIES = ("info", "warning", "critical")
 SENT_STATUSES = ("running", "finished", "crashed")  # what a batch's `status` may say (the server adds "stalled")

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
-from ampwatch import _resume
+from ampwatch import _layout, _resume
 from ampwatch._capture import Capture
 from ampwatch._guard import guarded, warn_once
 from ampwatch._origin import Diagnosis
@@ -102,7 +102,9 @@ class Run:
                 "watch-finished", "ampwatch: watch() after finish() is ignored: start a new run with ampwatch.init()"
             )
         elif self._worker is not None:  # a disabled run does not even hook: it costs nothing
-            guarded(self._recorder.watch, *guarded(_watchable, model, optimizer, scaler) or (None, None, None))
+            watched = guarded(_watchable, model, optimizer, scaler) or (None, None, None)
+            guarded(self._recorder.watch, *watched)
+            guarded(_layout.report, self._worker, watched[0])  # (DDP: the server compares the ranks' parameters)
         return self
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
