@@ -52,8 +52,8 @@ def compare_params(
     odd, odd_value, zero_value = (rank, mine[step], theirs) if rank else (other, theirs, mine[step])
     odd_text, zero_text = to_json([odd_value, zero_value])
     message = (
-        f"Ranks disagree on the parameters: at step {steps(step)} rank {odd}'s param_norm is {odd_text!r} and rank "
-        f"0's is {zero_text!r}. Under DDP every rank holds the same parameters after each step, bitwise, so rank "
+        f"Ranks disagree on the parameters: at step {steps(step)} rank {odd}'s param_norm is {odd_text} and rank "
+        f"0's is {zero_text}. Under DDP every rank holds the same parameters after each step, bitwise, so rank "
         f"{odd} (or rank 0) holds other parameters: silent data corruption (a faulty GPU or its memory: check its ECC "
         "errors, nvidia-smi -q -d ECC) or a desynchronised rank (a parameter changed on one rank only, after DDP was "
         "built: a rank-dependent initialisation or load_state_dict; a step skipped or repeated there). The all-reduce "
