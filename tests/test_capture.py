@@ -121,3 +121,20 @@ def test_a_folder_that_cannot_be_written_is_said_in_the_event(memory, tmp_path: 
     origin = _origin(events)
     assert origin["details"]["capture_error"].startswith(f"writing it to {tmp_path / 'file' / 'captures'} failed: ")
     assert "The batch was not saved: writing it to" in origin["message"]
+
+
+def test_copies_waiting_for_the_sender_bound_the_next_ones_until_they_are_let_go(tmp_path: Path) -> None:
+    from ampwatch._capture import Capture, Captured
+
+    capture = Capture(str(tmp_path), "r", 0, max_bytes=1000)
+    batch = torch.randn(16, 8)  # 512 bytes
+    first = capture.take((batch,), {})
+    assert isinstance(first, Captured) and first.nbytes == 512 and first.args[0] is not batch
+    second = capture.take((batch,), {"more": batch[:1]})
+    assert second == (
+        "copies of earlier armed steps' batches (512 bytes) still waited for the sender, and its 544 bytes would "
+        "have held more than AMPWATCH_CAPTURE_MAX_BYTES (1000)"
+    )
+    del first  # (its record freed, read or dropped)
+    third = capture.take((batch,), {"more": batch[:1]})
+    assert isinstance(third, Captured) and third.nbytes == 544
