@@ -5,6 +5,7 @@ The two-rank gloo launch in tests/test_distributed.py covers the agent's side.""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
@@ -36,6 +37,19 @@ def test_the_first_step_a_rank_differs_at_is_said_once(live_server, rank_zero_fi
         _send(http, "d1", 0, 2, [5, 6], [5.0, 6.0])
         _send(http, "d1", 1, 2, [5, 6], [5.5, 6.5])  # (still apart: not said again)
         [event] = _desyncs(http, "d1")
+        [alert] = http.get(
+            "/api/v1/alerts", params={"run_id": "d1"}
+        ).json()  # (the built-in rule, in the batch's commit)
+        _send(http, "d1", 1, 3, [7, 200], [7.5, 200.5])  # (no quiet stretch clears it: the ranks stay apart)
+        finished = batch_document(0, 3, {}, [], "finished")
+        assert http.post("/api/v1/runs/d1/batches", json=finished).status_code == 200
+        deadline = time.monotonic() + 60
+        while (resolved := http.get(f"/api/v1/alerts/{alert['id']}").json())["state"] != "resolved":
+            assert time.monotonic() < deadline, resolved
+            time.sleep(0.1)
+    assert (alert["rule"], alert["severity"], alert["state"]) == ("ranks_desync", "critical", "firing")
+    assert alert["summary"] == "Ranks hold different parameters in p/d at step 3"
+    assert "The run ended (finished)." in str(resolved)
     assert (event["severity"], event["step"], event["rank"]) == ("critical", 3, 1)
     assert event["details"] == {
         "detected_by": "server",
