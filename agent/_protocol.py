@@ -42,6 +42,7 @@ EVENT_TYPES = (
     "run_crashed",
     "run_stalled",
     "checkpoint",
+    "ranks_desync",
 )
 SEVERITIES = ("info", "warning", "critical")
 SENT_STATUSES = ("running", "finished", "crashed")  # what a batch's `status` may say (the server adds "stalled")
@@ -102,8 +103,9 @@ VALUES = "v"  # (VALUES, step, names, values): `values` a tuple of floats, one p
 EVENT = "e"  # (EVENT, step, event): an event document, as the wire format carries it
 STATUS = "s"  # (STATUS, status): one of SENT_STATUSES
 FLUSH = "f"  # (FLUSH, done, spooled): set the threading.Event `done` once what precedes is delivered (or spooled)
-ORIGIN = "o"  # (ORIGIN, step, arming, forward names, forward flags, backward names, backward flags): what the
-#               NaN-origin probe saw at `step` (the flags a tensor each, or None for a pass not watched)
+ORIGIN = "o"  # (ORIGIN, step, arming, forward names, forward flags, backward names, backward flags, inputs): what
+#               the NaN-origin probe saw at `step` (the flags a tensor each, or None for a pass not watched); inputs,
+#               with AMPWATCH_CAPTURE_DIR set, the copies of the model's inputs by input flag (see ampwatch._capture)
 
 # A step record: (STEP, step, loss, found, norm, total, anchor, rule, lr, params)
 #   loss    the detached tensor passed to scaler.scale(), a list of them (summed), or None (no scale() call,

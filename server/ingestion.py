@@ -103,6 +103,9 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
             series_id=series_ids["skipped"],
             stamp=stamp,
         )
+    alerts.compare_params(  # (DDP's replicated parameters must be the same on every rank)
+        session, run=run, rank=batch.rank, points=batch.points, series_ids=series_ids, stamp=stamp
+    )
     # Event rules fire in this transaction: the alert and its queued notifications commit with the batch.
     alerts.on_batch(
         session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp
