@@ -7,6 +7,9 @@ batches of a run never pick the same id). Every read of points names its series 
 run's partitions only, whatever the number of runs. The partition key being the series id adds nothing to a
 point's size; SQLite keeps one `points` table, and its series ids are its own.
 
+A database from before partitioning keeps its points table as the partition `points_legacy` (for the series
+ids then in use); those runs' points are deleted row by row, and the table is dropped once it is empty.
+
 A partition is attached (SHARE UPDATE EXCLUSIVE on `points`: ingest and reads of other runs go on) rather than
 created `PARTITION OF` (ACCESS EXCLUSIVE). Dropping one detaches it CONCURRENTLY first, for the same reason.
 """
@@ -22,6 +25,7 @@ from ampwatch.server import models
 
 SERIES_BLOCK = 256  # series ids per block, one partition each; a run with more series gets more blocks
 BLOCK_SEQUENCE = "points_partition_seq"  # hands out block numbers (made by migration 0007)
+LEGACY = "points_legacy"  # a database's points from before partitioning: one partition, deleted from row by row
 _log = logging.getLogger("ampwatch.server.partitions")
 
 
@@ -40,7 +44,9 @@ def new_series_ids(session: Session, run_id: str, count: int) -> list[int]:
     a partition). The caller holds the run row's lock, which orders the run's series creation."""
     top = session.scalar(select(func.max(models.Series.id)).where(models.Series.run_id == run_id))
     ids: list[int] = []
-    following = top + 1 if top is not None and (top + 1) % SERIES_BLOCK else None
+    following = None
+    if top is not None and (top + 1) % SERIES_BLOCK and _exists(session.connection(), top // SERIES_BLOCK):
+        following = top + 1  # (a run older than partitioning has its series in the legacy table: never continued)
     while len(ids) < count:
         if following is None:
             block = int(session.scalar(text(f"SELECT nextval('{BLOCK_SEQUENCE}')")) or 0)
@@ -67,10 +73,15 @@ def create(connection: Connection, block: int) -> None:
     connection.execute(text(f"ALTER TABLE {table} DROP CONSTRAINT {table}_range"))
 
 
+def _exists(connection: Connection, block: int) -> bool:
+    return connection.scalar(text("SELECT to_regclass(:t) IS NOT NULL"), {"t": name(block)}) is True
+
+
 def run_blocks(session: Session, run_id: str) -> list[int]:
-    """The blocks (partitions) of the run's series."""
+    """The blocks of the run's series that are partitions of their own (not the legacy table's)."""
     query = select((models.Series.id // SERIES_BLOCK).label("b")).where(models.Series.run_id == run_id).distinct()
-    return sorted(int(b) for b in session.scalars(query))
+    connection = session.connection()
+    return sorted(int(b) for b in session.scalars(query) if _exists(connection, int(b)))
 
 
 def truncate(engine: Engine, blocks: list[int]) -> None:
@@ -83,24 +94,25 @@ def truncate(engine: Engine, blocks: list[int]) -> None:
 def drop(engine: Engine, blocks: list[int], lock_timeout_ms: int = 2000) -> int:
     """Detach (CONCURRENTLY: outside a transaction, without blocking ingest) and drop each partition; one that
     cannot be had within `lock_timeout_ms` is left for `drop_orphans`. The number dropped."""
-    dropped = 0
-    for block in blocks:
-        table = name(block)
-        try:
-            with engine.connect() as connection:
-                connection = connection.execution_options(isolation_level="AUTOCOMMIT")
-                connection.execute(text(f"SET lock_timeout = {int(lock_timeout_ms)}"))
-                attached = connection.scalar(
-                    text("SELECT count(*) FROM pg_inherits WHERE inhrelid = to_regclass(:t)"), {"t": table}
-                )
-                if attached:
-                    connection.execute(text(f"ALTER TABLE points DETACH PARTITION {table} CONCURRENTLY"))
-                connection.execute(text(f"DROP TABLE IF EXISTS {table}"))
-                connection.execute(text("RESET lock_timeout"))
-            dropped += 1
-        except exc.DBAPIError as error:  # (a lock wait that timed out, a detach interrupted earlier)
-            _log.warning("left partition %s for later: %s", table, str(error.orig).strip().splitlines()[0])
-    return dropped
+    return sum(_drop_table(engine, name(block), lock_timeout_ms) for block in blocks)
+
+
+def _drop_table(engine: Engine, table: str, lock_timeout_ms: int = 2000) -> int:
+    try:
+        with engine.connect() as connection:
+            connection = connection.execution_options(isolation_level="AUTOCOMMIT")
+            connection.execute(text(f"SET lock_timeout = {int(lock_timeout_ms)}"))
+            attached = connection.scalar(
+                text("SELECT count(*) FROM pg_inherits WHERE inhrelid = to_regclass(:t)"), {"t": table}
+            )
+            if attached:
+                connection.execute(text(f"ALTER TABLE points DETACH PARTITION {table} CONCURRENTLY"))
+            connection.execute(text(f"DROP TABLE IF EXISTS {table}"))
+            connection.execute(text("RESET lock_timeout"))
+        return 1
+    except exc.DBAPIError as error:  # (a lock wait that timed out, a detach interrupted earlier)
+        _log.warning("left partition %s for later: %s", table, str(error.orig).strip().splitlines()[0])
+        return 0
 
 
 def orphans(engine: Engine) -> list[int]:
@@ -122,5 +134,10 @@ def orphans(engine: Engine) -> list[int]:
 
 
 def drop_orphans(engine: Engine) -> int:
-    """Drop the partitions no run owns any more; the number dropped."""
-    return drop(engine, orphans(engine))
+    """Drop the partitions no run owns any more, and the legacy table once it is empty; the number dropped."""
+    dropped = drop(engine, orphans(engine))
+    with engine.connect() as connection:
+        empty = connection.scalar(text(f"SELECT to_regclass('{LEGACY}') IS NOT NULL")) and not connection.scalar(
+            text(f"SELECT EXISTS (SELECT 1 FROM {LEGACY})")
+        )
+    return dropped + (_drop_table(engine, LEGACY) if empty else 0)

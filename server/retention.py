@@ -48,10 +48,12 @@ def delete_run(sessions: sessionmaker[Session], run_id: str, chunk_rows: int) ->
     assert isinstance(engine, Engine)
     # Postgres: the run's points are its own partitions, emptied at once; the rows in shared tables go in chunks.
     partitions.truncate(engine, blocks)
-    series_tables = [(t, k) for t, k in _SERIES_TABLES if not (blocks and t == "points")]
+    in_partitions = {sid for sid in series_ids if sid // partitions.SERIES_BLOCK in blocks}
     for rank in ranks:
         for sid in series_ids:
-            for table, key in series_tables:
+            for table, key in _SERIES_TABLES:
+                if table == "points" and sid in in_partitions:
+                    continue
                 _delete_in_chunks(engine, chunk_rows, table, key, "series_id = :s AND rank = :k", {"s": sid, "k": rank})
         _delete_in_chunks(engine, chunk_rows, "batches", "seq", "run_id = :r AND rank = :k", {"r": run_id, "k": rank})
     for table, key in _RUN_TABLES:

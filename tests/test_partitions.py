@@ -38,9 +38,10 @@ def _partitions(engine: Engine) -> dict[str, int]:
 
 
 def _run_partitions(engine: Engine, run_id: str) -> set[str]:
+    """The partitions of its own a run has (not the legacy table)."""
     with engine.connect() as connection:
         ids = connection.scalars(text("SELECT id FROM series WHERE run_id = :r"), {"r": run_id}).all()
-    return {partitions.name(i // partitions.SERIES_BLOCK) for i in ids}
+    return {partitions.name(i // partitions.SERIES_BLOCK) for i in ids} & set(_partitions(engine))
 
 
 def test_each_run_has_its_own_partitions_and_deleting_it_truncates_and_drops_them(server: LiveServer) -> None:
@@ -99,7 +100,7 @@ def test_prune_drops_the_runs_partitions_and_sweeps_those_a_failed_drop_left(ser
     assert _partitions(engine) == {new: 10}
 
 
-def test_upgrading_from_0006_moves_every_point_into_per_run_partitions_and_ingest_goes_on(pg_url: str) -> None:
+def test_upgrading_from_0006_keeps_the_old_table_as_a_partition_until_its_last_run_is_gone(pg_url: str) -> None:
     engine = db.make_engine(pg_url)
     db.upgrade(engine, "0006")
     runs = {"a": ["loss", "scale", "skipped"], "b": ["loss", "grad_norm"], "c": []}
@@ -139,24 +140,28 @@ def test_upgrading_from_0006_moves_every_point_into_per_run_partitions_and_inges
         assert connection.execute(text(content)).all() == before
         assert connection.execute(text(rollups)).all() == before_blocks
         assert connection.scalar(text("SELECT relkind FROM pg_class WHERE relname = 'points'")) == "p"
-    a, b = _run_partitions(engine, "a"), _run_partitions(engine, "b")
-    assert len(a) == len(b) == 1 and a != b and _run_partitions(engine, "c") == set()
-    assert _partitions(engine) == {next(iter(a)): 600, next(iter(b)): 400}
+    assert _partitions(engine) == {partitions.LEGACY: 1000}  # the old table, as it was, a partition of points
 
-    server = start_server(Settings(database_url=pg_url))
+    server = start_server(Settings(database_url=pg_url, delete_chunk_rows=50))
     try:
-        with server.client() as client:  # a new series of an old run joins its partition; a new run gets its own
+        with server.client() as client:  # an old run's new series and a new run's get partitions of their own
             _send(client, "a", ["lr"], 10)
             _send(client, "d", ["loss"], 10)
             series = client.get("/api/v1/runs/a/series", params={"name": ["loss", "lr"]}).json()
             assert series["loss"]["steps"] == list(range(100)) and series["loss"]["values"][3] == "NaN"
             assert series["lr"]["steps"] == list(range(10))
-            assert client.delete("/api/v1/runs/b").status_code == 200
+            a, d = _run_partitions(engine, "a"), _run_partitions(engine, "d")
+            assert len(a) == len(d) == 1 and a != d
+            assert _partitions(engine) == {partitions.LEGACY: 1000, next(iter(a)): 10, next(iter(d)): 10}
+            assert client.delete("/api/v1/runs/b").status_code == 200  # row by row from the legacy table
+            assert _partitions(engine) == {partitions.LEGACY: 600, next(iter(a)): 10, next(iter(d)): 10}
+            with engine.begin() as connection:
+                connection.execute(text("UPDATE runs SET last_seen_at = now() - interval '1 year' WHERE id = 'a'"))
+            reply = client.post("/api/v1/runs/prune", json={"older_than_s": 86400})
+            assert [r["id"] for r in reply.json()["runs"]] == ["a"]
     finally:
         server.stop()
-    assert _run_partitions(engine, "a") == a and len(_run_partitions(engine, "d")) == 1
-    assert set(_partitions(engine)) == a | _run_partitions(engine, "d")
-    assert _partitions(engine)[next(iter(a))] == 610
+    assert _partitions(engine) == {next(iter(d)): 10}  # the legacy table went with its last run
 
     with engine.begin() as connection:
         config = db.alembic_config()
@@ -164,5 +169,5 @@ def test_upgrading_from_0006_moves_every_point_into_per_run_partitions_and_inges
         command.downgrade(config, "0006")
     with engine.connect() as connection:
         assert connection.scalar(text("SELECT relkind FROM pg_class WHERE relname = 'points'")) == "r"
-        assert connection.scalar(text("SELECT count(*) FROM points")) == 610 + 10  # (runs a and d; b was deleted)
+        assert connection.scalar(text("SELECT count(*) FROM points")) == 10
     engine.dispose()
