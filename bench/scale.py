@@ -10,7 +10,7 @@ alert threads and the access-token cache.
 
     python bench/scale.py                      # both backends, 100 / 1 000 / 10 000 runs
     python bench/scale.py --backends sqlite --runs 100 1000 --repeat 9
-    python bench/scale.py --tabs 1 50 200      # open tabs on one run instead (a real `ampwatch server`, SQLite)
+    python bench/scale.py --tabs 1 50 200      # open tabs on one run instead (a real `ampwatch server`)
 
 Tabs: N live streams of one run (the run page's), held by one asyncio client process, and a real
 `ampwatch server` process; one single-step batch every 0.25 s. Server CPU is the server process's user+system
@@ -198,10 +198,8 @@ async def _tabs_round(url: str, pid: int, tabs: int, first_step: int, sends: int
     return share, latencies, tabs * sends - len(latencies)
 
 
-def tabs_benchmark(counts: list[int], sends: int) -> None:
-    print("| open tabs | server CPU (share of one core) | latency p50 | latency p95 | updates missing |")
-    print("|---|---|---|---|---|")
-    with scratch_database("sqlite") as db_url, tempfile.TemporaryDirectory() as tmp:
+def tabs_benchmark(counts: list[int], sends: int, backend: str, pg_admin: str) -> None:
+    with scratch_database(backend, pg_admin) as db_url, tempfile.TemporaryDirectory() as tmp:
         server = Server(db_url, Path(tmp) / "server.log")
         try:
             server.wait_ready()
@@ -209,7 +207,7 @@ def tabs_benchmark(counts: list[int], sends: int) -> None:
             for i, tabs in enumerate(counts):
                 share, latencies, missing = asyncio.run(_tabs_round(server.url, server.pid, tabs, i * sends, sends))
                 p50, p95 = percentile(latencies, 50) * 1000, percentile(latencies, 95) * 1000
-                print(f"| {tabs} | {share:.2f} | {p50:.0f} ms | {p95:.0f} ms | {missing} |", flush=True)
+                print(f"| {backend} | {tabs} | {share:.2f} | {p50:.0f} ms | {p95:.0f} ms | {missing} |", flush=True)
         finally:
             server.stop()
 
@@ -224,7 +222,13 @@ def main() -> None:
     parser.add_argument("--sends", type=int, default=20, help="batches sent per round of --tabs")
     args = parser.parse_args()
     if args.tabs:
-        tabs_benchmark(args.tabs, args.sends)
+        print("| backend | open tabs | server CPU (share of one core) | latency p50 | latency p95 | updates missing |")
+        print("|---|---|---|---|---|---|")
+        for backend in args.backends:
+            if backend == "postgres" and (problem := postgres_problem(args.pg_admin_url)):
+                print(f"| postgres | skipped: {problem} | | | | |")
+                continue
+            tabs_benchmark(args.tabs, args.sends, backend, args.pg_admin_url)
         return
     print("| backend | runs | request | p50 server time | SQL statements |")
     print("|---|---|---|---|---|")
