@@ -7,6 +7,8 @@ Revision ID: 0007
 Revises: 0006
 """
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -22,7 +24,7 @@ LEGACY = "points_legacy"
 NONFINITE = sa.text("value IS NULL OR value > 1e308 OR value < -1e308")
 
 
-def _points_table(name: str, **partitioning: str) -> None:
+def _points_table(name: str, **partitioning: Any) -> None:
     op.create_table(
         name,
         sa.Column("series_id", sa.Integer(), nullable=False),
