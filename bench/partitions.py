@@ -45,14 +45,14 @@ def _points_bytes(engine: object, db_url: str) -> tuple[int, int]:
             return Path(make_url(db_url).database or "").stat().st_size, 0
 
 
-def bytes_per_point(backend: str, pg_admin: str) -> None:
+def bytes_per_point(backend: str, pg_admin: str, steps: int) -> None:
     with scratch_database(backend, pg_admin) as db_url:
         app = create_app(Settings(database_url=db_url, alert_eval_interval_s=3600))
         with TestClient(app, base_url="http://127.0.0.1") as client:
             client.put("/api/v1/runs/big", json={"project": "bench", "name": "big"}).raise_for_status()
-            steps, names = 50_000, ("loss", "scale", "grad_norm", "lr")
+            names = ("loss", "scale", "grad_norm", "lr")
             for seq, first in enumerate(range(0, steps, 5000), start=1):
-                span = list(range(first, first + 5000))
+                span = list(range(first, min(first + 5000, steps)))
                 points = {
                     n: {"steps": span, "values": [float(s % 977) * 1.37 + i for s in span]} for i, n in enumerate(names)
                 }
@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["postgres", "sqlite"], choices=["sqlite", "postgres"])
     parser.add_argument("--runs", nargs="+", type=int, default=[100, 1000, 10000])
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=50_000, help="steps of the run whose bytes are measured (x 4)")
     parser.add_argument("--pg-admin-url", default=DEFAULT_PG_ADMIN_URL)
     args = parser.parse_args()
     backends = []
@@ -137,7 +138,7 @@ def main() -> None:
     print("| backend | points | bytes per point (points + index) | rollups, bytes per point |")
     print("|---|---|---|---|")
     for backend in backends:
-        bytes_per_point(backend, args.pg_admin_url)
+        bytes_per_point(backend, args.pg_admin_url, args.steps)
     print()
     print("| backend | runs | a new run's first batch (p50 of the last 100) | a 500-point batch | `/` | one series |")
     print("|---|---|---|---|---|---|")
