@@ -37,6 +37,7 @@ EVENT_TYPES = (
     "run_crashed",
     "run_stalled",
     "checkpoint",
+    "leading_indicator",
 )
 SEVERITIES = ("info", "warning", "critical")
 SENT_STATUSES = ("running", "finished", "crashed")  # what a batch's `status` may say (the server adds "stalled")
@@ -99,6 +100,8 @@ STATUS = "s"  # (STATUS, status): one of SENT_STATUSES
 FLUSH = "f"  # (FLUSH, done, spooled): set the threading.Event `done` once what precedes is delivered (or spooled)
 ORIGIN = "o"  # (ORIGIN, step, arming, forward names, forward flags, backward names, backward flags): what the
 #               NaN-origin probe saw at `step` (the flags a tensor each, or None for a pass not watched)
+INDICATORS = "i"  # (INDICATORS, step, parts): the leading indicators of an interval step, each part (series prefix,
+#                   names, tensors, how many values they hold, what decoding needs) (see ampwatch._indicators)
 
 # A step record: (STEP, step, loss, found, norm, total, anchor, rule, lr, params)
 #   loss    the detached tensor passed to scaler.scale(), a list of them (summed), or None (no scale() call,
@@ -126,4 +129,5 @@ LEAN_FIELDS = ("kind", "step", "loss", "found", "norm", "lr")
 STEP_AT, LOSS_AT, FOUND_AT = 1, 2, 3  # positions shared by step and lean step records
 LEAN_LR_AT = 5
 STEP_KINDS = (STEP, LEAN_STEP, APPLIED_STEP)  # decoded a run of one kind at a time (see ampwatch._steps)
-DATA_KINDS = (VALUES, ORIGIN, *STEP_KINDS)  # the records a full buffer drops (the others are few, and always kept)
+# the records a full buffer drops (the others are few, and always kept)
+DATA_KINDS = (VALUES, ORIGIN, INDICATORS, *STEP_KINDS)

@@ -17,6 +17,7 @@ from ampwatch._arming import ProbeArming
 from ampwatch._cadence import Cadence
 from ampwatch._clip import ClipTracking
 from ampwatch._guard import Hook, guarded, warn_once
+from ampwatch._indicators import Indicators
 from ampwatch._mailbox import Mailbox
 from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
 from ampwatch._origin import OriginProbe, module_names
@@ -85,6 +86,7 @@ class Recorder(StepEnd):
         "_woke_at",
         "_skip_seen",
         "_grad_mark",
+        "_indicators",
     )
 
     def __init__(
@@ -140,6 +142,7 @@ class Recorder(StepEnd):
         self._first_forward_hook: Any = None
         self._last_error = 0
         self._woke_at = 0.0  # (time.monotonic() of the last)
+        self._indicators: Indicators | None = None  # the leading indicators' hooks (see ampwatch._indicators)
 
     # -- what the user logged --------------------------------------------------------------
     def user_logged(self, step: int, names: tuple[str, ...]) -> None:
@@ -174,6 +177,18 @@ class Recorder(StepEnd):
             self._module_of = module_names(model)
             self._probe = OriginProbe(model)
             self._layers_due = self.cadence.layers_due(self.step, False, True)
+            if self._indicators is not None:
+                self._indicators.disarm()
+            self._indicators = Indicators(
+                model,
+                lambda: self._optimizers,
+                lambda: self._module_of,
+                self.cadence.layer_interval,
+                self._record,
+                self.mailbox,
+                self._foreach_norm,
+            )
+            self._indicators.arm_for(self.step)
             # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's)
             # has it on only once that forward runs, after the model's own pre-hooks. Parameters that train: a frozen
             # backbone may only ever run under no_grad.
@@ -227,6 +242,8 @@ class Recorder(StepEnd):
         if self._probe is not None:
             self._probe.disarm()
             self._probing = False
+        if self._indicators is not None:
+            self._indicators.disarm()
         if self._scaler is not None:
             _scaler.detach(self._scaler, self)
         _scaler.stop_listening(self)
