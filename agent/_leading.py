@@ -8,7 +8,8 @@ Three rules, each said once per layer and episode:
   and nothing overflows at 65 504);
 - update ratio: ||Δθ||/||θ|| of a layer at `UPDATE_FACTOR` times its own median (an order of magnitude) or more;
 - Adam's second-moment lag: a layer's squared gradients at `LAG_FACTOR` times its own usual lag and `LAG_FLOOR` times
-  the second moment Adam divides them by (its updates are then ~sqrt of that larger than Adam's usual step).
+  the second moment Adam divides them by (its updates are then ~sqrt of that larger than Adam's usual step);
+  both at two interval steps in a row (one hard batch moves a single step that much).
 The last two are `leading_indicator` warnings.
 """
 
@@ -49,6 +50,7 @@ class Leading:
         self.fp16: frozenset[str] = frozenset()
         self._ranges: dict[str, deque[tuple[int, float]]] = {}
         self._medians: dict[tuple[str, str], RollingMedian] = {}
+        self._high: set[tuple[str, str]] = set()  # (prefix, layer) at or above its limit at its last interval step
         self._seen: dict[tuple[str, str], int] = {}  # (prefix, layer) -> how many values were judged
         self._warned: dict[tuple[str, str], float] = {}  # (prefix, layer) -> the value it was warned at
 
@@ -139,7 +141,13 @@ class Leading:
                 if value < limit / 3:  # (back near its usual level: a later jump is a new episode)
                     del self._warned[key]
             elif seen > WARMUP_POINTS and value >= limit:
-                jumps.append((value / usual if usual > 0 else math.inf, layer, value, usual))
+                # Twice in a row: one hard batch among easy ones moves one step's update (and Adam's lag) that much,
+                # then the moments absorb it; a learning rate or gradients that ran away stay up.
+                if key in self._high:
+                    jumps.append((value / usual if usual > 0 else math.inf, layer, value, usual))
+                self._high.add(key)
+            else:
+                self._high.discard(key)
             if 0 < value < math.inf:  # (a layer not updated at a step says nothing of its usual)
                 median.add(value)
         if not jumps:

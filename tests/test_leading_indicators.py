@@ -109,3 +109,126 @@ def test_under_bf16_the_range_is_recorded_without_an_fp16_warning(memory) -> Non
     values = memory.series(run_id, "fp16_range/2")["fp16_range/2"]["values"]
     assert max(values) > 1.0  # past 65 504: bf16 holds it
     assert not _warnings(memory, run_id, "fp16_range"), _warnings(memory, run_id, "fp16_range")
+
+
+def _first_failure(memory: Any, run_id: str) -> int:
+    """The step of the run's first sign of trouble the diagnosis reports: a spike, a non-finite value, a skip that is
+    more than calibration, a collapse."""
+    return next(e["step"] for e in memory.events(run_id) if e["severity"] != "info" and "indicator" not in e["details"])
+
+
+# -- update-to-weight ratio ----------------------------------------------------------------------------------------
+
+
+def test_update_ratio_warns_of_a_learning_rate_that_runs_away_before_the_divergence(memory) -> None:
+    """A schedule gone wrong at step 400 (a restart at 30 times the learning rate, which then keeps growing 1% a
+    step): the update ratio is an order of magnitude above its usual well before the updates diverge into spikes
+    and NaN."""
+    torch.manual_seed(0)
+    teacher = torch.randn(8, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def lr(step: int) -> None:
+        optimizer.param_groups[0]["lr"] = 1e-3 if step < 400 else 3e-2 * 1.01 ** (step - 400)
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(32, 8)
+        return x, x @ teacher + 0.3 * torch.randn(32, 1)
+
+    run_id = _train(memory, model, optimizer, 650, batch, _mse, before=lr)
+    failure = _first_failure(memory, run_id)
+    warnings = _warnings(memory, run_id, "update_ratio")
+    assert warnings and warnings[0]["type"] == "leading_indicator", memory.events(run_id)
+    assert warnings[0]["step"] > 400  # (not before the learning rate began to run away)
+    assert failure - warnings[0]["step"] >= LEAD, (failure, warnings[0]["message"])
+    assert memory.series(run_id, "update_ratio/1")["update_ratio/1"]["steps"][0] == 10  # (no step before the first)
+
+
+def _mse(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return ((out - inputs[1]) ** 2).mean()
+
+
+# -- Adam's second-moment lag --------------------------------------------------------------------------------------
+
+
+class _TwoInputs(torch.nn.Module):
+    """An MLP on the first 8 features plus a linear layer on 4 more (a second input stream)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.extra = torch.nn.Linear(4, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x[:, :8]) + self.extra(x[:, 8:])
+
+
+def test_adam_lag_warns_when_a_layers_gradients_outgrow_its_second_moment_before_the_spikes(memory) -> None:
+    """The second input stream is near 0 for 300 steps, then grows 5% a step: its layer's gradients grow faster than
+    Adam's exp_avg_sq can follow, long before the loss and gradient spikes that brings."""
+    torch.manual_seed(0)
+    teacher = torch.randn(8, 1)
+    model = _TwoInputs()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(32, 8)
+        extra = torch.randn(32, 4) * min(100.0, 1e-3 * 1.05 ** max(0, step - 300))
+        return torch.cat([x, extra], 1), x @ teacher + 0.1 * torch.randn(32, 1)
+
+    run_id = _train(memory, model, optimizer, 550, batch, _mse)
+    failure = _first_failure(memory, run_id)
+    warnings = _warnings(memory, run_id, "adam_lag")
+    assert warnings, memory.events(run_id)
+    first = warnings[0]
+    assert first["type"] == "leading_indicator" and first["details"]["layer"] == "extra", first["message"]
+    assert 300 < first["step"] and failure - first["step"] >= LEAD, (failure, first["message"])
+    lags = memory.series(run_id, "adam_lag/main.0")["adam_lag/main.0"]["values"]
+    assert all(0 < v < 20 for v in lags[:30])  # (a layer whose moment keeps up: about 1 or below)
+
+
+# -- healthy runs ---------------------------------------------------------------------------------------------------
+
+
+def test_no_indicator_warns_over_thousands_of_healthy_fp16_steps(memory) -> None:
+    """A classifier trained with Adam under fp16 autocast and GradScaler, with a warm-up and a cosine decay."""
+    torch.manual_seed(1)
+    centers = torch.randn(4, 16) * 2
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 4)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: min(1.0, (i + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(i, 3000) / 3000))
+    )
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        labels = torch.randint(0, 4, (32,))
+        return centers[labels] + torch.randn(32, 16), labels
+
+    def loss_of(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out, inputs[1])
+
+    run_id = _train(memory, model, optimizer, 3000, batch, loss_of, before=lambda step: step and schedule.step())
+    series = memory.run(run_id)["series"]
+    assert {"fp16_range/0", "fp16_range/3", "update_ratio/0", "adam_lag/3"} <= set(series)
+    assert not _indicator_warnings(memory, run_id), [e["message"] for e in _indicator_warnings(memory, run_id)]
+
+
+def test_no_indicator_warns_over_thousands_of_healthy_bf16_steps(memory) -> None:
+    """A regression trained with SGD and momentum under bf16 autocast (no GradScaler)."""
+    torch.manual_seed(2)
+    teacher = torch.randn(8, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=2e-2, momentum=0.9)
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(32, 8)
+        return x, torch.tanh(x @ teacher) + 0.1 * torch.randn(32, 1)
+
+    run_id = _train(memory, model, optimizer, 2500, batch, _mse, dtype=torch.bfloat16)
+    series = memory.run(run_id)["series"]
+    assert {"fp16_range/0", "update_ratio/0", "update_ratio/2"} <= set(series)
+    assert not any(name.startswith("adam_lag/") for name in series)  # (SGD has no second moment)
+    assert not _indicator_warnings(memory, run_id), [e["message"] for e in _indicator_warnings(memory, run_id)]
