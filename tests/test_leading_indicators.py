@@ -232,3 +232,56 @@ def test_no_indicator_warns_over_thousands_of_healthy_bf16_steps(memory) -> None
     assert {"fp16_range/0", "update_ratio/0", "update_ratio/2"} <= set(series)
     assert not any(name.startswith("adam_lag/") for name in series)  # (SGD has no second moment)
     assert not _indicator_warnings(memory, run_id), [e["message"] for e in _indicator_warnings(memory, run_id)]
+
+
+# -- the values ------------------------------------------------------------------------------------------------------
+
+
+def test_the_indicators_are_the_values_they_name(memory) -> None:
+    """At an interval step, computed here by hand from the same loop: each leaf's largest output over 65 504, each
+    layer's ||Δθ||/||θ||, and its squared gradients over Adam's bias-corrected exp_avg_sq before the step."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+    largest: dict[str, float] = {}
+    expected: dict[str, float] = {}
+
+    def track(name: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any, output: torch.Tensor) -> None:
+            largest[name] = max(largest.get(name, 0.0), output.detach().abs().max().item())
+
+        return hook
+
+    for name, module in model.named_children():
+        module.register_forward_hook(track(name))
+    with ampwatch.init("leading", transport=memory) as run:
+        run.watch(model=model, optimizer=optimizer)
+        for step in range(21):
+            largest.clear()
+            for micro in range(2):  # (two micro-batches: the largest of both forwards)
+                model(torch.randn(4, 8) * (1 + micro)).pow(2).mean().backward()
+            if step == 20:
+                before = {n: [p.detach().clone() for p in m.parameters()] for n, m in model.named_children()}
+                moments = {
+                    n: sum(optimizer.state[p]["exp_avg_sq"].sum().item() for p in m.parameters())
+                    for n, m in model.named_children()
+                }
+                squares = {
+                    n: sum(p.grad.pow(2).sum().item() for p in m.parameters()) for n, m in model.named_children()
+                }
+                bias = 1 - 0.99 ** optimizer.state[model[0].weight]["step"].item()
+            optimizer.step()
+            optimizer.zero_grad()
+        for name, module in model.named_children():
+            expected[f"fp16_range/{name}"] = largest[name] / 65504
+            if name == "1":
+                continue
+            delta = sum((a - p.detach()).pow(2).sum().item() for a, p in zip(before[name], module.parameters()))
+            weight = sum(p.detach().pow(2).sum().item() for p in module.parameters())
+            expected[f"update_ratio/{name}"] = math.sqrt(delta) / math.sqrt(weight)
+            expected[f"adam_lag/{name}"] = squares[name] / (moments[name] / bias)
+    series = memory.series(run.id)
+    for name, value in expected.items():
+        steps, values = series[name]["steps"], series[name]["values"]
+        assert steps[-1] == 20 and values[-1] == pytest.approx(value, rel=1e-4), name
+    assert "update_ratio/1" not in series and "adam_lag/1" not in series  # (Tanh has no parameters)
