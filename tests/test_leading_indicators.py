@@ -285,3 +285,32 @@ def test_the_indicators_are_the_values_they_name(memory) -> None:
         steps, values = series[name]["steps"], series[name]["values"]
         assert steps[-1] == 20 and values[-1] == pytest.approx(value, rel=1e-4), name
     assert "update_ratio/1" not in series and "adam_lag/1" not in series  # (Tanh has no parameters)
+
+
+def test_the_hooks_are_in_place_only_for_the_interval_steps(memory) -> None:
+    """Between interval steps nothing of the indicators runs: no forward hook on the model, no step hook on the
+    optimizer beyond the agent's own."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    seen: dict[int, tuple[int, int]] = {}
+    with ampwatch.init("leading", transport=memory) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(3 * INTERVAL + 1):
+            seen[step] = (
+                len(model[0]._forward_hooks) + len(model[1]._forward_hooks),
+                len(optimizer._optimizer_step_pre_hooks),
+            )
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        after = (len(model[0]._forward_hooks), len(optimizer._optimizer_step_pre_hooks))
+    due = [step for step, hooks in seen.items() if hooks != (0, 0)]
+    assert due == [0, INTERVAL, 2 * INTERVAL, 3 * INTERVAL] and seen[INTERVAL] == (2, 1), seen
+    assert after == (0, 0)
