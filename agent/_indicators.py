@@ -80,9 +80,14 @@ class Indicators:
         )
         inner = chain[-1]
         hookable = not compiled and not isinstance(model, torch.jit.ScriptModule)
-        self._leaves = (
-            [(n, m) for n, m in inner.named_modules() if n and not any(True for _ in m.children())] if hookable else []
-        )
+        modules = list(inner.named_modules()) if hookable else []
+        # Blocks compiled in place one by one (`block.compile()`, as torchtitan does): their leaves are left alone.
+        inside = tuple(f"{n}." for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None)
+        self._leaves = [
+            (n, m)
+            for n, m in modules
+            if n and not any(True for _ in m.children()) and not (inside and f"{n}.".startswith(inside))
+        ]
         self._handles: list[Any] = []
         self._values: list[Any] = []  # the forward hooks' maxima (0-d float32 tensors), in call order
         self._names: list[str] = []  # and their modules
