@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ampwatch._guard import Hook, guarded
+from ampwatch._guard import Hook, guarded, report
 from ampwatch._leading import FP16_MAX, LAG, RANGE, UPDATE
 from ampwatch._origin import _first_float_tensor, compiled_wrapper, wrapped
 from ampwatch._protocol import INDICATORS, MAX_NAME
@@ -104,7 +104,7 @@ class Indicators:
             self._handles.append(module.register_forward_hook(self._hook_for(name)))
         for optimizer in self._optimizers():
             if hasattr(optimizer, "register_step_pre_hook"):
-                self._handles.append(optimizer.register_step_pre_hook(Hook(self._before_step)))
+                self._handles.append(optimizer.register_step_pre_hook(Hook(self._guarded_before_step)))
 
     def disarm(self) -> None:
         """Take every hook away; what they collected is dropped."""
@@ -135,6 +135,9 @@ class Indicators:
                         self._mailbox.fp16_layers = fp16  # (replaced whole: the sender reads one or the other)
                 for optimizer, params, copies, scale in self._before.values():
                     parts.extend(self._after_step(optimizer, params, copies, scale))
+        except Exception:  # (never into the loop, nor in the way of the step's end: this step's indicators are lost)
+            report(self.end_of_step)
+            parts = []
         finally:
             self.disarm()
         if parts:
@@ -163,6 +166,9 @@ class Indicators:
         self._values.append(torch.linalg.vector_norm(tensor, math.inf, dtype=torch.float32))
         self._names.append(name)
 
+    def _guarded_before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        guarded(self._before_step, optimizer, args, kwargs)
+
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The optimizer is about to step (so GradScaler found its gradients finite): copy what it updates."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -190,13 +196,14 @@ class Indicators:
             count = None
             for p in group["params"]:
                 held = state.get(p) if id(p) in index else None
-                if not held or "exp_avg_sq" not in held or p.grad is None or p.is_complex():
+                grad = p.grad
+                if not held or "exp_avg_sq" not in held or grad is None or grad.is_sparse or p.is_complex():
                     continue
                 if count is None:
                     step = held.get("step")
                     count = step.detach().clone() if isinstance(step, torch.Tensor) else float(step or 0)
                     counts.append(count)
-                grads.append(p.grad)
+                grads.append(grad)
                 moments.append(held["exp_avg_sq"])
                 names.append(modules[index[id(p)]])
                 betas.append((beta[1], len(counts) - 1))
