@@ -2,9 +2,9 @@
 
 Two deques, each with one writer at either end (appends and pops of a deque are atomic under the GIL, and never
 block): `records`, which the training thread appends to and the sender drains; and `read`, the lists of records the
-sender has read, which the training thread frees (`free_read`). Bounded: past `max_records` a data record (a step,
-logged values, an origin) is dropped and counted in `ampwatch._losses` as `buffer_full`; events, statuses and flush
-markers are few and always kept, so a run's end is never lost.
+sender has read, which the training thread frees (`free_read_records`). Bounded: past `max_records` a data record (a
+step, logged values, an origin) is dropped and counted in `ampwatch._losses` as `buffer_full`; events, statuses and
+flush markers are few and always kept, so a run's end is never lost.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ from ampwatch._protocol import DATA_KINDS
 
 log = logging.getLogger("ampwatch")
 
-KEEP_READ = 8  # lists of records read by the sender, kept for the training thread to free (see `free_read`), at most
-FAST_RECORDS = (
-    1024  # step records appended without the checks of `RecordBuffer.append` in a row, at most (a power of 2)
-)
+KEEP_READ = 8  # lists of records read by the sender, kept for the training thread to free, at most
+FAST_RECORDS = 1024  # step records appended in a row without `RecordBuffer.append`'s checks, at most (a power of 2)
 
 
 class RecordBuffer:
@@ -51,7 +49,7 @@ class RecordBuffer:
         records.append(entry)
         return records.append if len(records) + FAST_RECORDS < self._max_records else None
 
-    def free_read(self) -> None:
+    def free_read_records(self) -> None:
         """Free the records the sender has read. Freeing a tensor lets go of the GIL; on the sender each one handed the
         GIL to the training thread and waited to have it back (see bench/NOTES.md), here nobody waits."""
         read = self.read
@@ -71,7 +69,7 @@ class RecordBuffer:
         return entries
 
     def keep_read(self, entries: list[tuple]) -> None:
-        """Hand records the sender has read to the training thread, which frees them (see `free_read`); past
+        """Hand records the sender has read to the training thread, which frees them (see `free_read_records`); past
         `KEEP_READ` lists (a run that only logs values frees none at steps) the oldest goes here."""
         if entries:
             if len(self.read) >= KEEP_READ:

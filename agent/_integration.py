@@ -77,7 +77,8 @@ class Integration:
 
     def resume_at(self, step: int) -> None:
         """A training restored from a checkpoint at `step`: the run's steps continue from there, as with
-        `ampwatch.init(..., resume_step=step)`; unless the user passed `resume_step`, or the run already counted a step."""
+        `ampwatch.init(..., resume_step=step)`; unless the user passed `resume_step`, or the run already counted a
+        step."""
         run = self.run
         if self.recording and step > 0 and run._resume_step is None and run._recorder.step == 0:
             guarded(run._resume_from, step)

@@ -72,7 +72,8 @@ def held_back(points: dict[str, tuple[list[int], list[Any]]], last: int) -> bool
 
 
 def _held_back(body: bytes, last: int, event: dict[str, Any] | None) -> tuple[bytes, bool]:
-    """A queued batch's body without its points at steps up to `last`, and with `event` if it had any; whether it had."""
+    """A queued batch's body without its points at steps up to `last`, and with `event` if it had any; whether it
+    had."""
     doc = json.loads(body)
     points = {name: (_unpacked(s["steps"], "q"), _unpacked(s["values"], "d")) for name, s in doc["points"].items()}
     if not held_back(points, last):

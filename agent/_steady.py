@@ -32,9 +32,7 @@ from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
 from ampwatch._step_state import StepState
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
-WAKE_EVERY_S = (
-    0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
-)
+WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips each)
 
 
 class StepEnd:
@@ -93,9 +91,10 @@ class StepEnd:
             self._enter_steady()
 
     def _end_step(self: Any, entry: tuple, step: int, wake: bool) -> None:
-        """Where every step ends, on the full path and the lean one: its record goes to the sender's buffer (through the
-        buffer's own append while it has room, see RecordBuffer.append), the step count moves on, and the iteration's loss
-        and norm are let go. `wake`: the step may have been skipped, so the sender reads it now."""
+        """Where every step ends, on the full path and the lean one: its record goes to the sender's buffer (through
+        the buffer's own append while it has room, see RecordBuffer.append), the step count moves on, and the step's
+        loss and norm are let go (`StepState.end`). `wake`: the step may have been skipped, so the sender reads it
+        now."""
         append = self._append
         if append is not None and step & (FAST_RECORDS - 1):
             append(entry)

@@ -98,9 +98,7 @@ class Recorder(StepEnd):
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
-        self._full_hooks: Any = (
-            None  # and the scaler's wrappers they replaced, and the lean ones (see ampwatch._steady)
-        )
+        self._full_hooks: Any = None  # and the scaler's wrappers they replaced, and the lean ones
         self._ran_on: set[Any] = set()  # the optimizers whose post-step hook says whether their step ran (once each)
         self.current = StepState()  # what the current step has recorded so far (see ampwatch._step_state)
         # what the user logged under standard names

@@ -93,8 +93,8 @@ class Worker:
 
     def free_read_records(self) -> None:
         """On the training thread, every few dozen steps: free the records the sender has read (see
-        `RecordBuffer.free_read`)."""
-        self.buffer.free_read()
+        `RecordBuffer.free_read_records`)."""
+        self.buffer.free_read_records()
 
     def start(self) -> None:
         """Start sending now: the run registers and heartbeats before its first step."""
