@@ -33,7 +33,9 @@ class Diagnoser(Protocol):
 
     def observe_columns(self, columns: dict[str, tuple[list[int], list[float]]]) -> list[dict[str, Any]]: ...
 
-    def origin(self, step: int, arming: int, forward: Flags, backward: Flags) -> list[dict[str, Any]]: ...
+    def origin(
+        self, step: int, arming: int, forward: Flags, backward: Flags, inputs: dict[int, Any] | None
+    ) -> list[dict[str, Any]]: ...
 
 
 class Batcher:
@@ -124,14 +126,14 @@ class Batcher:
                     series[1].append(v)
                 count += len(named)
             elif kind == ORIGIN:
-                _, origin_step, arming, fwd_names, fwd, bwd_names, bwd = part
+                _, origin_step, arming, fwd_names, fwd, bwd_names, bwd, inputs = part
                 forward = backward = []
                 if fwd is not None:
                     forward, at = list(zip(fwd_names, host[at : at + len(fwd_names)])), at + len(fwd_names)
                 if bwd is not None:
                     backward, at = list(zip(bwd_names, host[at : at + len(bwd_names)])), at + len(bwd_names)
                 if diagnosis is not None:
-                    events.extend(diagnosis.origin(origin_step, arming, forward, backward))
+                    events.extend(diagnosis.origin(origin_step, arming, forward, backward, inputs))
             elif kind == INDICATORS:
                 at = decode_indicators(part, host, at, points)
             elif kind == EVENT:

@@ -9,6 +9,8 @@ Sender -> training thread: after a non-finite value, the diagnosis asks for the 
 (`arm_request`, for the event at step `arm_step`), and says which arming's probe named an origin
 (`origin_found`); the training thread acts on them at the end of its next full step (see `ampwatch._steady`).
 And `free_read_records()`, the sender's errand that the training thread runs: freeing the records the sender has read.
+Both: `capture`, set at init and never after (with AMPWATCH_CAPTURE_DIR: see `ampwatch._capture`, which says which
+of its fields each thread writes).
 
 Each field has one writer, except `arm_request`: the sender sets it, the training thread clears it once it
 acted on it (a request set again meanwhile is at worst taken one full step later). Plain attributes, read without
@@ -33,6 +35,7 @@ class Mailbox:
         "optimizers",
         "wake",
         "free_read_records",
+        "capture",
         "fp16_layers",
     )
 
@@ -45,4 +48,5 @@ class Mailbox:
         self.optimizers: list[Any] = []  # training thread: the watched optimizers (replaced whole at watch())
         self.wake: Callable[[], Any] | None = None  # the sender's: wakes it (never blocks)
         self.free_read_records: Callable[[], None] | None = None  # the sender's: frees the records it read
+        self.capture: Any = None  # set once at init: where named input batches go (ampwatch._capture), or None
         self.fp16_layers: frozenset[str] = frozenset()  # training thread: the leaf modules whose outputs are fp16

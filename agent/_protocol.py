@@ -42,6 +42,7 @@ EVENT_TYPES = (
     "run_crashed",
     "run_stalled",
     "checkpoint",
+    "ranks_desync",
     "leading_indicator",
 )
 SEVERITIES = ("info", "warning", "critical")
@@ -103,8 +104,9 @@ VALUES = "v"  # (VALUES, step, names, values): `values` a tuple of floats, one p
 EVENT = "e"  # (EVENT, step, event): an event document, as the wire format carries it
 STATUS = "s"  # (STATUS, status): one of SENT_STATUSES
 FLUSH = "f"  # (FLUSH, done, spooled): set the threading.Event `done` once what precedes is delivered (or spooled)
-ORIGIN = "o"  # (ORIGIN, step, arming, forward names, forward flags, backward names, backward flags): what the
-#               NaN-origin probe saw at `step` (the flags a tensor each, or None for a pass not watched)
+ORIGIN = "o"  # (ORIGIN, step, arming, forward names, forward flags, backward names, backward flags, inputs): what
+#               the NaN-origin probe saw at `step` (the flags a tensor each, or None for a pass not watched); inputs,
+#               with AMPWATCH_CAPTURE_DIR set, the copies of the model's inputs by input flag (see ampwatch._capture)
 INDICATORS = "i"  # (INDICATORS, step, parts): the leading indicators of an interval step, each part (series prefix,
 #                   names, tensors, how many values they hold, what decoding needs) (see ampwatch._indicators)
 

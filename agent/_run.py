@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
-from ampwatch import _resume
+from ampwatch import _layout, _resume
+from ampwatch._capture import Capture
 from ampwatch._guard import guarded, warn_once
 from ampwatch._origin import Diagnosis
 from ampwatch._protocol import EVENT, MAX_NAME, MAX_STEP, STATUS, VALUES
@@ -83,6 +84,7 @@ class Run:
         mailbox = self._recorder.mailbox
         mailbox.wake, mailbox.free_read_records = self._worker.wake, self._worker.free_read_records
         self._worker.batcher.diagnosis = Diagnosis(mailbox, self.rank)  # (it writes the probe's requests there)
+        mailbox.capture = Capture.of(settings, self.id, self.rank)  # (None unless AMPWATCH_CAPTURE_DIR is set)
         self._resume_step = None if resume_step is None else int(resume_step)  # (kept even where it is no step)
         if self._resume_step is not None:
             self._resume_from(self._resume_step)
@@ -101,7 +103,9 @@ class Run:
                 "watch-finished", "ampwatch: watch() after finish() is ignored: start a new run with ampwatch.init()"
             )
         elif self._worker is not None:  # a disabled run does not even hook: it costs nothing
-            guarded(self._recorder.watch, *guarded(_watchable, model, optimizer, scaler) or (None, None, None))
+            watched = guarded(_watchable, model, optimizer, scaler) or (None, None, None)
+            guarded(self._recorder.watch, *watched)
+            guarded(_layout.report, self._worker, watched[0])  # (DDP: the server compares the ranks' parameters)
         return self
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:

@@ -9,7 +9,7 @@ from typing import Any, cast
 from sqlalchemy import Table, select, text
 from sqlalchemy.orm import Session
 
-from ampwatch.server import alerts, fanout, models, rollups, vitals
+from ampwatch.server import alerts, fanout, models, partitions, rollups, vitals
 from ampwatch.server.db import IDS_PER_QUERY, now
 from ampwatch.server.db import insert as _insert
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
@@ -103,6 +103,9 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
             series_id=series_ids["skipped"],
             stamp=stamp,
         )
+    alerts.compare_params(  # (DDP's replicated parameters must be the same on every rank)
+        session, run=run, rank=batch.rank, points=batch.points, series_ids=series_ids, stamp=stamp
+    )
     # Event rules fire in this transaction: the alert and its queued notifications commit with the batch.
     alerts.on_batch(
         session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp
@@ -170,10 +173,11 @@ def _series_ids(session: Session, run_id: str, names: list[str]) -> dict[str, in
     ids = _known_series(session, run_id, names)
     missing = [n for n in names if n not in ids]
     if missing:
-        session.execute(
-            _insert(session, cast(Table, models.Series.__table__)).on_conflict_do_nothing(),
-            [{"run_id": run_id, "name": n} for n in missing],
-        )
+        rows: list[dict[str, Any]] = [{"run_id": run_id, "name": n} for n in missing]
+        if partitions.partitioned(session):  # ids in the run's own partitions of points
+            for row, sid in zip(rows, partitions.new_series_ids(session, run_id, len(rows))):
+                row["id"] = sid
+        session.execute(_insert(session, cast(Table, models.Series.__table__)).on_conflict_do_nothing(), rows)
         ids.update(_known_series(session, run_id, missing))
     return ids
 

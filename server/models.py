@@ -80,7 +80,8 @@ class Point(Base):
             sqlite_where=NONFINITE_POINT,
             postgresql_where=NONFINITE_POINT,
         ),
-        {"sqlite_with_rowid": False},
+        # Postgres: one partition per block of a run's series ids (see ampwatch.server.partitions)
+        {"sqlite_with_rowid": False, "postgresql_partition_by": "RANGE (series_id)"},
     )
     series_id: Mapped[int] = mapped_column(ForeignKey("series.id", ondelete="CASCADE"), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -162,13 +162,14 @@ def raise_event(
     details: dict,
     stamp: datetime,
     step: int | None = None,
+    rank: int = 0,
 ) -> None:
     """An event the server itself diagnosed (a crash, a hang, ranks out of step): stored like the agent's, then rules
-    apply; at `step`, else at the run's last step."""
+    apply; at `step`, else at the run's last step; of `rank` when it is about one."""
     event = models.Event(
         run_id=run.id,
         step=step if step is not None else run.last_step or 0,
-        rank=0,
+        rank=rank,
         type=kind,
         severity=severity,
         message=message,

@@ -63,6 +63,7 @@ BUILTINS: list[dict[str, Any]] = [
         min_event_severity="warning",
     ),
     _event("run_crashed", "critical", "The training process died without finish().", inhibits=True),
+    _event("ranks_desync", "critical", "DDP ranks hold different parameters (silent corruption or a desynced rank)."),
     {
         **DEFAULTS,
         "name": "skip_rate",

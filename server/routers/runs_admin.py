@@ -39,4 +39,5 @@ async def prune_runs(body: PruneIn, request: Request) -> RunsRemoved:
             await anyio.to_thread.run_sync(
                 retention.delete_run, sessions, run.id, request.app.state.settings.delete_chunk_rows
             )
+        await anyio.to_thread.run_sync(retention.sweep, request.app.state.engine)
     return RunsRemoved.model_validate({"runs": [retention.describe(*r) for r in runs], "deleted": not body.dry_run})
