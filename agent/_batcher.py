@@ -16,9 +16,11 @@ from typing import Any, Protocol
 from ampwatch import _resume
 from ampwatch._guard import report, warn_once
 from ampwatch._host import to_host
+from ampwatch._indicators import decode as decode_indicators
+from ampwatch._indicators import indicator_tensors
 from ampwatch._losses import UNREADABLE, Losses
 from ampwatch._outbox import Outbox
-from ampwatch._protocol import EVENT, KIND, ORIGIN, STATUS, STEP, STEP_KINDS, VALUES, batch_document
+from ampwatch._protocol import EVENT, INDICATORS, KIND, ORIGIN, STATUS, STEP, STEP_KINDS, VALUES, batch_document
 from ampwatch._steps import Points, StepDecoder, lean_tensors, step_tensors
 
 STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
@@ -132,6 +134,8 @@ class Batcher:
                     backward, at = list(zip(bwd_names, host[at : at + len(bwd_names)])), at + len(bwd_names)
                 if diagnosis is not None:
                     events.extend(diagnosis.origin(origin_step, arming, forward, backward, inputs))
+            elif kind == INDICATORS:
+                at = decode_indicators(part, host, at, points)
             elif kind == EVENT:
                 events.append(part[2])
             elif kind == STATUS:
@@ -198,4 +202,6 @@ def _tensors(parts: list[Any]) -> list[Any]:
             tensors.append(part[3])
         elif part[0] == ORIGIN:
             tensors.extend(t for t in (part[4], part[6]) if t is not None)
+        elif part[0] == INDICATORS:
+            indicator_tensors(part, tensors)
     return tensors

@@ -3,7 +3,8 @@
 Training thread -> sender: the records themselves go through the sender's buffer (`Worker.record`); here,
 `wake()` asks the sender to read them now (a skipped step); `clipping` and `max_norm` say whether the loop clips its
 gradients and to what (the diagnosis words its advice by them); `optimizers` are the watched ones (the diagnosis
-asks whether an LR scheduler steps them).
+asks whether an LR scheduler steps them); `fp16_layers`, the leaf modules whose outputs were fp16 at the last
+interval step (the diagnosis warns of an fp16 overflow ahead only for those).
 Sender -> training thread: after a non-finite value, the diagnosis asks for the NaN-origin probe to be armed
 (`arm_request`, for the event at step `arm_step`), and says which arming's probe named an origin
 (`origin_found`); the training thread acts on them at the end of its next full step (see `ampwatch._steady`).
@@ -35,6 +36,7 @@ class Mailbox:
         "wake",
         "free_read_records",
         "capture",
+        "fp16_layers",
     )
 
     def __init__(self) -> None:
@@ -47,3 +49,4 @@ class Mailbox:
         self.wake: Callable[[], Any] | None = None  # the sender's: wakes it (never blocks)
         self.free_read_records: Callable[[], None] | None = None  # the sender's: frees the records it read
         self.capture: Any = None  # set once at init: where named input batches go (ampwatch._capture), or None
+        self.fp16_layers: frozenset[str] = frozenset()  # training thread: the leaf modules whose outputs are fp16

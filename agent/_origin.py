@@ -216,6 +216,7 @@ class Diagnosis:
         mailbox = self._mailbox  # whether the loop clips (and to which max_norm); an LR scheduler wraps a step
         self.analyzer.clipping, self.analyzer.max_norm = mailbox.clipping, mailbox.max_norm
         self.analyzer.scheduler = any(map(_scheduled, mailbox.optimizers))
+        self.analyzer.leading.fp16 = mailbox.fp16_layers
         events = self.analyzer.observe_columns(columns)
         start, end, _ = self._quiet
         arming = [e["step"] for e in events if e["type"] in self._ARMING_TYPES and not start <= e["step"] < end]

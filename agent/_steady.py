@@ -42,6 +42,7 @@ class StepEnd:
 
     __slots__ = ()
     current: StepState  # (the Recorder's slot, declared here for the type checker)
+    _indicators: Any
 
     def _finish_step(self: Any, found: Any, rule: tuple[float, float, int] | None) -> None:
         """Record this iteration at its step (what the user logged under a standard name wins); `found`: the
@@ -81,6 +82,10 @@ class StepEnd:
             self._layers_due = self.cadence.layers_due(step + 1, self._probing, True)
         elif self.mailbox.arm_request:  # (no model is watched: there is nothing to arm)
             self.mailbox.arm_request = False
+        indicators = self._indicators
+        if indicators is not None:
+            indicators.end_of_step(step)
+            indicators.arm_for(step + 1)
         self._plain_until = self._plan(step)
         if self._plain_until > step + 1:
             self._enter_steady()
@@ -108,6 +113,8 @@ class StepEnd:
     def _end_plain(self: Any, step: int) -> None:
         """`step` was the plan's last plain step: the full hooks again, and per-layer norms at the next step if due."""
         self._layers_due = self.cadence.layers_due(step + 1, False, self._probe is not None)
+        if self._indicators is not None:
+            self._indicators.arm_for(step + 1)
         self._leave_steady()
 
     def _enter_steady(self: Any) -> None:

@@ -57,6 +57,7 @@ RUNS = {
         ["syncs/step", "\nampwatch-off "],
     ),
     "hook_phases": (["--pairs", "50", "--hidden", "16"], ["lean steps:"]),
+    "indicators": (["--pairs", "40", "--hidden", "16", "--interval", "10"], ["interval steps", "other steps"]),
     "sender_phases": (
         ["--seconds", "2", "--hidden", "16"],
         ["stall per step", "during the passes", "awaiting the server", "wake-ups per step"],

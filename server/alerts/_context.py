@@ -24,6 +24,7 @@ _TITLES = {
     "skipped_step": "Skipped steps",
     "amp_config": "AMP configuration problem",
     "ranks_desync": "Ranks hold different parameters",
+    "leading_indicator": "Trouble ahead",
 }
 TREND_STEPS = 30
 

@@ -79,6 +79,11 @@ BUILTINS: list[dict[str, Any]] = [
     },
     _event("grad_spike", "warning", "The gradient norm jumped far above its median without a skip."),
     _event("loss_spike", "warning", "The loss jumped far above its median."),
+    _event(
+        "leading_indicator",
+        "warning",
+        "A layer's update-to-weight ratio or Adam's second-moment lag jumped: a spike or divergence is likely ahead.",
+    ),
     _event("run_stalled", "warning", "Heartbeats continue but steps stopped advancing (a hang)."),
 ]
 
