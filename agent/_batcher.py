@@ -14,7 +14,7 @@ import time
 from typing import Any, Protocol
 
 from ampwatch import _resume
-from ampwatch._guard import report, warn_once
+from ampwatch._guard import guarded, report, warn_once
 from ampwatch._host import to_host
 from ampwatch._losses import UNREADABLE, Losses
 from ampwatch._outbox import Outbox
@@ -56,6 +56,7 @@ class Batcher:
         # ampwatch._resume), and `refusal`, the event that says so, goes out with the first batch that holds one back.
         self.hold_until: int | None = None
         self.refusal: dict[str, Any] | None = None
+        self.on_critical: Any = None  # called with each critical event batched (see ampwatch._stop), if set
 
     def restart_in_child(self, outbox: Outbox, losses: Losses) -> None:
         """In a forked child: batches numbered from its own start, into its own outbox; the run's status is the
@@ -166,6 +167,10 @@ class Batcher:
             events.extend(self.diagnosis.observe_columns(points))
         if not points and not events and status is None and not heartbeat:
             return
+        if events and self.on_critical is not None:
+            for event in events:
+                if event.get("severity") == "critical":
+                    guarded(self.on_critical, event)
         if self._announce:  # this process's first batch: running (a run id used before, a resumed run, may have ended)
             self._announce, status = False, status or "running"
         self.last_batch_at = time.monotonic()

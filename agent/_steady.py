@@ -28,6 +28,7 @@ from ampwatch import _misuse, _scaler
 from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
 from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
+from ampwatch._stop import stop_here
 from ampwatch._worker import FAST_RECORDS
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
@@ -101,6 +102,8 @@ class StepEnd:
             self._wake_for_skip()
         self._loss = self._norm = None
         self._scale_calls = 0
+        if self.mailbox.stop_raise:  # (the run was asked to stop, and init(stop_on=...) asked to raise it)
+            stop_here(self)
 
     def _plan(self: Any, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step` (see

@@ -54,6 +54,11 @@ class Run(Base):
     skip_rate: Mapped[float | None] = mapped_column(Double)
     scale: Mapped[float | None] = mapped_column(Double)  # NULL with a scale_step: the scale is NaN
     scale_step: Mapped[int | None] = mapped_column(BigInteger)  # NULL: no scale yet
+    # A stop asked of the run (see ampwatch.server.stopping): pending while stop_requested_at is set and the run has
+    # not ended; who and why stay once it ended `stopped`.
+    stop_requested_at: Mapped[datetime | None]
+    stop_by: Mapped[str | None] = mapped_column(String(200))
+    stop_reason: Mapped[str | None] = mapped_column(Text)
 
 
 class Series(Base):
