@@ -219,3 +219,35 @@ def _cli_run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
         code = int(exit_.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_the_run_pages_stop_button_stops_a_running_run(sqlite_server, page) -> None:
+    """In a real Chromium: "Stop run…", a reason, the button; the page says the stop waits; the training loop learns
+    it and ends; the page then shows the run stopped, by whom and why, and no button."""
+    model, optimizer = _model()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("stop", name="browser", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        step = 0
+        while not run.should_stop:
+            assert step < MAX_STEPS, "the agent never learned of the stop"
+            _step("clipped", model, optimizer, scaler, torch.randn(8, 4))
+            if step == ASK_AT:
+                assert run.flush()
+                page.goto(f"{sqlite_server.url}/runs/{run.id}")
+                assert page.locator("#run-stop").count() == 0
+                page.click("#stop-run summary")
+                page.fill("#stop-reason", "the loss diverges")
+                page.click("#stop-run-button")
+                page.wait_for_url(f"{sqlite_server.url}/runs/{run.id}")
+                note = page.locator("#run-stop").inner_text()
+                assert note.startswith("Stop requested by anyone (a server without tokens) at ")
+                assert "the loss diverges" in note and "learns it at its next batch" in note
+                assert page.locator("#stop-run").count() == 0  # (asked once: no second button)
+            step += 1
+    page.goto(f"{sqlite_server.url}/runs/{run.id}")
+    assert page.locator("#run-status").inner_text() == "stopped"
+    note = page.locator("#run-stop").inner_text()
+    assert note.startswith("Stopped by anyone (a server without tokens)") and note.endswith(": the loss diverges.")
+    assert page.locator("#stop-run").count() == 0 and page.locator("#delete-run").count() == 1
+    assert page.locator(".ev-msg", has_text="as asked by anyone").count() == 1  # the run_stopped event
