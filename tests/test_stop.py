@@ -251,3 +251,40 @@ def test_the_run_pages_stop_button_stops_a_running_run(sqlite_server, page) -> N
     assert note.startswith("Stopped by anyone (a server without tokens)") and note.endswith(": the loss diverges.")
     assert page.locator("#stop-run").count() == 0 and page.locator("#delete-run").count() == 1
     assert page.locator(".ev-msg", has_text="as asked by anyone").count() == 1  # the run_stopped event
+    page.goto(f"{sqlite_server.url}/?status=stopped")  # the runs page filters on the new status, live
+    page.wait_for_selector("#runs[data-live='open']", timeout=10_000)
+    assert page.locator(f"tr[data-run-id='{run.id}'] .status-stopped").inner_text() == "stopped"
+
+
+def test_a_relaunch_under_the_run_id_is_not_stopped_by_the_stop_or_the_critical_event_of_the_launch_before(
+    sqlite_server, monkeypatch
+) -> None:
+    """The first launch has a critical NaN loss and is stopped; a relaunch under the same run id with
+    stop_on=("request", "critical") trains healthy steps and finishes: neither is its own."""
+    monkeypatch.setenv("AMPWATCH_RUN_ID", "relaunched")
+    model, optimizer = _model()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.init("stop", name="first", url=sqlite_server.url) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(30):
+            x = torch.randn(8, 4)
+            if step == 20:
+                x[0, 0] = float("nan")
+            _step("clipped", model, optimizer, scaler, x)
+        assert run.flush()
+        httpx.post(f"{sqlite_server.url}/api/v1/runs/{run.id}/stop", json={}, timeout=30).raise_for_status()
+        _step("clipped", model, optimizer, scaler, torch.randn(8, 4))
+        assert run.flush() and run.should_stop
+    first = httpx.get(f"{sqlite_server.url}/api/v1/runs/relaunched", timeout=30).json()
+    assert (first["status"], first["health"]) == ("stopped", "critical")
+
+    with ampwatch.init(
+        "stop", name="again", url=sqlite_server.url, resume_step=31, stop_on=("request", "critical")
+    ) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(40):  # (each flush is an exchange that would have told a stop)
+            _step("clipped", model, optimizer, scaler, torch.randn(8, 4))
+            assert run.flush()
+        assert not run.should_stop
+    again = httpx.get(f"{sqlite_server.url}/api/v1/runs/relaunched", timeout=30).json()
+    assert (again["status"], again["stop"], again["last_step"]) == ("finished", None, 70)
