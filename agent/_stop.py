@@ -51,6 +51,7 @@ class Stopper:
         self.mailbox = mailbox
         self.stop_on = stop_on
         self.critical_seen = -1  # server critical events up to this id are an earlier launch's (see `registered`)
+        self.armed = False  # the raise was asked for (once)
 
     def registered(self, reply: dict[str, Any]) -> None:
         """The registration reply: the latest critical event an earlier launch under this run id left is not ours."""
@@ -79,12 +80,16 @@ class Stopper:
             )
 
     def _told(self, trigger: str, by: str, reason: str | None) -> None:
+        """The first stop told sets `should_stop`; the first told of a trigger in `stop_on` also arms the raise (a
+        request first, where only "critical" raises, then a critical event: that one raises, and says so)."""
         mailbox = self.mailbox
-        if mailbox.stop is not None:  # (the first stop stands)
-            return
-        mailbox.stop = {"trigger": trigger, "by": by, "reason": reason}
-        log.warning("ampwatch: this run was asked to stop, by %s%s", by, f": {reason}" if reason else "")
-        if trigger in self.stop_on:
+        told = {"trigger": trigger, "by": by, "reason": reason}
+        if mailbox.stop is None:
+            mailbox.stop = told
+            log.warning("ampwatch: this run was asked to stop, by %s%s", by, f": {reason}" if reason else "")
+        if trigger in self.stop_on and not self.armed:
+            self.armed = True
+            mailbox.stop = told  # (what the raise says; written before the flag the training thread reads)
             mailbox.stop_raise = True
 
 

@@ -81,6 +81,7 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     session.refresh(run, with_for_update={"key_share": True})
     count, series_ids = _store_points(session, run_id, batch)
     events = _store_events(session, run_id, batch, stamp)
+    stopping.on_events(session, run, events)
     steps = [max(s.steps) for s in batch.points.values() if s.steps] + [e.step for e in batch.events]
     if steps:
         run.last_step = max(steps + ([run.last_step] if run.last_step is not None else []))

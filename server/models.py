@@ -59,6 +59,8 @@ class Run(Base):
     stop_requested_at: Mapped[datetime | None]
     stop_by: Mapped[str | None] = mapped_column(String(200))
     stop_reason: Mapped[str | None] = mapped_column(Text)
+    # The id of the run's latest critical numerics event (any rank; not a crash or stall): batch replies name it.
+    critical_event_id: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Series(Base):

@@ -78,28 +78,20 @@ def on_status(run: models.Run, status: str, events: list[Any]) -> None:
         run.stop_requested_at = None
 
 
+def on_events(session: Session, run: models.Run, events: list[models.Event]) -> None:
+    """Keep `runs.critical_event_id` at the run's latest critical numerics event (flushing for the ids, only when
+    there is one: rare)."""
+    critical = [e for e in events if e.severity == "critical" and e.type not in NOT_NUMERICS]
+    if critical:
+        session.flush()
+        run.critical_event_id = max([e.id for e in critical] + [run.critical_event_id or 0])
+
+
 def latest_critical(session: Session, run: models.Run) -> CriticalOut | None:
-    """The run's latest critical numerics event (none unless its health is critical: no query then)."""
-    if run.health != "critical":
+    """The run's latest critical numerics event, for a batch reply (one lookup by id, only once there is one)."""
+    if run.critical_event_id is None:
         return None
-    E = models.Event
-    event = session.scalars(
-        select(E)
-        .where(E.run_id == run.id, E.severity == "critical", E.type.not_in(NOT_NUMERICS))
-        .order_by(E.id.desc())
-        .limit(1)
-    ).first()
+    event = session.get(models.Event, run.critical_event_id)
     if event is None:
         return None
     return CriticalOut(id=event.id, step=event.step, rank=event.rank, type=event.type, message=event.message[:2000])
-
-
-def latest_critical_id(session: Session, run_id: str) -> int | None:
-    """The id of the run's latest critical numerics event, whatever its health (a relaunch's baseline)."""
-    E = models.Event
-    return session.scalar(
-        select(E.id)
-        .where(E.run_id == run_id, E.severity == "critical", E.type.not_in(NOT_NUMERICS))
-        .order_by(E.id.desc())
-        .limit(1)
-    )

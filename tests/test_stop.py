@@ -58,13 +58,13 @@ def _step(kind: str, model: Any, optimizer: Any, scaler: Any, x: torch.Tensor) -
 
 
 def test_an_admin_stops_a_run_whose_loop_checks_should_stop_and_it_ends_stopped_with_who_and_why(
-    sqlite_server, monkeypatch
+    live_server, monkeypatch
 ) -> None:
-    tokens = _tokens(sqlite_server, monkeypatch)
+    tokens = _tokens(live_server, monkeypatch)
     model, optimizer = _model()
     scaler = torch.amp.GradScaler("cpu")
-    http = httpx.Client(base_url=sqlite_server.url, timeout=30)
-    with ampwatch.init("stop", name="doomed", url=sqlite_server.url, token=tokens["ingest"]) as run:
+    http = httpx.Client(base_url=live_server.url, timeout=30)
+    with ampwatch.init("stop", name="doomed", url=live_server.url, token=tokens["ingest"]) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         step = 0
         while not run.should_stop:
@@ -288,3 +288,25 @@ def test_a_relaunch_under_the_run_id_is_not_stopped_by_the_stop_or_the_critical_
         assert not run.should_stop
     again = httpx.get(f"{sqlite_server.url}/api/v1/runs/relaunched", timeout=30).json()
     assert (again["status"], again["stop"], again["last_step"]) == ("finished", None, 70)
+
+
+def test_the_first_stop_sets_should_stop_and_the_first_of_a_trigger_in_stop_on_arms_the_raise() -> None:
+    """The sender's side alone: a request where only "critical" raises turns should_stop true without a raise; a
+    critical event after it arms the raise, saying so; a server's critical an earlier launch left is not ours."""
+    from ampwatch._mailbox import Mailbox
+    from ampwatch._stop import Stopper, triggers
+
+    mailbox = Mailbox()
+    stopper = Stopper(mailbox, triggers("critical"))
+    stopper.registered({"critical_id": 7})
+    stopper.replied({"stored": True, "critical": {"id": 7, "step": 3, "rank": 0, "type": "scale_collapse"}})
+    assert (mailbox.stop, mailbox.stop_raise) == (None, False)  # (the launch before's)
+    stopper.replied({"stored": True, "stop": {"by": "token 'ops' (#2)", "reason": "queue"}})
+    assert mailbox.stop == {"trigger": "request", "by": "token 'ops' (#2)", "reason": "queue"}
+    assert not mailbox.stop_raise
+    stopper.critical({"type": "run_crashed", "step": 9, "message": "no"})  # (not a numerics event)
+    assert not mailbox.stop_raise
+    stopper.replied({"critical": {"id": 8, "step": 12, "rank": 1, "type": "nonfinite_param", "message": "NaN weights"}})
+    assert mailbox.stop_raise and mailbox.stop["trigger"] == "critical" and mailbox.stop["by"] == "ampwatch"
+    assert mailbox.stop["reason"] == "critical nonfinite_param at step 12 (rank 1, told by the server): NaN weights"
+    assert triggers(None) == frozenset() and triggers(("request", "critical")) == {"request", "critical"}

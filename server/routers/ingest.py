@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, Path, Request
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import auth, db, ingestion, models, stopping
+from ampwatch.server import auth, db, ingestion, models
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn, RunOut
@@ -27,7 +27,7 @@ def register_run(run_id: RunId, body: RunIn, request: Request, session: SessionD
     F = models.PointFeed  # (one row per stored batch with points: the last step stored per rank, for a relaunch)
     stored = session.execute(select(F.rank, func.max(F.last_step)).where(F.run_id == run_id).group_by(F.rank))
     out.stored_steps = {str(rank): int(step) for rank, step in stored}
-    out.critical_id = stopping.latest_critical_id(session, run_id)
+    out.critical_id = run.critical_event_id
     return out
 
 
