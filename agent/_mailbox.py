@@ -46,8 +46,6 @@ class Mailbox:
         self.max_norm: float | None = None  # training thread: the clip's max_norm, where it is a number
         self.optimizers: list[Any] = []  # training thread: the watched optimizers (replaced whole at watch())
         self.wake: Callable[[], Any] | None = None  # the sender's: wakes it (never blocks)
-        self.free_read_records: Callable[[], None] | None = (
-            None  # the sender's: frees the records it read (training thread)
-        )
+        self.free_read_records: Callable[[], None] | None = None  # the sender's: frees the records it read
         self.stop: dict[str, Any] | None = None  # sender: the stop the run was told of (trigger, by, reason)
         self.stop_raise = False  # sender: raise StopRequested at the next step's end (the training thread clears it)

@@ -104,8 +104,7 @@ def stop_here(rec: Any) -> None:
     scaler = rec._scaler
     if scaler is not None and scaler._enabled:
         type(scaler).update(scaler)  # (the class's own: the agent's wrappers live in the instance)
-    rec._anchor = rec._unscaled = rec._deferred = None  # (what the rest of the step's end would have let go)
-    rec._normed.clear()
+    rec.current.end_optimizer_work()  # (what the rest of the step's end would have let go)
     rec._plain_until = 0
     rec._leave_steady()
     by, reason, step = told.get("by"), told.get("reason"), rec.step - 1

@@ -159,6 +159,18 @@ def list_events(session: Session, *, run_id: str, limit: int = 1000, after_id: i
     return list(reversed(session.scalars(newest.limit(limit)).all()))
 
 
+def resume_steps(session: Session, *, run_id: str, rank: int) -> list[int]:
+    """The steps at which launches of the run resumed on `rank` (the agent's `amp_config` info event with
+    `details["check"] == "resumed"`, at the resumed launch's first step), ascending."""
+    query = select(models.Event.step, models.Event.details).where(
+        models.Event.run_id == run_id,
+        models.Event.rank == rank,
+        models.Event.type == "amp_config",
+        models.Event.severity == "info",
+    )
+    return sorted({step for step, details in session.execute(query) if (details or {}).get("check") == "resumed"})
+
+
 def last_event_id(session: Session, *, run_id: str) -> int:
     """The id of the run's newest event, 0 when it has none (where a live stream starts)."""
     return session.scalar(select(func.max(models.Event.id)).where(models.Event.run_id == run_id)) or 0

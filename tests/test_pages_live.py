@@ -257,7 +257,10 @@ def test_late_points_and_layer_norms_arrive_live_in_place(sqlite_server: Any, pa
     loss = ui.chart(page, "chart-loss")
     assert loss["traces"][0]["x"] == list(range(20)) and loss["traces"][0]["y"][3:5] == [None, 0.75]
     heat = ui.chart(page, "chart-layers")
-    assert heat["traces"][0]["x"][-1] == 19 and any(t["meta"] == "nonfinite" and t["x"] == [15] for t in heat["traces"])
+    # (the heatmap's x are its cells' edges: the last cell is step 19's, up to the step after it)
+    assert heat["traces"][0]["x"][-2:] == [19, 20] and any(
+        t["meta"] == "nonfinite" and t["x"] == [15] for t in heat["traces"]
+    )
     assert len([u for u in page.requests if "/series" in u or "/heatmap" in u]) == reads, (
         "all of it came over the stream"
     )

@@ -128,6 +128,7 @@ def run_page(
         "feed": queries.feed_position(session, run_id=run_id),
         "last_event_id": queries.last_event_id(session, run_id=run_id),
         "rank": rank,
+        "resumes": queries.resume_steps(session, run_id=run_id, rank=rank),  # (all of them: the timeline has 500)
         "ranks": sorted(set(queries.run_ranks(session, run_id=run_id)) | {rank}),
         "alerts": queries.list_alerts(session, run_id=run_id)[:RUN_ALERTS],
         "plan": plan.compute(run_id, *plan.load(session, run_id)),

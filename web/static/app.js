@@ -13,6 +13,8 @@ const AW = (() => {
   const FONT = 'system-ui, -apple-system, "Segoe UI", Roboto, sans-serif';
   const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
   const SKIP_FILL = "rgba(201, 42, 42, 0.10)";
+  const RESUME = "#1971c2";
+  const MAX_RESUMES = 100; // resume lines (and labels) per chart
 
   /** Plotly renders a subset of HTML in titles, legends and ticks: user-chosen names must stay text. */
   function esc(text) {
@@ -111,12 +113,29 @@ const AW = (() => {
     return Object.fromEntries(Object.entries(updates).filter(([, v]) => v !== null).map(([k, v]) => [k.replace("xaxis.", ""), v]));
   }
 
-  /** Every shape of a chart: the non-finite strip and its guides, skipped-step spans, the event cursor. */
-  function shapes(marks, spans, cursor) {
+  /** A line at the first step of each launch that resumed the run from a checkpoint. */
+  function resumeLines(resumes) {
+    return (resumes || []).slice(-MAX_RESUMES).map((step) => ({
+      type: "line", xref: "x", yref: "paper", x0: step, x1: step, y0: 0, y1: 1, meta: "resume",
+      line: { color: RESUME, width: 1.5, dash: "dash" },
+    }));
+  }
+
+  /** Their labels, at the foot of the plot (the non-finite strip is at its top); the full sentence on hover. */
+  function resumeLabels(resumes) {
+    return (resumes || []).slice(-MAX_RESUMES).map((step) => ({
+      text: "resumed", x: step, xref: "x", yref: "paper", y: 0, yanchor: "bottom", xanchor: "left", xshift: 2,
+      showarrow: false, font: { size: 10, color: RESUME }, bgcolor: "rgba(255, 255, 255, 0.8)",
+      hovertext: `resumed at step ${step}: the steps from here are a later launch's, continuing the run`,
+    }));
+  }
+
+  /** Every shape of a chart: the non-finite strip and its guides, skipped-step spans, resume lines, the event cursor. */
+  function shapes(marks, spans, cursor, resumes) {
     const flagged = hasMarks(marks);
     const strip = { type: "rect", xref: "paper", yref: "paper", x0: 0, x1: 1, y0: 0.88, y1: 1, layer: "below",
                     fillcolor: "#fff5f5", line: { width: 0 } };
-    return [...(flagged ? [strip, ...guides(marks)] : []), ...overlays(spans || [], cursor, flagged)];
+    return [...(flagged ? [strip, ...guides(marks)] : []), ...resumeLines(resumes), ...overlays(spans || [], cursor, flagged)];
   }
 
   function layout(title, yaxis, marks, empty, view, extra = {}) {
@@ -134,8 +153,8 @@ const AW = (() => {
                range: view ? view.slice() : undefined, autorange: !view, ...(view ? unflat(stepTicks(view)) : {}) },
       yaxis: Object.assign({ zeroline: false, gridcolor: "#eef0f5", domain: [0, flagged ? 0.86 : 1], visible: !empty }, yaxis),
       yaxis2: { domain: [0.88, 1], range: [0, 1], visible: false, fixedrange: true },
-      shapes: shapes(marks, extra.spans, extra.cursor),
-      annotations: [...(flagged ? [label] : []), ...(empty ? [notice] : [])],
+      shapes: shapes(marks, extra.spans, extra.cursor, empty ? [] : extra.resumes),
+      annotations: [...(flagged ? [label] : []), ...(empty ? [notice] : resumeLabels(extra.resumes))],
       hovermode: "x unified", paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "#fff",
     };
   }
@@ -151,38 +170,55 @@ const AW = (() => {
     const shown = Object.assign(layout(title, yaxis, marks, !x.length, opts.view, opts), { showlegend: traces.length > 1 });
     el.dataset.points = String(x.length);
     el.dataset.nonfinite = String(marks["NaN"].length + marks["Infinity"].length + marks["-Infinity"].length);
-    el._aw = { marks };
+    el._aw = { marks, empty: !x.length };
     return Plotly.react(el, traces, shown, CONFIG);
   }
 
   /** A layer × step grid (`GET /runs/{id}/heatmap`) colored by log10 of each cell's largest value; NaN and ±Inf
    *  cells are markers on top, since no color can say "not a number". */
   function heatmap(el, full, opts = {}) {
-    // Columns where no layer has a value are left out, so a norm recorded every N steps fills the N steps.
+    // Columns where no layer has a value are left out, so a norm recorded every N steps fills the N steps after it.
     const keep = full.steps.map((_, j) => full.values.some((row) => row[j] !== null));
     const grid = { ...full, steps: full.steps.filter((_, j) => keep[j]),
                    values: full.values.map((row) => row.filter((_, j) => keep[j])) };
     const half = (grid.width - 1) / 2;
-    const x = grid.steps.map((s) => s + half);
+    const x = grid.steps.map((s) => s + half); // (where each cell's values were taken: its markers go there)
+    const edges = cellEdges(grid.steps, grid.width, opts.until);
     const layers = grid.layers.map(esc);
     const z = grid.values.map((row) => row.map((v) => (typeof v === "number" && v > 0 ? Math.log10(v) : null)));
     const text = grid.values.map((row) => row.map((v, j) => {
       const a = grid.steps[j], b = a + grid.width - 1;
       return `${v === null ? "no value" : num(v)} · step${a === b ? " " + a : `s ${a}–${b}`}`;
     }));
-    const heat = { type: "heatmap", x, y: layers, z, text, colorscale: "Viridis", zsmooth: false, ygap: 1,
-                   hovertemplate: "%{y}<br>max %{text}<extra></extra>", name: "grad norm",
-                   colorbar: { title: { text: "log₁₀", side: "top" }, thickness: 10, len: 0.9 } };
-    const traces = [heat, ...cellMarkers(grid, x, layers)];
     const rows = Math.max(1, layers.length);
-    const shown = layout(esc(opts.title || el.dataset.title), {}, {}, !layers.length, opts.view,
-                         { ...opts, spans: [], height: layers.length ? Math.min(640, Math.max(220, 70 + 18 * rows)) : 110 });
-    Object.assign(shown, { hovermode: "closest", showlegend: false, margin: { l: 64, r: 20, t: 40, b: 36 } });
+    const height = layers.length ? Math.min(640, Math.max(220, 70 + 18 * rows)) : 110;
+    // The color scale sits in the top margin, under the title: beside the plot it would narrow it, and a step would
+    // no longer be at the same x as on the charts above and below. (A title of its own would move the chart's.)
+    const colorbar = { orientation: "h", thickness: 8, len: 0.3, x: 1, xanchor: "right", yref: "container",
+                       y: 1 - 28 / height, yanchor: "top", ypad: 0, tickfont: { size: 10 } };
+    const heat = { type: "heatmap", x: edges, y: layers, z, text, colorscale: "Viridis", zsmooth: false, ygap: 1,
+                   hovertemplate: "%{y}<br>max %{text}<extra></extra>", name: "grad norm", colorbar };
+    const traces = [heat, ...cellMarkers(grid, x, layers)];
+    const shown = layout(esc(opts.title || el.dataset.title), {}, {}, !layers.length, opts.view, { ...opts, spans: [], height });
+    Object.assign(shown, { hovermode: "closest", showlegend: false, margin: { l: 64, r: 20, t: 64, b: 36 } });
     Object.assign(shown.yaxis, { autorange: "reversed", automargin: true, tickfont: { size: 10 }, gridcolor: "rgba(0,0,0,0)" });
     el.dataset.layers = String(layers.length);
     el.dataset.columns = String(grid.steps.length);
-    el._aw = { marks: {} };
+    el._aw = { marks: {}, empty: !layers.length };
     return Plotly.react(el, traces, shown, CONFIG);
+  }
+
+  /** Where each kept column's cell begins and the last one ends (Plotly takes n + 1 x values as cell edges). A cell
+   *  begins at its own first step and reaches the next kept column: given only centers, Plotly would split every
+   *  gap between two columns in half, drawing each sample half a gap before it was taken, and the first cell of a
+   *  run of per-step samples (the NaN probe's) across half the gap before it. The last cell is as wide as the
+   *  gap before it (the sampling interval), but ends at `until` (the step after the run's last) when that is sooner. */
+  function cellEdges(steps, width, until) {
+    if (!steps.length) return [];
+    const last = steps[steps.length - 1];
+    const interval = steps.length > 1 ? last - steps[steps.length - 2] : width;
+    const end = Math.max(last + width, Math.min(last + interval, until == null ? last + width : until));
+    return [...steps, end];
   }
 
   function cellMarkers(grid, x, layers) {

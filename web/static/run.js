@@ -22,7 +22,8 @@
   const heatEl = document.getElementById("chart-layers");
   const timeline = document.getElementById("timeline");
   const state = { cache: {}, grid: null, events: [], zoom: null, full: null, cursor: null, appended: 0, syncing: 0,
-                  seen: new Set(), lastEvent: Number(root.dataset.afterEvent || 0), loading: null, pending: [] };
+                  seen: new Set(), lastEvent: Number(root.dataset.afterEvent || 0), loading: null, pending: [],
+                  resumes: JSON.parse(root.dataset.resumes || "[]") }; // (first steps of resumed launches, this rank)
 
   const getJSON = async (url) => {
     const reply = await fetch(url);
@@ -180,14 +181,17 @@
     const opts = Object.assign({ title: name, log: "auto", color: "#a05a2c" }, STANDARD[name] || {});
     opts.extra = name === "scale" ? skippedMarkers() : name === "grad_norm" ? spikeMarkers() : [];
     const zoomed = state.zoom ? { height: 250, notice: "no points in this range" } : {};
-    const done = AW.line(el, state.cache[name], Object.assign(opts, { view: view(), spans: skipSpans(), cursor: state.cursor }, zoomed));
+    const shown = { view: view(), spans: skipSpans(), cursor: state.cursor, resumes: state.resumes };
+    const done = AW.line(el, state.cache[name], Object.assign(opts, shown, zoomed));
     bind(el);
     return done;
   }
 
   function drawHeat() {
     const notice = "no per-layer gradient norms: pass the model to run.watch(model=…)";
-    AW.heatmap(heatEl, state.grid || { layers: [], steps: [], width: 1, values: [] }, { view: view(), cursor: state.cursor, notice });
+    const until = Math.max(...Object.values(state.cache).map(lastStep)) + 1; // (the last cell reaches no further)
+    AW.heatmap(heatEl, state.grid || { layers: [], steps: [], width: 1, values: [] },
+               { view: view(), cursor: state.cursor, resumes: state.resumes, notice, until: until > 0 ? until : null });
     bind(heatEl);
   }
 
@@ -221,7 +225,8 @@
       const spans = skipSpans();
       await Promise.all(charts().map((el) => Plotly.relayout(el, {
         "xaxis.range": range.slice(), "xaxis.autorange": false, ...AW.stepTicks(range),
-        shapes: AW.shapes(el._aw ? el._aw.marks : {}, el === heatEl ? [] : spans, state.cursor),
+        shapes: AW.shapes(el._aw ? el._aw.marks : {}, el === heatEl ? [] : spans, state.cursor,
+                          el._aw && el._aw.empty ? [] : state.resumes),
       })));
     } finally {
       state.syncing -= 1;
@@ -322,10 +327,20 @@
     const names = Object.keys(msg.points);
     names.forEach((name) => append(name, msg.points[name]));
     if (msg.events.some((e) => e.type === "grad_spike")) drawLine("grad_norm");
+    if (msg.events.some(resumedHere)) { resumed(msg.events.filter(resumedHere)); }
     const layers = names.filter((n) => n.startsWith("grad_norm/"));
     if (layers.length) heatLater(!layers.every((n) => heatFold(n.slice("grad_norm/".length), msg.points[n])));
     if (!state.zoom) state.full = fullView();
     if (names.length) sync();
+  }
+
+  const resumedHere = (e) => e.type === "amp_config" && e.details && e.details.check === "resumed" && e.rank === rank;
+
+  /** A launch that resumed the run arrived live: its line on every chart, and the key above them. */
+  function resumed(events) {
+    state.resumes = Array.from(new Set([...state.resumes, ...events.map((e) => e.step)])).sort((a, b) => a - b);
+    document.getElementById("resume-key").hidden = false;
+    drawAll();
   }
 
   let resumeAt = null; // the last message's id, "<feed position>/<event id>": where a new stream takes over
