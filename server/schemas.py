@@ -128,6 +128,19 @@ class BatchIn(BaseModel):
     events: Annotated[list[EventIn], Field(max_length=10_000)] = []
     status: Literal["running", "finished", "crashed", "stopped"] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_format(cls, body: Any) -> Any:
+        """A format this server does not know is said first and alone: its other fields may mean something else."""
+        version = body.get("format", 1) if isinstance(body, dict) else 1
+        if version.__class__ is not int or version not in BATCH_FORMATS:
+            takes = ", ".join(map(str, BATCH_FORMATS))
+            raise ValueError(
+                f"batch format {version!r} is not one this server takes (it takes format {takes}): "
+                "upgrade the ampwatch server to the agent's version, or use an agent that sends these"
+            )
+        return body
+
 
 class StopOut(BaseModel):
     """A stop asked of a run: by whom, why, when."""
@@ -145,19 +158,6 @@ class CriticalOut(BaseModel):
     rank: int
     type: str
     message: str
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_format(cls, body: Any) -> Any:
-        """A format this server does not know is said first and alone: its other fields may mean something else."""
-        version = body.get("format", 1) if isinstance(body, dict) else 1
-        if version.__class__ is not int or version not in BATCH_FORMATS:
-            takes = ", ".join(map(str, BATCH_FORMATS))
-            raise ValueError(
-                f"batch format {version!r} is not one this server takes (it takes format {takes}): "
-                "upgrade the ampwatch server to the agent's version, or use an agent that sends these"
-            )
-        return body
 
 
 class BatchOut(BaseModel):
