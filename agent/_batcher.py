@@ -14,7 +14,7 @@ import time
 from typing import Any, Protocol
 
 from ampwatch import _resume
-from ampwatch._guard import report, warn_once
+from ampwatch._guard import guarded, report, warn_once
 from ampwatch._host import to_host
 from ampwatch._indicators import decode as decode_indicators
 from ampwatch._indicators import indicator_tensors
@@ -59,6 +59,7 @@ class Batcher:
         # Written through `hold_back`, `stop_holding_back` and `refusal_said` only:
         self.hold_until: int | None = None  # this launch's points at steps up to this one are held back
         self.refusal: dict[str, Any] | None = None  # the event that says so, until a batch has carried it
+        self.on_critical: Any = None  # called with each critical event batched (see ampwatch._stop), if set
 
     def hold_back(self, last_step: int, refusal: dict[str, Any]) -> None:
         """A relaunch that does not resume (see ampwatch._resume): hold back its points at steps up to `last_step`, an
@@ -185,6 +186,10 @@ class Batcher:
             events.extend(self.diagnosis.observe_columns(points))
         if not points and not events and status is None and not heartbeat:
             return
+        if events and self.on_critical is not None:
+            for event in events:
+                if event.get("severity") == "critical":
+                    guarded(self.on_critical, event)
         if self._announce:  # this process's first batch: running (a run id used before, a resumed run, may have ended)
             self._announce, status = False, status or "running"
         self.last_batch_at = time.monotonic()

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ampwatch._guard import guarded
 from ampwatch._losses import REJECTED, SPOOL_FULL, SPOOL_LOST, UNENCODABLE, Losses
 from ampwatch._protocol import batches_path, run_path
 from ampwatch._spool import Spool
@@ -51,6 +52,7 @@ class Outbox:
         self._registered = False
         self._register_again = False  # the training thread's: the run's document changed (see register_again)
         self.on_registered: Any = None  # called with the server's reply to the registration (a dict), if set
+        self.on_reply: Any = None  # called with a batch reply that says more than stored (a stop: see ampwatch._stop)
         self.retry_at = 0.0
         self._failures = 0
         if spool is not None:
@@ -179,12 +181,22 @@ class Outbox:
                 self._drop(REJECTED, f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
             self._failures = 0
             self._pop()
+            if not rejected and self.on_reply is not None and ('"stop"' in reply.body or '"critical"' in reply.body):
+                self._replied(reply.body)
             if stored:
                 # (stored batches imply a spool)
                 (self.spool.set_aside if rejected else self.spool.remove)(seq)  # type: ignore[union-attr]
             if stop_at is not None and time.monotonic() >= stop_at:
                 return True
         return True
+
+    def _replied(self, body: str) -> None:
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return
+        if isinstance(doc, dict):
+            guarded(self.on_reply, doc)
 
     def _pop(self) -> None:
         with self._lock:

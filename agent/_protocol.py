@@ -44,9 +44,10 @@ EVENT_TYPES = (
     "checkpoint",
     "ranks_desync",
     "leading_indicator",
+    "run_stopped",
 )
 SEVERITIES = ("info", "warning", "critical")
-SENT_STATUSES = ("running", "finished", "crashed")  # what a batch's `status` may say (the server adds "stalled")
+SENT_STATUSES = ("running", "finished", "crashed", "stopped")  # a batch's `status` (the server adds "stalled")
 MAX_NAME = 200  # the server's limit on project, run and series names
 MAX_STEP = 2**63  # steps are in [0, MAX_STEP): the server stores them as signed 64-bit integers
 DROPPED = "dropped_records"  # the series of how many records and batches a rank lost so far, in total

@@ -30,6 +30,7 @@ from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
 from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
 from ampwatch._step_state import StepState
+from ampwatch._stop import stop_here
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips each)
@@ -104,6 +105,8 @@ class StepEnd:
         if wake:  # (now that its record is in the buffer: the sender's next read must find it)
             self._wake_for_skip()
         self.current.end()
+        if self.mailbox.stop_raise:  # (the run was asked to stop, and init(stop_on=...) asked to raise it)
+            stop_here(self)
 
     def _plan(self: Any, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step` (see

@@ -98,7 +98,7 @@ def _runs_by_status(session: Session) -> Iterator[Metric]:
     family = GaugeMetricFamily("ampwatch_runs", "Runs stored, by status.", labels=["status"])
     query = select(models.Run.status, func.count()).group_by(models.Run.status)
     counts: dict[str, int] = dict(session.execute(query).all())
-    for status in ("running", "finished", "crashed", "stalled"):
+    for status in ("running", "finished", "crashed", "stalled", "stopped"):
         family.add_metric([status], counts.get(status, 0))
     yield family
 

@@ -12,7 +12,7 @@ from typing import cast
 from sqlalchemy import Table, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import models, vitals
+from ampwatch.server import models, stopping, vitals
 from ampwatch.server.alerts import _state
 from ampwatch.server.alerts._clearing import cleared_before
 from ampwatch.server.alerts._context import event_context, summary
@@ -178,4 +178,5 @@ def raise_event(
     )
     session.add(event)
     run.health = vitals.worse_health(run.health, [severity])
+    stopping.on_events(session, run, [event])  # (a critical the server diagnosed: agents may stop on it)
     apply_event_rules(session, run=run, events=[event], stamp=stamp)

@@ -344,7 +344,7 @@ def _event(e: models.Event) -> dict[str, Any]:
 async def stream_runs(
     request: Request,
     project: str | None = None,
-    status: Annotated[str | None, Query(pattern="^(running|finished|crashed|stalled)$")] = None,
+    status: Annotated[str | None, Query(pattern="^(running|finished|crashed|stalled|stopped)$")] = None,
     q: Annotated[str | None, Query(description="Part of the run's name.")] = None,
     since: Annotated[datetime | None, Query(description="Also send runs heard from after this time.")] = None,
     last_event_id: Annotated[str | None, Header()] = None,
