@@ -106,7 +106,7 @@ def encode(message: ServerSentEvent) -> bytes:
     )
 
 
-@router.get("/runs/{run_id}/stream", response_class=SSEResponse, responses=_SSE_DOC)
+@router.get("/runs/{run_id}/stream", response_class=SSEResponse, status_code=200, responses=_SSE_DOC)
 async def stream_run(
     request: Request,
     run: Annotated[models.Run, Depends(_existing_run)],
@@ -340,7 +340,7 @@ def _event(e: models.Event) -> dict[str, Any]:
     return EventOut.of(e).model_dump(mode="json")
 
 
-@router.get("/stream/runs", response_class=SSEResponse, responses=_SSE_DOC)
+@router.get("/stream/runs", response_class=SSEResponse, status_code=200, responses=_SSE_DOC)
 async def stream_runs(
     request: Request,
     project: str | None = None,
