@@ -73,9 +73,6 @@ class StepEnd:
             if step + 1 >= self._plain_until:
                 self._end_plain(step)
             return
-        free_read_records = self.mailbox.free_read_records
-        if free_read_records is not None:  # (the records the sender has read: see Worker.free_read_records)
-            free_read_records()
         probe = self._probe
         if probe is not None:
             if self._probing or self.mailbox.arm_request:
@@ -105,7 +102,11 @@ class StepEnd:
         if wake:  # (now that its record is in the buffer: the sender's next read must find it)
             self._wake_for_skip()
         self.current.end()
-        if self.mailbox.stop_raise:  # (the run was asked to stop, and init(stop_on=...) asked to raise it)
+        mailbox = self.mailbox
+        free_read_records = mailbox.free_read_records
+        if free_read_records is not None:  # at every step: a slow plain stretch must not leave them to the sender
+            free_read_records()
+        if mailbox.stop_raise:  # (the run was asked to stop, and init(stop_on=...) asked to raise it)
             stop_here(self)
 
     def _plan(self: Any, step: int) -> int:
