@@ -33,6 +33,9 @@ SIGN_TYPES = (
 )
 TRIGGERS = ("nonfinite_param", "scale_collapse", "grad_spike", "loss_spike")  # when critical
 EPISODE_GAP = 100  # signs further apart than this are separate troubles
+# A leading indicator (an fp16 range headed for overflow, an update ratio or Adam lag jump) warns up to hundreds of
+# steps ahead, at the layer-norm interval: one this far before an episode's first sign is where its state went bad.
+LEADING_REACH = 2_000
 MARGIN = 5  # steps skipped after the last critical one: the batches right after a blow-up are suspect too
 MAX_SKIP = 10_000  # a plan never lists more steps than this (its range says where it ends)
 FORMATS = ("json", "lightning", "megatron")
@@ -43,8 +46,9 @@ def event_json(event: models.Event) -> dict[str, Any]:
     return EventOut.of(event).model_dump(mode="json")
 
 
-def load(session: Session, run_id: str) -> tuple[list[models.Event], list[models.Event]]:
-    """The run's leading signs and criticals (warning or worse), and its checkpoints, each in step order."""
+def load(session: Session, run_id: str) -> tuple[list[models.Event], list[models.Event], list[models.Event]]:
+    """The run's signs and criticals (warning or worse), its checkpoints and its leading indicators' warnings,
+    each in step order."""
     order = (models.Event.step, models.Event.id)
     signs = session.scalars(
         select(models.Event)
@@ -58,11 +62,23 @@ def load(session: Session, run_id: str) -> tuple[list[models.Event], list[models
     checkpoints = session.scalars(
         select(models.Event).where(models.Event.run_id == run_id, models.Event.type == "checkpoint").order_by(*order)
     ).all()
-    return list(signs), list(checkpoints)
+    leading = session.scalars(
+        select(models.Event)
+        .where(models.Event.run_id == run_id, models.Event.type.in_(("leading_indicator", "amp_config")))
+        .order_by(*order)
+    ).all()
+    return list(signs), list(checkpoints), [e for e in leading if (e.details or {}).get("indicator")]
 
 
-def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[models.Event]) -> dict[str, Any]:
-    """The plan for the run's first episode with a trigger; `trouble` is None when there is none."""
+def compute(
+    run_id: str,
+    signs: Sequence[models.Event],
+    checkpoints: Sequence[models.Event],
+    leading: Sequence[models.Event] = (),
+) -> dict[str, Any]:
+    """The plan for the run's first episode with a trigger; `trouble` is None when there is none. A leading
+    indicator's warning within `LEADING_REACH` steps before the episode moves the checkpoint back before it (the
+    state was going bad from there); the steps to skip stay the episode's (its batches are the suspect ones)."""
     plan: dict[str, Any] = {
         "run_id": run_id,
         "trouble": None,
@@ -84,7 +100,9 @@ def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[mo
     episode = signs[start : end + 1]
     critical = [e for e in episode if e.severity == "critical"]
     first_step, last_critical = episode[0].step, critical[-1].step
-    before = [c for c in checkpoints if c.step < first_step]
+    warned = next((e for e in leading if first_step - LEADING_REACH <= e.step <= signs[trigger].step), None)
+    began = first_step if warned is None else min(first_step, warned.step)
+    before = [c for c in checkpoints if c.step < began]
     checkpoint = before[-1] if before else None
     to = min(last_critical + MARGIN, first_step + MAX_SKIP - 1)
     plan["trouble"] = {
@@ -93,6 +111,8 @@ def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[mo
         "critical_step": signs[trigger].step,
         "critical": [event_json(e) for e in critical],
         "signs": len(episode),
+        "began": began,
+        "leading": None if warned is None else event_json(warned),
     }
     plan["checkpoint"] = (
         None
@@ -106,7 +126,8 @@ def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[mo
         else f"restore the checkpoint at step {checkpoint.step}"
         + (f" ({plan['checkpoint']['path']})" if plan["checkpoint"]["path"] else "")
     )
-    plan["summary"] = (
+    foreseen = "" if warned is None else f"A leading indicator warned at step {warned.step}. "
+    plan["summary"] = foreseen + (
         f"Trouble began at step {first_step} ({episode[0].type}) before the {signs[trigger].type} at step "
         f"{signs[trigger].step}: {restore}, then skip steps {first_step}-{to}."
     )

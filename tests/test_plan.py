@@ -265,6 +265,22 @@ def test_warnings_and_skipped_nans_without_a_trigger_are_no_trouble() -> None:
     assert (doc["trouble"], doc["skip"], plan.lightning_file(doc), plan.megatron_file(doc)) == (None, None, "[]", "")
 
 
+def test_a_leading_indicator_before_the_episode_moves_the_checkpoint_back_not_the_skips() -> None:
+    leading = _event(2700, "leading_indicator", "warning")
+    leading.details = {"indicator": "update_ratio"}
+    far = _event(500, "amp_config", "warning")
+    far.details = {"indicator": "fp16_range"}  # more than LEADING_REACH before the trouble: another story
+    unrelated = _event(2750, "amp_config", "warning")  # a config warning, no indicator: not a leading sign
+    signs = [_event(3000, "grad_spike", "warning"), _event(3010, "nonfinite_param", "critical")]
+    checkpoints = [_event(c, "checkpoint", "info", f"c{c}") for c in (400, 2500, 2800, 2900)]
+    doc = plan.compute("r", signs, checkpoints, [e for e in (far, leading, unrelated) if e.details])
+    assert (doc["trouble"]["began"], doc["trouble"]["leading"]["step"], doc["checkpoint"]["step"]) == (2700, 2700, 2500)
+    assert (doc["skip"]["from"], doc["skip"]["to"]) == (3000, 3015)
+    assert doc["summary"].startswith("A leading indicator warned at step 2700.")
+    without = plan.compute("r", signs, checkpoints)
+    assert (without["trouble"]["began"], without["checkpoint"]["step"]) == (3000, 2900)
+
+
 def test_the_plan_is_a_read_route(sqlite_server, capsys, monkeypatch, wait_for) -> None:
     monkeypatch.setattr(sqlite_server.app.state.tokens, "refresh_s", 0.0)  # tokens re-read per request
     with sqlite_server.app.state.sessions() as session:
