@@ -7,7 +7,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from _ports import free_port
 from fastapi import FastAPI
 
 from ampwatch import _guard
@@ -39,12 +39,6 @@ CHROMIUM_ARGS = [
 REQUIRE_BROWSER = bool(os.environ.get("AMPWATCH_REQUIRE_BROWSER"))  # read at import: `_agent_env` clears AMPWATCH_*
 LEAKS = os.environ.get("AMPWATCH_TEST_LEAKS")  # a file to note the tests that leave a run open in (read at import)
 PG_ADMIN_URL = os.environ.get("AMPWATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pg_available() -> str | None:
