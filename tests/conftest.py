@@ -7,7 +7,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from _ports import free_port
 from fastapi import FastAPI
 
 from ampwatch import _guard
@@ -41,10 +41,13 @@ LEAKS = os.environ.get("AMPWATCH_TEST_LEAKS")  # a file to note the tests that l
 PG_ADMIN_URL = os.environ.get("AMPWATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread per xdist worker (and its subprocesses), unless OMP_NUM_THREADS is set: the tests' models are
+    tiny, and four workers' OpenMP pools spinning on two cores made four parallel training loops ~5x slower."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        if "torch" in sys.modules:  # (imported already: its pool was sized when it loaded)
+            sys.modules["torch"].set_num_threads(1)
 
 
 def _pg_available() -> str | None:
