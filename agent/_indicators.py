@@ -100,7 +100,9 @@ class Indicators:
         if self.active or step % self.interval:
             return
         self.active = True
-        for name, module in self._leaves:
+        # Not at step 0: a model compiled after watch() traces its first forward then, and would take the hooks into
+        # its graph (recompiling at each arming after); hooks added to it later never run, as for the probe.
+        for name, module in self._leaves if step else ():
             self._handles.append(module.register_forward_hook(self._hook_for(name)))
         for optimizer in self._optimizers():
             if hasattr(optimizer, "register_step_pre_hook"):

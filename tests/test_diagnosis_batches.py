@@ -71,6 +71,9 @@ def _state(analyzer: Analyzer) -> dict[str, Any]:
     for name in ("_grad_median", "_loss_median"):
         median = state.pop(name)
         state[name] = (list(median._order), median._sorted)
+    leading = vars(state.pop("leading"))  # (its own state, without the analyzer's event maker it holds)
+    state["leading"] = {k: v for k, v in leading.items() if k not in ("_event", "_medians")}
+    state["leading"]["_medians"] = {k: (list(m._order), m._sorted) for k, m in leading["_medians"].items()}
     state["_norm_history"] = list(state["_norm_history"])
     state["_skipped_at"] = {
         k: v for k, v in state["_skipped_at"].items() if k >= max(state["_skipped_at"], default=0) - 1

@@ -100,7 +100,7 @@ def test_fp16_range_warns_of_an_overflow_well_before_it_happens(memory) -> None:
     assert overflow - first["step"] >= LEAD, (overflow, first["message"])
     assert "`2`" in first["message"] and "steps" in first["message"]
     series = memory.series(run_id, "fp16_range/2")["fp16_range/2"]
-    assert series["steps"][:3] == [0, 10, 20]  # one value per interval step
+    assert series["steps"][:3] == [10, 20, 30]  # one value per interval step (not step 0: see ampwatch._indicators)
 
 
 def test_under_bf16_the_range_is_recorded_without_an_fp16_warning(memory) -> None:

@@ -128,7 +128,9 @@ def test_stop_on_request_raises_at_a_step_boundary_with_the_update_complete(sqli
         try:
             while done < MAX_STEPS:
                 if done == ASK_AT:
-                    httpx.post(f"{sqlite_server.url}/api/v1/runs/{run.id}/stop", json={"reason": "enough"}, timeout=30)
+                    assert run.flush()  # (the run is registered: the server stops only a run it knows)
+                    asked = httpx.post(f"{sqlite_server.url}/api/v1/runs/{run.id}/stop", json={"reason": "enough"})
+                    assert asked.status_code == 200, asked.text
                 _step(kind, model, optimizer, scaler, batches[done % len(batches)])
                 done += 1
                 time.sleep(0.001)  # (a step of a real model takes longer than this one's few microseconds)
