@@ -39,7 +39,7 @@ Measurements (all on one model and optimizer, so no condition gets a luckier mem
   host reads    counted on the training thread with a TorchFunctionMode (`item`, `tolist`, `__bool__`,
                 `__float__`, `cpu`, `numpy`, ...) and a TorchDispatchMode (`aten._local_scalar_dense`).
 
-Target (shared/PRODUCT.md): <= 2 % on a ~1 ms step and 0 added host-device syncs per step.
+Target (the product's, docs/benchmarks.md): <= 2 % on a ~1 ms step and 0 added host-device syncs per step.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ that step's forward pass and stops when the receiver has the request.
     python bench/alert_latency.py                       # 20 trials on SQLite
     python bench/alert_latency.py --backend postgres --trials 40
 
-Target (shared/PRODUCT.md): < 2 s at the 95th percentile.
+Target (the product's, docs/benchmarks.md): < 2 s at the 95th percentile.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ acknowledges them. Bodies are built before the clock starts, so the numbers are 
     python bench/ingest.py                       # SQLite and Postgres, batches of 5k, 20k and 50k points
     python bench/ingest.py --backends sqlite --batch-sizes 50000 --clients 1
 
-Target (shared/PRODUCT.md): >= 200 000 points/s on SQLite on a 2-core machine.
+Target (the product's, docs/benchmarks.md): >= 200 000 points/s on SQLite on a 2-core machine.
 """
 
 from __future__ import annotations

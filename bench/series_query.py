@@ -14,7 +14,7 @@ update carrying that step. (The agent batches for up to `AMPWATCH_FLUSH_INTERVAL
     python bench/series_query.py                   # both backends
     python bench/series_query.py --backends sqlite --repeat 5
 
-Target (shared/PRODUCT.md): a 1 000 000-step series charted in < 200 ms; < 1 s from send to screen.
+Target (the product's, docs/benchmarks.md): a 1 000 000-step series charted in < 200 ms; < 1 s from send to screen.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def list_alerts(session: Session, *, run_id: str | None = None, state: str | Non
     query = select(models.Alert).order_by(models.Alert.started_at.desc())
     if run_id is not None:
         query = query.where(models.Alert.run_id == run_id)
-    # PRODUCT.md's alerts are firing or resolved; pending ones (waiting out a rule's `for`) only when asked for.
+    # The API's alerts are firing or resolved; pending ones (waiting out a rule's `for`) only when asked for.
     query = (
         query.where(models.Alert.state == state) if state is not None else query.where(models.Alert.state != "pending")
     )

@@ -1,5 +1,5 @@
-"""Each failure signature of AMP_NOTES.md, produced by a real CPU training loop, becomes the right event
-at the right step (and the benign ones do not warn)."""
+"""Each failure signature of mixed-precision training (docs/diagnosis.md), produced by a real CPU training loop,
+becomes the right event at the right step (and the benign ones do not warn)."""
 
 from __future__ import annotations
 

@@ -31,8 +31,11 @@ class Notice:
 
 
 def grouped(notices: list[Notice]) -> Notice:
-    """One notice for several alerts of one run that are due together: the most severe leads, the rest are listed."""
-    lead, *rest = sorted(notices, key=lambda n: -SEVERITY_RANK.get(n.alert["severity"], 0))  # stable: first flip first
+    """One notice for several alerts of one run that are due together: the most severe leads (of those, one with a
+    rollback plan: the trouble the run cannot train past, with what to do), the rest are listed."""
+    lead, *rest = sorted(  # stable: first flip first
+        notices, key=lambda n: (-SEVERITY_RANK.get(n.alert["severity"], 0), "plan" not in n.details)
+    )
     return replace(lead, others=[{**n.alert, "details": n.details} for n in rest]) if rest else lead
 
 
@@ -141,7 +144,7 @@ def _context_lines(d: dict[str, Any], alert: dict[str, Any]) -> list[str]:
 
 
 def webhook_body(notice: Notice) -> dict[str, Any]:
-    """The generic webhook JSON: status, alert, run (PRODUCT.md), plus the text and the diagnosis details;
+    """The generic webhook JSON: status, alert, run (the documented contract), plus the text and the diagnosis details;
     `alerts` lists every alert of the run in this message (the lead `alert` first)."""
     alert = {**notice.alert, "details": notice.details}
     return {

@@ -1,5 +1,5 @@
 """The alerting API: alert details (flips and delivery attempts), rules, channels (with a test send), silences.
-The alert list itself, `GET /api/v1/alerts`, is in the read router (PRODUCT.md's contract)."""
+The alert list itself, `GET /api/v1/alerts`, is in the read router (the documented API)."""
 
 from __future__ import annotations
 

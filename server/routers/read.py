@@ -1,4 +1,4 @@
-"""The read API of PRODUCT.md: runs, series, events, alerts."""
+"""The read API: runs, series, events, alerts (docs/api.md)."""
 
 from __future__ import annotations
 

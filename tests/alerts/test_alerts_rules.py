@@ -60,7 +60,7 @@ class Feed:
         listed = [
             *self.http.get("/api/v1/alerts", params={"run_id": run_id, "state": "pending"}).json(),
             *self.http.get("/api/v1/alerts", params={"run_id": run_id}).json(),
-        ]  # firing and resolved (PRODUCT.md)
+        ]  # firing and resolved (docs/alerts.md)
         return {
             a["rule"]: self.http.get(f"/api/v1/alerts/{a['id']}").json() for a in {a["id"]: a for a in listed}.values()
         }
@@ -285,7 +285,7 @@ def test_alerts_of_one_run_firing_within_group_wait_go_out_as_one_message(alert_
     assert len(receiver.bodies()) == 2 and set(by_run) == {"burst", "other"}
     grouped = by_run["burst"]
     assert [a["rule"] for a in grouped["alerts"]] == ["nonfinite_loss", "nonfinite_param", "loss_spike"]
-    assert grouped["alert"]["rule"] == "nonfinite_loss"  # the most severe leads (PRODUCT.md's `alert`)
+    assert grouped["alert"]["rule"] == "nonfinite_loss"  # the most severe leads (the webhook's `alert`)
     assert grouped["text"].startswith("[FIRING · critical] Non-finite loss in p/burst at step 5 (+2 more)")
     assert (
         "Also firing:\n- [critical] Non-finite parameters in p/burst at step 6\n- [warning] Loss spike in p/burst at step 5"
