@@ -52,10 +52,22 @@ class Batcher:
         # number them from the launch time (ms), leaving room for 1000 batches per millisecond.
         self.seq = int(time.time() * 1000) * 1000
         self.first_seq = self.seq + 1  # (this launch's first batch)
-        # A relaunch that does not resume: its points at the steps an earlier launch stored are held back (see
-        # ampwatch._resume), and `refusal`, the event that says so, goes out with the first batch that holds one back.
-        self.hold_until: int | None = None
-        self.refusal: dict[str, Any] | None = None
+        # Written through `hold_back`, `stop_holding_back` and `refusal_said` only:
+        self.hold_until: int | None = None  # this launch's points at steps up to this one are held back
+        self.refusal: dict[str, Any] | None = None  # the event that says so, until a batch has carried it
+
+    def hold_back(self, last_step: int, refusal: dict[str, Any]) -> None:
+        """A relaunch that does not resume (see ampwatch._resume): hold back its points at steps up to `last_step`, an
+        earlier launch's; `refusal`, the event that says so, goes out with the first batch that holds one back."""
+        self.hold_until, self.refusal = last_step, refusal
+
+    def stop_holding_back(self) -> None:
+        """The launch resumes after all: its steps are numbered past the stored ones."""
+        self.hold_until = self.refusal = None
+
+    def refusal_said(self) -> None:
+        """A batch carries the refusal (one queued before the reply came, see ampwatch._resume): it is said once."""
+        self.refusal = None
 
     def restart_in_child(self, outbox: Outbox, losses: Losses) -> None:
         """In a forked child: batches numbered from its own start, into its own outbox; the run's status is the
@@ -161,7 +173,8 @@ class Batcher:
         points = {name: series for name, series in points.items() if series[0]}  # (a pass makes the standard ones)
         if self.hold_until is not None and _resume.held_back(points, self.hold_until):
             events.extend([self.refusal] if self.refusal is not None else [])  # (said once)
-            self.refusal, points = None, {name: series for name, series in points.items() if series[0]}
+            self.refusal_said()
+            points = {name: series for name, series in points.items() if series[0]}
         if points and self.diagnosis is not None:
             events.extend(self.diagnosis.observe_columns(points))
         if not points and not events and status is None and not heartbeat:

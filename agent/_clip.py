@@ -27,8 +27,8 @@ class ClipTracking:
         self._mailbox = mailbox  # (tells the sender's diagnosis whether the loop clips)
 
     def judge(self, optimizer: Any, parameters: Any, seen: tuple[Any, ...]) -> None:
-        """A clip over `parameters` (ids, norm type, group count, max_norm in `seen`) after `optimizer`'s unscale_: decide
-        again whether to trust it, unless it is the pattern judged last (each step clips the same parameters)."""
+        """A clip over `parameters` (ids, norm type, group count, max_norm in `seen`) after `optimizer`'s unscale_:
+        decide again whether to trust it, unless it is the pattern judged last (each step clips the same parameters)."""
         groups = optimizer.param_groups
         if groups is not self.groups or seen != self.seen:
             ids, own = seen[0], self.param_ids(optimizer)

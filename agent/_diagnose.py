@@ -28,7 +28,7 @@ OBSERVED = ("loss", "scale", "skipped", "grad_norm", "lr", "param_norm")  # what
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a pattern becomes an event. Defaults follow AMP_NOTES.md's failure signatures."""
+    """When a pattern becomes an event: one threshold per failure signature, each saying what it counts."""
 
     scale_floor: float = 1.0  # PyTorch's docs: a scale below 1 means something is wrong
     collapse_streak: int = 10  # consecutive skips that are a collapse whatever the scale
@@ -208,8 +208,10 @@ class Analyzer(Trends, Episodes):
                             step,
                             "skipped_step",
                             "info",
-                            f"Start-up calibration: {self._calibration_skips} skipped step(s) while GradScaler searched for "
-                            f"its loss scale ({pow2(self._calibration_start or scale)} at the first skip, {pow2(scale)} now). "
+                            f"Start-up calibration: {self._calibration_skips} skipped step(s) while GradScaler "
+                            "searched for "
+                            f"its loss scale ({pow2(self._calibration_start or scale)} at the first skip, "
+                            f"{pow2(scale)} now). "
                             "This is normal.",
                             {"calibration": True, "skips": self._calibration_skips, "scale": scale},
                         )
@@ -221,13 +223,19 @@ class Analyzer(Trends, Episodes):
                     f"came after {diverged}: the updates diverged, most likely from too high a learning rate, until "
                     "the values overflowed. Lower the learning rate (or warm it up longer)."
                     if diverged
-                    else "stopped once the scale was lower, so they were most likely fp16 overflow (gradients or activations too "
-                    "large for fp16 at the higher scale; inf - inf is NaN) rather than an operation that makes NaN. If they "
-                    "come back at this scale or lower, look for one that does on some batches (sqrt, log, a division by "
-                    "0); if the scale keeps having to fall, for activations that keep growing (bf16 has the range of fp32)."
+                    else "stopped once the scale was lower, so they were most likely fp16 overflow (gradients or "
+                    "activations too "
+                    "large for fp16 at the higher scale; inf - inf is NaN) rather than an operation that makes NaN. If "
+                    "they "
+                    "come back at this scale or lower, look for one that does on some batches (sqrt, log, a division "
+                    "by "
+                    "0); if the scale keeps having to fall, for activations that keep growing (bf16 has the range of "
+                    "fp32)."
                     if overflow
-                    else f"began at loss scale {pow2(self._streak_start_scale)}, a scale steps had been applied at, so not "
-                    "because the scale had grown too high: most likely an operation that makes NaN on some batches (look "
+                    else f"began at loss scale {pow2(self._streak_start_scale)}, a scale steps had been applied at, so "
+                    "not "
+                    "because the scale had grown too high: most likely an operation that makes NaN on some batches "
+                    "(look "
                     "for sqrt, log, pow or a norm of zero, or a division by a value that can be 0), or a batch whose "
                     "gradients are too large for fp16. If they come back, the NaN-origin probe names where."
                 )
@@ -236,7 +244,8 @@ class Analyzer(Trends, Episodes):
                         step,
                         "skipped_step",
                         "info",
-                        f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}. The NaN "
+                        f"Steps are applied again at step {step} after {self._streak} skipped; loss scale "
+                        f"{pow2(scale)}. The NaN "
                         f"gradients reported at step {self._nan_alarm} {why}",
                         {
                             "recovered": True,
@@ -253,7 +262,8 @@ class Analyzer(Trends, Episodes):
                         step,
                         "skipped_step",
                         "info",
-                        f"Steps are applied again at step {step} after {self._streak} skipped; loss scale {pow2(scale)}.",
+                        f"Steps are applied again at step {step} after {self._streak} skipped; loss scale "
+                        f"{pow2(scale)}.",
                         {"recovered": True, "streak": self._streak, "scale": scale},
                     )
                 )
@@ -295,12 +305,14 @@ class Analyzer(Trends, Episodes):
             self._collapsed, self._below_floor = True, self._below_floor or below
             if self._streak > 1:
                 what = (
-                    f"{self._streak} consecutive skipped steps, scale {pow2(self._streak_start_scale)} → {pow2(scale / 2)}. "
+                    f"{self._streak} consecutive skipped steps, scale {pow2(self._streak_start_scale)} → "
+                    f"{pow2(scale / 2)}. "
                     "Every step is being thrown away"
                 )
             else:  # skips that come back again and again, each halving the scale
                 what = (
-                    f"the scale fell to {pow2(scale / 2)} at step {step}, below {self.t.scale_floor:g}, after skips that keep "
+                    f"the scale fell to {pow2(scale / 2)} at step {step}, below {self.t.scale_floor:g}, after skips "
+                    "that keep "
                     f"coming back ({len(recent)} in the last {self.t.window} steps)"
                 )
             out.append(
@@ -324,7 +336,8 @@ class Analyzer(Trends, Episodes):
                     step,
                     "skipped_step",
                     "info",
-                    f"Step {step} skipped: {kind} in the scaled gradients; loss scale {pow2(scale)} → {pow2(scale / 2)}. "
+                    f"Step {step} skipped: {kind} in the scaled gradients; loss scale {pow2(scale)} → "
+                    f"{pow2(scale / 2)}. "
                     "Occasional skips are normal dynamic loss scaling.",
                     {"scale_before": scale, "scale_after": scale / 2},
                 )
@@ -335,7 +348,8 @@ class Analyzer(Trends, Episodes):
                     step,
                     "skipped_step",
                     "warning",
-                    f"{self._streak} consecutive skipped steps (loss scale now {pow2(scale / 2)}): more than fp16 overflow "
+                    f"{self._streak} consecutive skipped steps (loss scale now {pow2(scale / 2)}): more than fp16 "
+                    "overflow "
                     "usually causes. Watch for a scale collapse.",
                     {"streak": self._streak, "scale_after": scale / 2},
                 )
@@ -366,7 +380,8 @@ class Analyzer(Trends, Episodes):
             fate = "There is no GradScaler to skip the step: the optimizer may now write NaN into the parameters."
         elif skipped is None:  # a value the user logged (see _logged)
             fate = (
-                "GradScaler skips a step whose loss is non-finite (its gradients are too), so that step most likely did "
+                "GradScaler skips a step whose loss is non-finite (its gradients are too), so that step most likely "
+                "did "
                 "not change the parameters."
             )
         else:
@@ -425,7 +440,8 @@ class Analyzer(Trends, Episodes):
         recurring = False
         if scaled:
             nan_steps = self._nan_steps
-            # (only at a scale no higher than the last applied step's: the NaN of an overflow after the scale grew is not)
+            # (only at a scale no higher than the last applied step's: the NaN of an overflow after the scale grew is
+            # not)
             # (scale is a float on scaled runs, the only ones that get here)
             if scale <= self._applied_scale:  # type: ignore[operator]
                 nan_steps.append(step)
@@ -436,7 +452,10 @@ class Analyzer(Trends, Episodes):
             return
         severity = "critical" if self._nan_grad_streak >= critical_at else "warning"
         if loss is None:
-            cause = f"No loss was recorded at this step, so the forward pass may have made the {kind}, or else the backward pass: "
+            cause = (
+                f"No loss was recorded at this step, so the forward pass may have made the {kind}, or else the "
+                "backward pass: "
+            )
         else:
             cause = f"The loss is finite, so the backward pass made the {kind}: "
         look = "look for sqrt, log, pow or a norm of zero, or a division by a value that can be 0"
@@ -496,16 +515,20 @@ class Analyzer(Trends, Episodes):
         module, phase = self._origin or ("", "")
         if phase == "backward":
             return (
-                f"The NaN-origin event named the backward of `{module}`: an operation there makes NaN at any scale (sqrt, "
+                f"The NaN-origin event named the backward of `{module}`: an operation there makes NaN at any scale "
+                "(sqrt, "
                 "log, pow or a norm at 0), which bf16 does not fix: guard it (an epsilon, a clamp)."
             )
         if module == "(input batch)":
-            return "The NaN-origin event named the input batch: a data problem, which bf16 does not fix: check the data pipeline."
+            return (
+                "The NaN-origin event named the input batch: a data problem, which bf16 does not fix: check the data "
+                "pipeline."
+            )
         return "Check the data and the model for values fp16 cannot hold (use bf16, or find the layer that overflows)."
 
     def _diverged_at(self, step: int) -> str | None:
-        """The gradient norm's growth before a non-finite value at `step` (see Trends._divergence), kept for the NaN-origin
-        event that comes a few steps later."""
+        """The gradient norm's growth before a non-finite value at `step` (see Trends._divergence), kept for the
+        NaN-origin event that comes a few steps later."""
         diverged = self._divergence(step)
         if diverged:
             self.diverged = (step, diverged)
@@ -532,9 +555,9 @@ class Analyzer(Trends, Episodes):
                     step,
                     "amp_config",
                     "warning",
-                    f"The learning rate changed ({self._last_lr:.6g} → {lr:.6g}) after step {step - 1}, which GradScaler skipped: the "
-                    f"scheduler advances on skipped steps, so the schedule runs ahead of the optimizer ({self._ahead} "
-                    f"of {steps} steps so far). Step the "
+                    f"The learning rate changed ({self._last_lr:.6g} → {lr:.6g}) after step {step - 1}, which "
+                    "GradScaler skipped: the scheduler advances on skipped steps, so the schedule runs ahead of the "
+                    f"optimizer ({self._ahead} of {steps} steps so far). Step the "
                     "scheduler only when the optimizer stepped.",
                     {"lr_before": self._last_lr, "lr_after": lr, "steps_ahead": self._ahead},
                 )

@@ -19,12 +19,14 @@ class Episodes:
     _episode: tuple[int, str] | None  # (declared here for the type checker: the Analyzer sets it)
 
     def _went_bad(self: Any, step: int, what: str) -> None:
-        """`what` ("loss", "gradients" or "gradients, no loss") was non-finite at `step`; an episode begins there unless one is going on."""
+        """`what` ("loss", "gradients" or "gradients, no loss") was non-finite at `step`; an episode begins there
+        unless one is going on."""
         if self._episode is None:
             self._episode = (step, what)
 
     def _finite_norm(self: Any) -> None:
-        """A finite gradient norm: every gradient was finite, so were the parameters (after a restored checkpoint too)."""
+        """A finite gradient norm: every gradient was finite, so were the parameters (after a restored checkpoint
+        too)."""
         self._episode = None
         self._param_bad = False
 
@@ -37,7 +39,10 @@ class Episodes:
         under = {"loss": "from a non-finite loss", "gradients": "under a finite loss"}.get(
             episode[1], "no loss recorded"
         )
-        return f"the optimizer applied step {episode[0]}'s non-finite gradients ({under}), with no GradScaler to skip the step"
+        return (
+            f"the optimizer applied step {episode[0]}'s non-finite gradients ({under}), with no GradScaler to skip "
+            "the step"
+        )
 
     def _check_params(self: Any, step: int, param_norm: float, out: list[Event]) -> None:
         if math.isfinite(param_norm):
@@ -62,22 +67,27 @@ class Episodes:
                 else f"Step {episode[0]}'s gradients were non-finite under a finite "
                 "loss (the backward pass made them: see the nonfinite_grad event)"
                 if episode[1] == "gradients"
-                else f"Step {episode[0]}'s gradients were non-finite (no loss is recorded, so the forward or the backward "
+                else f"Step {episode[0]}'s gradients were non-finite (no loss is recorded, so the forward or the "
+                "backward "
                 "pass made them: see the nonfinite_grad event)"
             )
             how = (
-                f"{made}, and the optimizer wrote them into the parameters: no GradScaler skips such a step. Restore the "
-                "last good checkpoint, and skip the update when the gradient norm (the value clip_grad_norm_ returns) is "
+                f"{made}, and the optimizer wrote them into the parameters: no GradScaler skips such a step. Restore "
+                "the "
+                "last good checkpoint, and skip the update when the gradient norm (the value clip_grad_norm_ returns) "
+                "is "
                 "non-finite."
             )
         elif self._nonfinite_loss and self._last_loss is not None and self._last_loss[0] == step:
             how = (
-                f"The optimizer step after step {step}'s non-finite loss wrote it into them (the loss came from the batch, "
+                f"The optimizer step after step {step}'s non-finite loss wrote it into them (the loss came from the "
+                "batch, "
                 "not from them). Restore the last good checkpoint, and skip the update when the loss is non-finite."
             )
         else:
             how = (
-                f"{'Not a benign fp16 overflow: r' if self._scaled else 'R'}estore the last good checkpoint, and lower the "
+                f"{'Not a benign fp16 overflow: r' if self._scaled else 'R'}estore the last good checkpoint, and lower "
+                "the "
                 "learning rate or find the layer that overflows."
             )
         out.append(
@@ -113,8 +123,10 @@ class Episodes:
                     columns["grad_norm"][0][-1],
                     "amp_config",
                     "info",
-                    "No loss is recorded: without an enabled GradScaler the agent cannot see it (there is no scaler.scale() to "
-                    'read it from), so non-finite losses and loss spikes go unseen. Log it with run.log({"loss": loss}) before '
+                    "No loss is recorded: without an enabled GradScaler the agent cannot see it (there is no "
+                    "scaler.scale() to "
+                    "read it from), so non-finite losses and loss spikes go unseen. Log it with "
+                    'run.log({"loss": loss}) before '
                     "optimizer.step() (after it, pass step=).",
                     {"check": "no_loss"},
                 )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampwatch import _resume
 from ampwatch._guard import guarded
 from ampwatch._run import Run
 from ampwatch._watch import _unwrap
@@ -51,7 +50,7 @@ class Integration:
     def config_warning(self, message: str, details: dict[str, Any]) -> None:
         """Record an `amp_config` warning event at the current step (`details["check"]` names the check)."""
         if self.recording:
-            guarded(self.run._recorder._config, message, details)
+            guarded(self.run._recorder.warn_config, message, details)
 
     def feed_loss(self, loss: Any) -> None:
         """Hand the agent the (detached or not) 1-element loss tensor of one micro-batch, as backpropagated; the
@@ -62,11 +61,11 @@ class Integration:
 
     def watched_optimizers(self) -> list[Any]:
         """The optimizers `run.watch()` hooks (unwrapped), in the order given; the first one's steps are the run's."""
-        return list(self.run._recorder._optimizers)
+        return list(self.run._recorder.optimizers)
 
     def is_first_optimizer(self, optimizer: Any) -> bool:
         """Whether `optimizer` (or the one it wraps) is the first watched one, whose steps the run counts."""
-        optimizers = self.run._recorder._optimizers
+        optimizers = self.run._recorder.optimizers
         return bool(optimizers) and unwrap_optimizer(optimizer) is optimizers[0]
 
     def take_grad_norm(self, optimizer: Any) -> None:
@@ -78,10 +77,11 @@ class Integration:
 
     def resume_at(self, step: int) -> None:
         """A training restored from a checkpoint at `step`: the run's steps continue from there, as with
-        `ampwatch.init(..., resume_step=step)`; unless the user passed `resume_step`, or the run already counted a step."""
+        `ampwatch.init(..., resume_step=step)`; unless the user passed `resume_step`, or the run already counted a
+        step."""
         run = self.run
         if self.recording and step > 0 and run._resume_step is None and run._recorder.step == 0:
-            guarded(_resume.start_at, run, step)
+            guarded(run._resume_from, step)
 
     def finish(self, exc: BaseException | None = None) -> None:
         """Finish the run: crashed with `exc`'s traceback (Ctrl-C too), or finished without one (or a clean

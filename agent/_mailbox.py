@@ -42,6 +42,4 @@ class Mailbox:
         self.max_norm: float | None = None  # training thread: the clip's max_norm, where it is a number
         self.optimizers: list[Any] = []  # training thread: the watched optimizers (replaced whole at watch())
         self.wake: Callable[[], Any] | None = None  # the sender's: wakes it (never blocks)
-        self.free_read_records: Callable[[], None] | None = (
-            None  # the sender's: frees the records it read (training thread)
-        )
+        self.free_read_records: Callable[[], None] | None = None  # the sender's: frees the records it read

@@ -1,6 +1,7 @@
 """Misused mixed precision: why GradScaler raised (each cause told apart by a cheap signature, taken while
 the error is being caught, then re-raised unchanged), and configuration mistakes that raise nothing.
-Every finding comes with its fix; see AMP_NOTES.md.
+Every finding comes with its fix. The functions here take the run's Recorder (`ampwatch._watch`) and read it
+through its public surface: the watched objects, the current step (`Recorder.current`), `Recorder.misuse` to record.
 """
 
 from __future__ import annotations
@@ -10,6 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 Problem = tuple[str, dict[str, Any]]  # (message with the fix, details) of an `amp_config` event
+
+
+class Misuses:
+    """What a run has said about misuse. Owner: the training thread (the Recorder holds one, as `misuses`)."""
+
+    __slots__ = ("told", "last_error")
+
+    def __init__(self) -> None:
+        self.told: set[str] = set()  # the causes of misuses that raise nothing: each is said once per run
+        self.last_error = 0  # id() of the last GradScaler error diagnosed (nested wrappers see one error twice)
 
 
 @dataclass(frozen=True)
@@ -131,33 +142,34 @@ NO_SCALER_STEP = (
 def stepped_directly(rec: Any, optimizer: Any) -> None:
     """`optimizer`'s step ran outside scaler.step() after this iteration's scale(), its gradients not unscaled (said
     once per run, on the Recorder `rec`)."""
-    scaler = rec._scaler
+    scaler = rec.scaler
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
     if scaler is not None and scaler._enabled and (state is None or state["stage"].name == "READY"):
-        rec._misuses_told.add("direct_step")
-        rec._misuse("optimizer.step() without scaler.step(optimizer)", "direct_step", DIRECT_STEP, "critical", {})
+        what = "optimizer.step() without scaler.step(optimizer)"
+        rec.misuse(what, "direct_step", DIRECT_STEP, "critical", {}, once=True)
 
 
 def diagnose(rec: Any, optimizer: Any, error: BaseException) -> None:
     """GradScaler raised (for `optimizer`, None when update() did): record the likely cause and its fix on the Recorder
     `rec` (the error itself propagates)."""
-    if id(error) == rec._last_error:
+    said, step = rec.misuses, rec.current
+    if id(error) == said.last_error:
         return
-    if optimizer is None and rec._scale_calls and not getattr(rec._scaler, "_per_optimizer_states", True):
-        rec._last_error = id(error)  # (update() after scale() with no step or unscale_ of any optimizer in between)
-        rec._misuse(
+    if optimizer is None and step.scale_calls and not getattr(rec.scaler, "_per_optimizer_states", True):
+        said.last_error = id(error)  # (update() after scale() with no step or unscale_ of any optimizer in between)
+        rec.misuse(
             f"{type(error).__name__}: {error}", "no_scaler_step", NO_SCALER_STEP, "critical", {"error": str(error)}
         )
         return
-    optimizer = optimizer if optimizer is not None else rec._last_optimizer
+    optimizer = optimizer if optimizer is not None else step.last_optimizer
     if optimizer is None:
         return
-    rec._last_error = id(error)
+    said.last_error = id(error)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    stage = rec._stage_before
-    others = [o for o in rec._optimizers if o is not optimizer]
+    stage = step.stage_before
+    others = [o for o in rec.optimizers if o is not optimizer]
     stage_name = stage.name if stage is not None else "READY"
-    signature = Signature.taken(error, params, rec._model, stage_name, rec._scale_calls > 0, others)
+    signature = Signature.taken(error, params, rec.model, stage_name, step.scale_calls > 0, others)
     found = classify(signature)
     if found is not None:
         cause, explanation = found
@@ -168,30 +180,28 @@ def diagnose(rec: Any, optimizer: Any, error: BaseException) -> None:
             "params_with_grad": signature.params_with_grad,
             "replaced_params": signature.replaced_params,
         }
-        rec._misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
+        rec.misuse(f"{type(error).__name__}: {error}", cause, explanation, "critical", details)
 
 
 def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any]) -> None:
     """`clip_grad_norm_` ran after this iteration's scale() and before its unscale_ for an optimizer of the parameters
     it clipped: it clipped the scaled gradients (said once per run, on the Recorder `rec`)."""
-    scaler = rec._scaler
+    import torch
+
+    scaler = rec.scaler
     if scaler is None or not scaler._enabled:
         return
     states = getattr(scaler, "_per_optimizer_states", {})
-    ids = {id(parameters)} if isinstance(parameters, rec._tensor) else set(map(id, parameters))
-    for optimizer in rec._optimizers:
+    ids = {id(parameters)} if isinstance(parameters, torch.Tensor) else set(map(id, parameters))
+    for optimizer in rec.optimizers:
         state = states.get(id(optimizer))  # (none yet, or READY: not unscaled in this iteration)
         if (state is None or state["stage"].name == "READY") and not rec.clip.param_ids(optimizer).isdisjoint(ids):
             max_norm = args[0] if args else kwargs.get("max_norm")
-            norm_only = isinstance(max_norm, (int, float)) and math.isinf(
-                max_norm
-            )  # (a tensor is not read: a host read)
-            rec._misuses_told.add("clip_before_unscale")
-            details = {"max_norm": str(max_norm) if isinstance(max_norm, (int, float)) else None}
-            message = CLIPPED_SCALED_NORM if norm_only else CLIPPED_SCALED
-            rec._misuse(
-                "clip_grad_norm_ before scaler.unscale_(optimizer)", "clip_before_unscale", message, "warning", details
-            )
+            number = isinstance(max_norm, (int, float))  # (a tensor is not read: a host read)
+            details = {"max_norm": str(max_norm) if number else None}
+            message = CLIPPED_SCALED_NORM if number and math.isinf(max_norm) else CLIPPED_SCALED
+            what = "clip_grad_norm_ before scaler.unscale_(optimizer)"
+            rec.misuse(what, "clip_before_unscale", message, "warning", details, once=True)
             return
 
 
@@ -207,21 +217,15 @@ CLIP_NONFINITE = (
 def clip_raised(rec: Any, error: BaseException) -> None:
     """`clip_grad_norm_` raised `error`: its error_if_nonfinite under an enabled GradScaler (said once per run, on
     `rec`)."""
-    scaler = rec._scaler
+    scaler = rec.scaler
     if (
         scaler is not None
         and scaler._enabled
         and "cannot be clipped" in str(error)
-        and "clip_nonfinite" not in rec._misuses_told
+        and "clip_nonfinite" not in rec.misuses.told
     ):
-        rec._misuses_told.add("clip_nonfinite")
-        rec._misuse(
-            "clip_grad_norm_(error_if_nonfinite=True) raised",
-            "clip_nonfinite",
-            CLIP_NONFINITE,
-            "critical",
-            {"error": str(error)},
-        )
+        what = "clip_grad_norm_(error_if_nonfinite=True) raised"
+        rec.misuse(what, "clip_nonfinite", CLIP_NONFINITE, "critical", {"error": str(error)}, once=True)
 
 
 # -- configuration mistakes (amp_config) --------------------------------------------------------

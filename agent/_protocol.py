@@ -6,11 +6,14 @@ types, severities, name limits and the batch format are written down once, here.
 The wire format, version 1 (`API_PREFIX`): a run registers with `PUT {API_PREFIX}/runs/{run_id}` and a JSON
 document (project, name, config, environment), then delivers batches with `POST {API_PREFIX}/runs/{run_id}/batches`:
 
-    {"rank": int, "seq": int, "points": {name: {"steps": packed "q", "values": packed "d"}},
+    {"format": 1, "rank": int, "seq": int, "points": {name: {"steps": packed "q", "values": packed "d"}},
      "events": [{"step", "rank", "type", "severity", "message", "details", "time"}, ...], "status": str | None}
 
-`seq` numbers the batches of one (run, rank): the server stores each (run, rank, seq) once, so a batch may be sent
-again after a lost reply. Series travel packed (see `packed`): exact, NaN and infinities included.
+`format` is the batch's format version (`BATCH_FORMAT`; a body without it is version 1, as older agents send it):
+a server answers a version it does not know with a 422 naming the ones it takes (`BATCH_FORMATS`), and stores
+nothing of that batch. `seq` numbers the batches of one (run, rank): the server stores each (run, rank, seq) once,
+so a batch may be sent again after a lost reply. Series travel packed (see `packed`): exact, NaN and infinities
+included.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 
 API_VERSION = 1
 API_PREFIX = f"/api/v{API_VERSION}"
+BATCH_FORMAT = 1  # the format version of the batches this agent sends
+BATCH_FORMATS = (1,)  # the versions the server takes (one it does not know: a 422 that names these)
 
 EVENT_TYPES = (
     "skipped_step",
@@ -79,7 +84,7 @@ def batch_document(
         if steps != last_steps:  # (the standard series of a step share their steps: packed once)
             last_steps, last_packed = steps, packed(steps, "q")
         body[name] = {"steps": last_packed, "values": packed(values, "d")}
-    return {"rank": rank, "seq": seq, "points": body, "events": events, "status": status}
+    return {"format": BATCH_FORMAT, "rank": rank, "seq": seq, "points": body, "events": events, "status": status}
 
 
 def pow2(value: float) -> str:

@@ -2,7 +2,8 @@
 run id whose steps are stored that does not say so never overwrites them.
 
 The server's reply to the registration says the last step stored per rank; it comes on the sender thread before
-this launch's first batch goes out (registration always precedes it).
+this launch's first batch goes out (registration always precedes it). The functions here decide and word; the Run
+(`Run._resume_from`, `Run._registered`) and the batcher (`Batcher.hold_back`) change their own state.
 """
 
 from __future__ import annotations
@@ -21,27 +22,20 @@ from ampwatch._transport import encode, packed
 log = logging.getLogger("ampwatch")
 
 
-def start_at(run: Any, resume_step: int) -> None:
-    """Number this launch's steps from `resume_step` and mark where it resumed (an info event, shown on the run page)."""
+def resumed(run: Any, resume_step: int) -> tuple | None:
+    """The record that marks where this launch resumes (an info event, shown on the run page), or None for a
+    `resume_step` that is no step (said in the log; the steps then count from 0)."""
     if resume_step < 0:
         log.warning("ampwatch: resume_step must be a step (0 or more), got %d; steps count from 0", resume_step)
-        return
-    run._recorder.step, run._resume_step = resume_step, resume_step
-    if run._worker is not None:  # (resumed after the registration's reply, as Lightning's restored global step is)
-        run._worker.batcher.hold_until = run._worker.batcher.refusal = None
+        return None
     message = f"Resumed at step {resume_step}: this launch's steps continue the run's numbering from there."
-    run._record(
-        (EVENT, resume_step, _event(run, resume_step, "info", message, {"check": "resumed", "step": resume_step}))
-    )
+    return (EVENT, resume_step, _event(run, resume_step, "info", message, {"check": "resumed", "step": resume_step}))
 
 
-def check_relaunch(run: Any, reply: dict[str, Any], resume_step: int | None) -> None:
-    """On the registration's reply (once): when an earlier launch stored steps of this rank and this launch does not
-    resume, hold back this launch's points at those steps (they would overwrite them), and say what to pass."""
-    stored = reply.get("stored_steps")
-    if not isinstance(stored, dict) or getattr(run, "_relaunch_checked", False):
-        return
-    run._relaunch_checked = True
+def check_relaunch(run: Any, stored: dict[str, Any], resume_step: int | None) -> None:
+    """On the registration's first reply that says which steps are `stored` (the last one per rank): when an earlier
+    launch stored steps of this rank and this launch does not resume, hold back this launch's points at those steps
+    (they would overwrite them), and say what to pass."""
     last = stored.get(str(run.rank))
     if resume_step is not None or not isinstance(last, int) or run._worker is None:
         return
@@ -53,12 +47,14 @@ def check_relaunch(run: Any, reply: dict[str, Any], resume_step: int | None) -> 
         "run, use another run id (AMPWATCH_RUN_ID)."
     )
     worker, batcher = run._worker, run._worker.batcher
-    batcher.hold_until = last
-    batcher.refusal = _event(run, last, "critical", message, {"check": "relaunch_without_resume", "stored_step": last})
+    batcher.hold_back(
+        last, _event(run, last, "critical", message, {"check": "relaunch_without_resume", "stored_step": last})
+    )
 
     def rewrite(body: bytes) -> tuple[bytes, bool]:  # (the first batch that holds a point back says why)
         body, held = _held_back(body, last, batcher.refusal)
-        batcher.refusal = None if held else batcher.refusal
+        if held:
+            batcher.refusal_said()
         return body, held
 
     worker.outbox.rewrite_from(batcher.first_seq, rewrite)
@@ -76,7 +72,8 @@ def held_back(points: dict[str, tuple[list[int], list[Any]]], last: int) -> bool
 
 
 def _held_back(body: bytes, last: int, event: dict[str, Any] | None) -> tuple[bytes, bool]:
-    """A queued batch's body without its points at steps up to `last`, and with `event` if it had any; whether it had."""
+    """A queued batch's body without its points at steps up to `last`, and with `event` if it had any; whether it
+    had."""
     doc = json.loads(body)
     points = {name: (_unpacked(s["steps"], "q"), _unpacked(s["values"], "d")) for name, s in doc["points"].items()}
     if not held_back(points, last):

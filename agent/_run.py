@@ -78,13 +78,14 @@ class Run:
         if self._worker is None:
             self.url = None
             return
+        self._relaunch_checked = False  # (see _registered)
         self._worker.outbox.on_registered = self._registered
         mailbox = self._recorder.mailbox
         mailbox.wake, mailbox.free_read_records = self._worker.wake, self._worker.free_read_records
         self._worker.batcher.diagnosis = Diagnosis(mailbox, self.rank)  # (it writes the probe's requests there)
-        self._resume_step = None if resume_step is None else int(resume_step)
+        self._resume_step = None if resume_step is None else int(resume_step)  # (kept even where it is no step)
         if self._resume_step is not None:
-            _resume.start_at(self, self._resume_step)
+            self._resume_from(self._resume_step)
         self._worker.start()
         _UNFINISHED.add(self)
         _install_sigterm_handler()
@@ -125,10 +126,24 @@ class Run:
     def _registered(self, reply: dict[str, Any]) -> None:
         """The server's own link to the run's page (AMPWATCH_PUBLIC_URL behind a proxy) replaces ours; the reply also
         says which steps an earlier launch under this run id stored (see ampwatch._resume)."""
-        guarded(_resume.check_relaunch, self, reply, self._resume_step)
+        stored = reply.get("stored_steps")
+        if isinstance(stored, dict) and not self._relaunch_checked:  # (the first reply that says: re-registrations too)
+            self._relaunch_checked = True
+            guarded(_resume.check_relaunch, self, stored, self._resume_step)
         url = reply.get("url")
         if isinstance(url, str) and url.startswith(("http://", "https://")) and url.endswith("/runs/" + self.id):
             self.url = url
+
+    def _resume_from(self, step: int) -> None:
+        """Number this launch's steps from `step` and mark where it resumed (see ampwatch._resume): at init(), or
+        later from an integration that restores a checkpoint (`Integration.resume_at`)."""
+        record = _resume.resumed(self, step)
+        if record is None:
+            return
+        self._recorder.step, self._resume_step = step, step
+        if self._worker is not None:  # (resumed after the registration's reply, as Lightning's restored step is)
+            self._worker.batcher.stop_holding_back()
+        self._record(record)
 
     def __enter__(self) -> Run:
         return self

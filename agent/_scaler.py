@@ -263,10 +263,11 @@ def _changes_gradients(original: Any) -> Any:
             for (
                 recorder
             ) in _before:  # the gradients' version after the clip: a later one means a backward added to them
-                mark = recorder._grad_mark
+                step = recorder.current
+                mark = step.grad_mark
                 grad = mark[0]() if mark is not None else None
                 if grad is not None:
-                    recorder._grad_mark = (mark[0], grad._version)
+                    step.grad_mark = (mark[0], grad._version)
 
     return functools.update_wrapper(clip, original)
 
@@ -283,24 +284,21 @@ def norm_before_clip(recorder: Any, parameters: Any) -> None:
     """Without an enabled GradScaler no `unscale_` marks the gradients final: a clip of the first optimizer's
     parameters does, just before it changes them. The Recorder takes their norm now, or leaves it to the clip
     it trusts (`on_clipped` then hands it the result); `optimizer.step()`'s pre-hook finds it taken."""
-    optimizers = recorder._optimizers
+    optimizers, step = recorder.optimizers, recorder.current
     first = optimizers[0] if optimizers else None
     if first is None:
         return
     grad = next((g for group in first.param_groups for p in group["params"] if (g := p.grad) is not None), None)
-    if id(first) in recorder._normed:
-        mark = recorder._grad_mark
-        if (
-            mark is None or grad is None or mark[0]() is grad and mark[1] == grad._version
-        ):  # a clip of the same gradients
+    if id(first) in step.normed:
+        mark = step.grad_mark
+        if mark is None or grad is None or mark[0]() is grad and mark[1] == grad._version:  # the same gradients
             return
         # New gradients since its norm was taken (the loop dropped that iteration without a step, a guard that skips
         # non-finite updates), or a backward added to them (a clip on every accumulated micro-batch): the norm again.
-        recorder._norm = recorder._unscaled = recorder._deferred = None
-        recorder._normed.discard(id(first))
+        step.forget_norm(first)
     ids = (id(parameters),) if isinstance(parameters, _Tensor) else map(id, parameters)
     if not recorder.clip.param_ids(first).isdisjoint(ids):
-        recorder._grad_mark = (weakref.ref(grad), grad._version) if grad is not None else None
+        step.grad_mark = (weakref.ref(grad), grad._version) if grad is not None else None
         recorder.on_unscaled(first)
 
 

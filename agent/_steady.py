@@ -25,15 +25,14 @@ from time import monotonic
 from typing import Any
 
 from ampwatch import _misuse, _scaler
+from ampwatch._buffer import FAST_RECORDS
 from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
 from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
-from ampwatch._worker import FAST_RECORDS
+from ampwatch._step_state import StepState
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
-WAKE_EVERY_S = (
-    0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips every step)
-)
+WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips each)
 
 
 class StepEnd:
@@ -42,19 +41,19 @@ class StepEnd:
     training thread."""
 
     __slots__ = ()
-    _ran: bool | None  # (the Recorder's slots, declared here for the type checker)
-    _anchor: tuple[Any, Any] | None
+    current: StepState  # (the Recorder's slot, declared here for the type checker)
 
     def _finish_step(self: Any, found: Any, rule: tuple[float, float, int] | None) -> None:
         """Record this iteration at its step (what the user logged under a standard name wins); `found`: the
         scaler's found_inf tensor, a list of them, or None. Steps before `_plain_until` take the short way."""
         # Full path: before_step set the flag False and the optimizer's post-step hook did not fire: a skipped step.
-        skipped, self._ran, self._skip_seen = self._ran is False or self._skip_seen, None, False
+        cur = self.current
+        skipped, cur.ran, cur.skip_seen = cur.ran is False or cur.skip_seen, None, False
         step = self.step
         optimizers = self._optimizers
         lr = optimizers[0].param_groups[0].get("lr") if optimizers else None
         lr = lr if lr.__class__ is float else _real(lr)
-        loss, total, params, check = self._loss, True, None, True
+        loss, total, params, check = cur.loss, True, None, True
         if self._user_step == step:
             user = self._user_names
             loss = None if "loss" in user else loss
@@ -66,9 +65,8 @@ class StepEnd:
         if not plain and optimizers and check and self.cadence.params_due(step, self._probing):
             with self._torch.no_grad():  # (no graph, and no detached copy of each parameter: ~0.3 us each)
                 params = self._foreach_norm([p for o in optimizers for g in o.param_groups for p in g["params"]])
-        self._end_step((STEP, step, loss, found, self._norm, total, self._anchor, rule, lr, params), step, skipped)
-        self._anchor = self._unscaled = self._deferred = None
-        self._normed.clear()
+        self._end_step((STEP, step, loss, found, cur.norm, total, cur.anchor, rule, lr, params), step, skipped)
+        cur.end_optimizer_work()
         if plain:
             if step + 1 >= self._plain_until:
                 self._end_plain(step)
@@ -88,9 +86,10 @@ class StepEnd:
             self._enter_steady()
 
     def _end_step(self: Any, entry: tuple, step: int, wake: bool) -> None:
-        """Where every step ends, on the full path and the lean one: its record goes to the sender's buffer (through the
-        buffer's own append while it has room, see Worker.record), the step count moves on, and the iteration's loss
-        and norm are let go. `wake`: the step may have been skipped, so the sender reads it now."""
+        """Where every step ends, on the full path and the lean one: its record goes to the sender's buffer (through
+        the buffer's own append while it has room, see RecordBuffer.append), the step count moves on, and the step's
+        loss and norm are let go (`StepState.end`). `wake`: the step may have been skipped, so the sender reads it
+        now."""
         append = self._append
         if append is not None and step & (FAST_RECORDS - 1):
             append(entry)
@@ -99,8 +98,7 @@ class StepEnd:
         self.step = step + 1
         if wake:  # (now that its record is in the buffer: the sender's next read must find it)
             self._wake_for_skip()
-        self._loss = self._norm = None
-        self._scale_calls = 0
+        self.current.end()
 
     def _plan(self: Any, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step` (see
@@ -114,8 +112,8 @@ class StepEnd:
 
     def _enter_steady(self: Any) -> None:
         """At the end of a full step that planned plain steps ahead: go lean if that step had the pattern."""
-        optimizer, scaler = self._last_optimizer, self._scaler
-        stage = self._stage_before
+        optimizer, scaler = self.current.last_optimizer, self._scaler
+        stage = self.current.stage_before
         if (
             optimizer is None
             or scaler is None
@@ -168,7 +166,7 @@ class StepEnd:
     def _leave_steady(self: Any) -> None:
         """Back to the full hooks (until the next plan)."""
         if self._steady is not None:
-            self._steady = self._ran = None
+            self._steady = self.current.ran = None
             state, full = self._full_hooks[:2]
             if state.get(_scaler.RECORDER) is self:  # (else another recorder took the scaler, with its own wrappers)
                 state.update(full)
@@ -182,6 +180,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
     cls = type(scaler)
     base_scale, base_unscale_, base_step, base_update = cls.scale, cls.unscale_, cls.step, cls.update
     tensor, leave, diagnose, mailbox = rec._tensor, rec._leave_steady, _scaler.diagnose_error, rec.mailbox
+    cur = rec.current  # (the Recorder's one StepState: emptied in place, never replaced)
     first = rec._optimizers[0] if rec._optimizers else None
     groups, group_count, clipped_params = rec.clip.groups, rec.clip.seen[2], rec.clip.params
     count, first_param, last_param = (
@@ -191,9 +190,9 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
     )  # (a list: see _enter_steady)
 
     def scale(outputs: Any) -> Any:
-        if rec._loss is None and outputs.__class__ is tensor and (outputs.ndim == 0 or outputs.numel() == 1):
-            rec._scale_calls += 1
-            rec._loss = outputs.data  # (see on_scale)
+        if cur.loss is None and outputs.__class__ is tensor and (outputs.ndim == 0 or outputs.numel() == 1):
+            cur.scale_calls += 1
+            cur.loss = outputs.data  # (see on_scale)
             return base_scale(scaler, outputs)
         leave()
         return scaler.scale(outputs)
@@ -210,19 +209,19 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
             leave()
             diagnose(rec, optimizer, error)
             raise
-        rec._unscaled = rec._deferred = optimizer  # the clip is trusted: its norm is taken (see on_unscaled)
+        cur.unscaled = cur.deferred = optimizer  # the clip is trusted: its norm is taken (see on_unscaled)
         return None
 
     def on_clipped(parameters: Any, args: tuple, kwargs: dict[str, Any], total: Any) -> None:
-        opt = rec._unscaled
+        opt = cur.unscaled
         if opt is None:  # not between this run's unscale_ and step: nothing to do, as in on_clipped
             return
         norm_type = args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0) if kwargs else 2.0
         # The clip the full path trusted, a 2-norm over as many parameters, the same first and last ones (comparing
         # them all costs the step ~1.5 us; the full steps, every `param_interval` at most, compare all their ids).
         if (
-            rec._deferred is opt
-            and rec._norm is None
+            cur.deferred is opt
+            and cur.norm is None
             and opt.param_groups is groups
             and len(groups) == group_count
             and norm_type == 2.0
@@ -231,37 +230,32 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
             and parameters[0] is first_param
             and parameters[-1] is last_param
         ):
-            rec._deferred = None
-            rec._norm = total
+            cur.deferred = None
+            cur.norm = total
         else:
             leave()
             rec.on_clipped(parameters, args, kwargs, total)
 
     def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # The stage before step() is UNSCALED (this step's unscale_ came through here), as the full step left it.
-        if (
-            optimizer is not steady
-            or rec._unscaled is not optimizer
-            or rec._deferred is not None
-            or not rec._scale_calls
-        ):
+        if optimizer is not steady or cur.unscaled is not optimizer or cur.deferred is not None or not cur.scale_calls:
             leave()
             return scaler.step(optimizer, *args, **kwargs)
-        rec._unscaled = None
-        rec._ran = False  # (the optimizer's post-step hook sets True if its step runs in here)
+        cur.unscaled = None
+        cur.ran = False  # (the optimizer's post-step hook sets True if its step runs in here)
         try:
             result = base_step(scaler, optimizer, *args, **kwargs)
         except _scaler.MISUSE_ERRORS as error:
             leave()
             diagnose(rec, optimizer, error)
             raise
-        if rec._ran is False:
-            rec._ran = None
+        if cur.ran is False:
+            cur.ran = None
         return result
 
     def update(new_scale: Any = None) -> None:
         lean = False
-        ran, rec._ran = rec._ran, None
+        ran, cur.ran = cur.ran, None
         try:
             found: Any = None
             count = 1  # found_inf tensors (one per optimizer and device): none needed where the step ran
@@ -276,8 +270,8 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
                 and new_scale is None
                 and not mailbox.arm_request
                 and scaler._scale is not None
-                and rec._norm is not None
-                and rec._unscaled is None
+                and cur.norm is not None
+                and cur.unscaled is None
             ):
                 # What _finish_step records on a plain step, as a lean record (the user logged no standard name:
                 # that left the steady path); the step ends as every step does.
@@ -285,7 +279,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
                 lr = first.param_groups[0].get("lr") if first is not None else None
                 lr = lr if lr.__class__ is float else _real(lr)
                 rec._end_step(
-                    (APPLIED_STEP if found is None else LEAN_STEP, at, rec._loss, found, rec._norm, lr),
+                    (APPLIED_STEP if found is None else LEAN_STEP, at, cur.loss, found, cur.norm, lr),
                     at,
                     found is not None,
                 )
@@ -314,12 +308,12 @@ def _ran_hook(rec: Any) -> Callable[..., None]:
     that GradScaler found no inf there (it only runs the step then). On the steady path the record then holds one
     tensor fewer for the sender to read and free; on either path, a step that did not run wakes the sender."""
 
+    cur = rec.current
+
     def ran(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if rec._ran is False:  # (only inside a scaler's step(): the flag is None before the iteration's first)
-            rec._ran = True
-        elif (
-            rec._ran is None and rec._scale_calls and "direct_step" not in rec._misuses_told
-        ):  # (outside: see stepped_directly)
+        if cur.ran is False:  # (only inside a scaler's step(): the flag is None before the iteration's first)
+            cur.ran = True
+        elif cur.ran is None and cur.scale_calls and "direct_step" not in rec.misuses.told:  # (see stepped_directly)
             guarded(_misuse.stepped_directly, rec, optimizer)
 
     return ran

@@ -199,16 +199,20 @@ def _norms(
         at += n
         if scaled and scale:
             values = [v / scale for v in values]
-        squares = [v * v for v in values]  # never raises: overflow is inf
-        if modules == CLIP_TOTAL:
-            clipped = squares[0]
+        if modules == CLIP_TOTAL:  # (recorded as the clip returned it, not squared and rooted again)
+            clipped = values[0]
             continue
+        squares = [v * v for v in values]  # never raises: overflow is inf
         total += sum(squares)
         if modules is not None:
             for module, square in zip(modules, squares):
                 layers[module] = layers.get(module, 0.0) + square
-    named = {"grad_norm": total if clipped is None else clipped} if total_wanted else {}
+    named = {"grad_norm": total} if total_wanted and clipped is None else {}
     named.update((_layer_series(module), square) for module, square in layers.items())
+    if total_wanted and clipped is not None:
+        series = _series(points, "grad_norm")
+        series[0].append(step)
+        series[1].append(abs(clipped))  # (as the usual step records it)
     for name, square in named.items():
         series = _series(points, name)
         series[0].append(step)

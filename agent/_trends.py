@@ -27,8 +27,8 @@ class Trends:
             # `factor` interquartile ranges above the median. A loss's high end is its 90th percentile times how far its
             # 99th is from the median (for a steady loss about 1): a small-batch loss near 0 (a classifier that has
             # converged) is now and then a single hard example, hundreds of times its median and several times its 90th
-            # percentile; and a run of high values is one at `factor` times its 90th percentile. (Once reported, a spike is
-            # over when the value is back below half `factor` at the usual end.)
+            # percentile; and a run of high values is one at `factor` times its 90th percentile. (Once reported, a spike
+            # is over when the value is back below half `factor` at the usual end.)
             mid, spread = median.value(), median.spread()
             above = (value - mid) / spread if spread > 0 else 0.0
             usual = (
@@ -82,7 +82,8 @@ class Trends:
         diverged = self._divergence(step)
         if diverged:  # (a learning rate too high multiplies the norm step after step: that, not a batch)
             hint = (
-                f" {diverged[0].upper()}{diverged[1:]}: the updates diverge, most likely from too high a learning rate. "
+                f" {diverged[0].upper()}{diverged[1:]}: the updates diverge, most likely from too high a learning "
+                "rate. "
                 "Lower it (or warm it up longer); clip_grad_norm_ with a finite max_norm caps each update."
             )
         elif name == "loss":
@@ -136,7 +137,8 @@ class Trends:
             )
         if norm > max_norm:
             return (
-                f" The loop clips (clip_grad_norm_, max_norm {max_norm:g}), so this update was cut down to {max_norm:g}; "
+                f" The loop clips (clip_grad_norm_, max_norm {max_norm:g}), so this update was cut down to "
+                f"{max_norm:g}; "
                 "if it comes back, lower the learning rate or look at the batches it comes on."
             )
         return (

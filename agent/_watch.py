@@ -18,10 +18,17 @@ from ampwatch._cadence import Cadence
 from ampwatch._clip import ClipTracking
 from ampwatch._guard import Hook, guarded, warn_once
 from ampwatch._mailbox import Mailbox
-from ampwatch._misuse import SILENT_UNSCALED, clipped_scaled, forward_config_problem, watch_config_problems
+from ampwatch._misuse import (
+    SILENT_UNSCALED,
+    Misuses,
+    clipped_scaled,
+    forward_config_problem,
+    watch_config_problems,
+)
 from ampwatch._origin import OriginProbe, module_names
 from ampwatch._protocol import EVENT
 from ampwatch._steady import StepEnd
+from ampwatch._step_state import StepState
 from ampwatch._steps import CLIP_TOTAL
 
 log = logging.getLogger("ampwatch")
@@ -29,22 +36,20 @@ STANDARD = frozenset({"loss", "scale", "skipped", "grad_norm", "lr", "param_norm
 
 
 class Recorder(StepEnd):
-    """Per-run step state: the step counter and what the current iteration has seen so far.
+    """The run's hooks on the training thread: what is watched, the step counter, and the plan of the steps ahead.
 
-    The methods the scaler wrappers call (`on_scale`, `on_unscaled`, `on_clipped`, `before_step`,
-    `before_update`) run every step on the training thread: they keep references and build one tuple (on the
-    steps between planned ones, lean wrappers do their work instead: see `ampwatch._steady`).
+    Owner: the training thread. What the current step has recorded so far is `current` (`ampwatch._step_state`);
+    what the sender is told goes through `mailbox` (`ampwatch._mailbox`). The methods the scaler wrappers call
+    (`on_scale`, `on_unscaled`, `on_clipped`, `before_step`, `before_update`) run every step: they keep references
+    and build one tuple (on the steps between planned ones, lean wrappers do their work instead: see
+    `ampwatch._steady`). Other modules read the watched objects through `optimizers`, `scaler` and `model`.
     """
 
     # Slots, the ones every step reads first: next to each other in memory. Timed in place, the hooks' cost is
     # mostly memory they touch, and a dict of fifty attributes spreads them over many more cache lines.
     __slots__ = (
         "step",
-        "_loss",
-        "_norm",
-        "_scale_calls",
-        "_unscaled",
-        "_deferred",
+        "current",
         "_append",
         "_plain_until",
         "mailbox",
@@ -54,8 +59,6 @@ class Recorder(StepEnd):
         "rank",
         "cadence",
         "reanchor",
-        "_normed",
-        "_anchor",
         "_user_step",
         "_user_names",
         "_norm_logged_at",
@@ -73,24 +76,18 @@ class Recorder(StepEnd):
         "_probing",
         "_layers_due",
         "_ever_scaled",
-        "_misuses_told",
-        "_last_optimizer",
-        "_stage_before",
+        "misuses",
         "_first_forward_hook",
-        "_last_error",
-        "_ran",
         "_ran_on",
         "_torch",
         "_step_hooks",
         "_woke_at",
-        "_skip_seen",
-        "_grad_mark",
     )
 
     def __init__(
         self, record: Callable[[tuple], Any], *, rank: int = 0, layer_interval: int = 50, param_interval: int = 50
     ) -> None:
-        self._record = record  # may return the buffer's append, for the next step records (see Worker.record)
+        self._record = record  # may return the buffer's append, for the next step records (see RecordBuffer.append)
         self._append: Callable[[tuple], None] | None = None
         self.rank = rank
         self.step = 0
@@ -99,26 +96,14 @@ class Recorder(StepEnd):
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
         self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
-        self._full_hooks: Any = (
-            None  # and the scaler's wrappers they replaced, and the lean ones (see ampwatch._steady)
-        )
-        self._ran: bool | None = None  # on a lean step: whether its optimizer step ran (None: not known)
-        self._skip_seen = False  # on a full step: the step of one of several optimizers did not run
-        self._ran_on: set[Any] = set()  # the optimizers the post-step hook that tells so is registered on (once each)
-        # the current iteration (kept as a bare tensor in the usual case, a list only when there are several: each
-        # object the record keeps alive until the sender reads it adds to the garbage collector's work)
-        self._loss: Any = None  # the detached loss, or a list of them (several scale() calls)
-        self._norm: Any = None  # clip_grad_norm_'s total norm, or Groups (see ampwatch._steps)
-        self._normed: set[int] = set()
-        self._scale_calls = 0
-        self._anchor: tuple[Any, Any] | None = None
+        self._full_hooks: Any = None  # and the scaler's wrappers they replaced, and the lean ones
+        self._ran_on: set[Any] = set()  # the optimizers whose post-step hook says whether their step ran (once each)
+        self.current = StepState()  # what the current step has recorded so far (see ampwatch._step_state)
         # what the user logged under standard names
         self._user_step = -1
         self._user_names: set[str] = set()
         self._norm_logged_at = (-3, -3)  # the last two steps the user logged `grad_norm` at
         self.clip = ClipTracking(self.mailbox)  # whether clip_grad_norm_'s norm is the step's (see ampwatch._clip)
-        self._unscaled: Any = None  # the optimizer between its unscale_ and step
-        self._deferred: Any = None  # the optimizer whose norm waits for clip_grad_norm_
         # what is watched
         self._tensor: type[Any] = type(None)  # torch.Tensor and torch._foreach_norm once watching
         self._foreach_norm: Any = None  # (called only while watching: see watch())
@@ -131,15 +116,29 @@ class Recorder(StepEnd):
         self._module_of: dict[int, str] = {}
         self._layer_names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._probe: OriginProbe | None = None
-        self._arming = ProbeArming(self.mailbox, record, self._config)  # when the probe is armed (see ampwatch._arming)
+        self._arming = ProbeArming(self.mailbox, record, self.warn_config)  # when the probe arms (ampwatch._arming)
         self._probing = False  # the probe is armed (a copy of its flag, read every step)
         self._layers_due = False  # the current iteration takes per-layer norms
         self._ever_scaled = False
-        self._misuses_told: set[str] = set()  # the misuses that raise nothing, by cause: each is said once
-        self._last_optimizer = self._stage_before = self._grad_mark = None  # (the latter: see _scaler.norm_before_clip)
+        self.misuses = Misuses()  # the misuses said so far (see ampwatch._misuse)
         self._first_forward_hook: Any = None
-        self._last_error = 0
         self._woke_at = 0.0  # (time.monotonic() of the last)
+
+    # -- what is watched (read-only outside this class) -------------------------------------
+    @property
+    def optimizers(self) -> list[Any]:
+        """The watched optimizers (unwrapped), in the order given; the first one's steps are the run's."""
+        return self._optimizers
+
+    @property
+    def scaler(self) -> Any:
+        """The watched GradScaler, or None."""
+        return self._scaler
+
+    @property
+    def model(self) -> Any:
+        """The watched model, or None."""
+        return self._model
 
     # -- what the user logged --------------------------------------------------------------
     def user_logged(self, step: int, names: tuple[str, ...]) -> None:
@@ -211,7 +210,7 @@ class Recorder(StepEnd):
         for listened in self._optimizers if self._scaler is not None and self._scaler.is_enabled() else ():
             self._listen_ran(listened)  # (whether its step ran tells a skipped step without a host read)
         for problem in watch_config_problems(wrapped, scaler):
-            self._config(*problem)
+            self.warn_config(*problem)
         self._plain_until = 0  # what is due is planned again from the next step
         self._leave_steady()
 
@@ -243,34 +242,33 @@ class Recorder(StepEnd):
             self._first_forward_hook = None
         problem = guarded(forward_config_problem, module, self._scaler)
         if problem is not None:
-            self._config(*problem)
+            self.warn_config(*problem)
 
     # -- scaler path (every step: keep it lean) ----------------------------------------------
     def on_scale(self, outputs: Any) -> None:
         """The loss is the tensor handed to `scaler.scale()`, summed over micro-batches."""
-        self._scale_calls += 1
+        cur = self.current
+        cur.scale_calls += 1
         self._ever_scaled = True
         if isinstance(outputs, self._tensor) and outputs.numel() == 1:
             # `.data`: a view of the value without the graph, as detach() gives, at half its cost on the thread
             # (no dispatch); the agent only ever reads it.
-            loss, held = outputs.data, self._loss
-            held = None if held is not None and _scaler.grads_dropped(self._optimizers) else held
-            self._loss = loss if held is None else [*held, loss] if held.__class__ is list else [held, loss]
+            cur.add_loss(outputs.data, cur.loss is not None and _scaler.grads_dropped(self._optimizers))
 
     def on_unscaled(self, optimizer: Any, scale: Any = None) -> None:
         """Per-parameter gradient norms, one op: right after `unscale_` (true, not yet clipped gradients), before a
         clip without a scaler, or in a fused step with the device `scale` they are still multiplied by."""
-        key = id(optimizer)
-        if key in self._normed:
+        cur, key = self.current, id(optimizer)
+        if key in cur.normed:
             return
-        self._normed.add(key)
-        self._unscaled = optimizer if scale is None else None
+        cur.normed.add(key)
+        cur.unscaled = optimizer if scale is None else None
         if self._layers_due:  # every `layer_interval` steps, and every step while probing (for the heatmap)
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
             modules = self._modules(params)
         elif self.clip.trusted and scale is None and self.clip.still_covers(optimizer):
-            self._deferred = optimizer  # clip_grad_norm_ is about to compute it: take its result
+            cur.deferred = optimizer  # clip_grad_norm_ is about to compute it: take its result
             return
         elif self._norm_logged_at[1] >= self.step - 1 and self._norm_logged_at[0] == self._norm_logged_at[1] - 1:
             return  # the user logs the norm at every step: theirs is recorded, none is computed here
@@ -283,25 +281,24 @@ class Recorder(StepEnd):
             except RuntimeError:  # sparse gradients (an Embedding(sparse=True)): _foreach_norm has no kernel for them
                 norm = self._torch.linalg.vector_norm
                 norms = [norm(g.coalesce().values() if g.is_sparse else g) for g in grads]
-            self._add_norms((norms, scale is not None, modules))
+            cur.add_norms((norms, scale is not None, modules))
             if (
                 modules is not None
                 and scale is None
                 and grads[0].__class__ is not self._tensor
                 and hasattr(grads[0], "placements")
             ):
-                self._deferred = (
-                    optimizer  # FSDP2's sharded gradients: these norms are this rank's shard's; a clip's is whole
-                )
+                # FSDP2's sharded gradients: these norms are this rank's shard's; a clip's is whole
+                cur.deferred = optimizer
 
     def on_clipped(self, parameters: Any, args: tuple, kwargs: dict[str, Any], total: Any) -> None:
         """`clip_grad_norm_` returned `total`: after this run's `unscale_` and over its optimizer's parameters,
-        that is the step's gradient norm (and the next steps' norm is left to it too)."""
-        optimizer = self._unscaled
-        if (
-            optimizer is None
-        ):  # not between this run's unscale_ and step (before unscale_, after scale(): see clipped_scaled)
-            if self._scale_calls and "clip_before_unscale" not in self._misuses_told:
+        that is the step's gradient norm, recorded as the clip returned it on every step (and the next steps' norm is
+        left to it too)."""
+        cur = self.current
+        optimizer = cur.unscaled
+        if optimizer is None:  # not between this run's unscale_ and step (before unscale_, after scale())
+            if cur.scale_calls and "clip_before_unscale" not in self.misuses.told:
                 guarded(clipped_scaled, self, parameters, args, kwargs)
             return
         ids = (id(parameters),) if isinstance(parameters, self._tensor) else tuple(map(id, parameters))
@@ -310,58 +307,66 @@ class Recorder(StepEnd):
         max_norm = float(max_norm) if isinstance(max_norm, (int, float)) else None  # (the diagnosis reads it)
         seen = (ids, args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0), len(groups), max_norm)
         self.clip.judge(optimizer, parameters, seen)
-        if self._deferred is optimizer:
+        if cur.deferred is optimizer:
             if self.clip.trusted or seen[1] == 2.0 and self.clip.covers_gradients(optimizer, ids):
-                self._deferred = None
-                if self._norm is None:
-                    self._norm = total
-                elif (
-                    self._norm.__class__ is list and total.__class__ is not self._tensor
-                ):  # (a DTensor: see on_unscaled)
-                    self._norm.append(([total], False, CLIP_TOTAL))
+                cur.deferred = None
+                if cur.norm is None:
+                    cur.norm = total
+                elif cur.norm.__class__ is list and total.__class__ is not self._tensor:  # (a DTensor: see on_unscaled)
+                    cur.norm.append(([total], False, CLIP_TOTAL))
                 else:
-                    self._add_norms(([total], False, None))
+                    cur.add_norms(([total], False, None))
             elif not self.clip.param_ids(optimizer).isdisjoint(ids):
-                self._deferred = None  # another clip changed these gradients: this step's norm is lost
+                cur.deferred = None  # another clip changed these gradients: this step's norm is lost
+        elif (
+            cur.norm.__class__ is list
+            and len(cur.norm) == 1
+            and len(cur.normed) == 1
+            and not cur.norm[0][1]
+            and (self.clip.trusted or seen[1] == 2.0 and self.clip.covers_gradients(optimizer, ids))
+        ):
+            # Only this optimizer's norms were taken, before the clip (per-layer norms are due, or the clip was not
+            # judged yet): the clip's total is the step's norm, the same value to the last digit as on other steps.
+            cur.norm.append(([total], False, CLIP_TOTAL))
 
     def before_step(self, scaler: Any, optimizer: Any) -> None:
         """Remember the stage for diagnosis; fused optimizers unscale in their kernel: norm of grads / scale."""
-        if self._deferred is optimizer:
+        cur = self.current
+        if cur.deferred is optimizer:
             self._settle_deferred()
-        self._unscaled = None
+        cur.unscaled = None
         states = getattr(scaler, "_per_optimizer_states", None)  # (a disabled scaler may have none of its state)
         state = states.get(id(optimizer)) if states else None
-        self._stage_before = state["stage"] if state else None
-        self._last_optimizer = optimizer
-        self._skip_seen = (
-            self._skip_seen or self._ran is False
-        )  # (an earlier optimizer's step of this iteration did not run)
-        self._ran = False if optimizer in self._ran_on else None  # (True once its post-step hook fires)
+        cur.stage_before = state["stage"] if state else None
+        cur.last_optimizer = optimizer
+        cur.skip_seen = cur.skip_seen or cur.ran is False  # (an earlier optimizer's step of this iteration did not run)
+        cur.ran = False if optimizer in self._ran_on else None  # (True once its post-step hook fires)
         if not scaler._enabled:
             return
         if (
-            self._scale_calls == 0
+            cur.scale_calls == 0
             and self._ever_scaled
-            and "unscaled_backward" not in self._misuses_told
+            and "unscaled_backward" not in self.misuses.told
             and any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
         ):
-            self._misuses_told.add("unscaled_backward")
-            self._misuse("backward() without scaler.scale()", "unscaled_backward", SILENT_UNSCALED, "warning", {})
+            what, cause = "backward() without scaler.scale()", "unscaled_backward"
+            self.misuse(what, cause, SILENT_UNSCALED, "warning", {}, once=True)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             self.on_unscaled(optimizer, scaler._scale)
 
     def _settle_deferred(self) -> None:
         """No clip came after all (before step(), or unscale_ ran inside it): the gradients are as unscale_ left
         them."""
-        optimizer, self._deferred = self._deferred, None
+        cur = self.current
+        optimizer, cur.deferred = cur.deferred, None
         self.clip.forget()
-        self._normed.discard(id(optimizer))
+        cur.normed.discard(id(optimizer))
         self.on_unscaled(optimizer)
 
     def before_update(self, scaler: Any, scale_set_by_hand: bool = False) -> None:
         """The iteration ends: keep found_inf (update() discards it), copy the scale when the shadow needs an
         anchor, and record the step."""
-        if self._deferred is not None:  # step() called unscale_ itself, after before_step()
+        if self.current.deferred is not None:  # step() called unscale_ itself, after before_step()
             self._settle_deferred()
         found: Any = None  # (one tensor in the usual case: no list is built; a disabled scaler has none)
         for state in getattr(scaler, "_per_optimizer_states", {}).values():
@@ -370,7 +375,7 @@ class Recorder(StepEnd):
         if found is not None and scaler._scale is not None:
             rule = None
             if self.step >= self._plain_until and (self.reanchor or self.cadence.anchor_due(self.step)):
-                self._anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
+                self.current.anchor = (scaler._scale.clone(), scaler._growth_tracker.clone())
                 rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
                 self.reanchor = False
             self._finish_step(found, rule)
@@ -395,15 +400,6 @@ class Recorder(StepEnd):
         guarded(self._finish_step, None, None)
 
     # -- shared ---------------------------------------------------------------------------
-    def _add_norms(self, group: tuple[list[Any], bool, Any]) -> None:
-        held = self._norm
-        if held is None:
-            self._norm = [group]
-        elif held.__class__ is list:
-            held.append(group)
-        else:  # a clip's total norm, and now another optimizer's
-            self._norm = [([held], False, None), group]
-
     def _modules(self, params: list[Any]) -> tuple[str, ...]:
         """The module of each parameter, cached per parameter set."""
         key = tuple(map(id, params))
@@ -415,10 +411,16 @@ class Recorder(StepEnd):
             self._layer_names[key] = tuple(self._module_of.get(id(p), "(unnamed)") for p in params)
         return self._layer_names[key]
 
-    def _config(self, message: str, details: dict[str, Any]) -> None:
+    def warn_config(self, message: str, details: dict[str, Any]) -> None:
+        """Record an `amp_config` warning at the current step."""
         self._record((EVENT, self.step, self._event("amp_config", "warning", message, details)))
 
-    def _misuse(self, what: str, cause: str, explanation: str, severity: str, details: dict[str, Any]) -> None:
+    def misuse(
+        self, what: str, cause: str, explanation: str, severity: str, details: dict[str, Any], once: bool = False
+    ) -> None:
+        """Record a `scaler_misuse` event at the current step and log it; `once`: its cause is said for good."""
+        if once:
+            self.misuses.told.add(cause)
         message = f"{what} at step {self.step}. {explanation}"
         log.error("ampwatch: %s", message)
         self._record((EVENT, self.step, self._event("scaler_misuse", severity, message, {"cause": cause, **details})))

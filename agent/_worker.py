@@ -1,20 +1,19 @@
 """The background sender: one thread per run that takes the training thread's records to the server.
 
 A pipeline of parts, each readable alone:
-  buffer    `Worker.records`, a deque the training thread appends tuples to (atomic under the GIL, never
-            blocks), bounded by `AMPWATCH_MAX_PENDING_RECORDS`; what does not fit is counted (`ampwatch._losses`)
+  buffer    `ampwatch._buffer.RecordBuffer`: the deque the training thread appends tuples to (never blocks),
+            bounded by `AMPWATCH_MAX_PENDING_RECORDS`, what does not fit counted; and the records read, to free
   batcher   `ampwatch._batcher.Batcher`: reads the records' tensors, decodes them into series, hands host values
             to the diagnosis (events come back) and numbers the batches
   delivery  `ampwatch._outbox.Outbox`: sends batches in order through the transport, retries with backoff,
             keeps what waits in the spool (`ampwatch._spool`)
 This thread wakes every `flush_interval_s` (or when woken), moves the buffer through the batcher into the
-outbox, hands the records it read back for the training thread to free (see `free_read_records`), and delivers.
+outbox, hands the records it read back for the training thread to free (`free_read_records`), and delivers.
 The training loop never waits on any of it; `flush()` and `close()` wait for the batches made so far.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import operator
 import os
@@ -25,9 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ampwatch._batcher import Batcher
+from ampwatch._buffer import RecordBuffer
 from ampwatch._losses import BUFFER_FULL, SPOOL_FULL, UNREADABLE, Losses
 from ampwatch._outbox import Outbox
-from ampwatch._protocol import DATA_KINDS, FLUSH, KIND
+from ampwatch._protocol import FLUSH, KIND
 from ampwatch._settings import AgentSettings
 from ampwatch._spool import Spool, default_root
 from ampwatch._transport import HttpTransport, Transport
@@ -35,10 +35,6 @@ from ampwatch._transport import HttpTransport, Transport
 log = logging.getLogger("ampwatch")
 
 _KIND = operator.itemgetter(KIND)
-KEEP_READ = (
-    8  # lists of records read by the sender, kept for the training thread to free (see `free_read_records`), at most
-)
-FAST_RECORDS = 1024  # step records appended without the checks of `Worker.record` in a row, at most (a power of 2)
 
 
 _LIVE: weakref.WeakSet[Worker] = weakref.WeakSet()
@@ -75,8 +71,7 @@ class Worker:
         self.losses = Losses()
         self.outbox = Outbox(transport, run_id, run_doc, spool, self.losses)
         self._run_id, self._run_doc = run_id, run_doc
-        self.records: collections.deque[tuple] = collections.deque()
-        self._max_records = settings.max_pending_records
+        self.buffer = RecordBuffer(settings.max_pending_records, self.losses)
         self._wake = threading.Event()
         self._absorbing = (
             threading.Lock()
@@ -87,36 +82,19 @@ class Worker:
         self.batcher = Batcher(
             rank, self.outbox, self.losses, online=self._online, max_points=settings.max_batch_points
         )
-        self.read: collections.deque[list[tuple]] = (
-            collections.deque()
-        )  # read by the sender, to free (see free_read_records)
 
     # -- training thread side -------------------------------------------------------------
     def record(self, entry: tuple) -> Callable[[tuple], None] | None:
-        """Append a record without blocking; past the cap, count a data record as dropped (flush markers,
-        statuses and events are few and always kept: a run's end must never be lost). While the sender runs
-        and `FAST_RECORDS` more records fit, return the buffer's own `append`: the Recorder then appends
-        step records with it directly, coming back here every `FAST_RECORDS` steps."""
+        """Start the sender if it is not running, then append a record to the buffer without blocking (see
+        `RecordBuffer.append`: it may return the deque's own append, for the next step records)."""
         if self._thread is None:
             self._start()
-        records = self.records
-        if len(records) >= self._max_records and entry[0] in DATA_KINDS:
-            if self.losses.add(BUFFER_FULL):
-                log.warning("ampwatch: the record buffer is full, dropping records (counted)")
-            return None
-        records.append(entry)
-        return records.append if len(records) + FAST_RECORDS < self._max_records else None
+        return self.buffer.append(entry)
 
     def free_read_records(self) -> None:
-        """On the training thread, every few dozen steps: free the records the sender has read. Freeing a tensor lets go
-        of the GIL; on the sender each one handed the GIL to the training thread and waited to have it back (see
-        bench/NOTES.md), here nobody waits."""
-        read = self.read
-        try:
-            while read:
-                read.popleft()
-        except IndexError:  # (the sender let go of the oldest itself meanwhile)
-            pass
+        """On the training thread, every few dozen steps: free the records the sender has read (see
+        `RecordBuffer.free_read_records`)."""
+        self.buffer.free_read_records()
 
     def start(self) -> None:
         """Start sending now: the run registers and heartbeats before its first step."""
@@ -129,8 +107,6 @@ class Worker:
         out numbered from its own start, as a relaunch's batches are (the parent's next numbers are the parent's), and
         is not spooled (the folder and its lock are the parent's)."""
         self._thread = None
-        self.records.clear()
-        self.read.clear()
         self.outbox.close()
         if self.outbox.spool is not None:
             self.outbox.spool.close()  # (the child's copy of the lock's file: the lock stays the parent's)
@@ -138,6 +114,7 @@ class Worker:
             self._settings.url, self._settings.token, self._settings.request_timeout_s
         )
         self.losses = Losses()  # (the parent's losses are the parent's to report)
+        self.buffer.restart_in_child(self.losses)
         self.outbox = Outbox(transport, self._run_id, self._run_doc, None, self.losses)
         self.batcher.restart_in_child(self.outbox, self.losses)
 
@@ -165,7 +142,7 @@ class Worker:
         if not flushed and self._absorbing.acquire(timeout=max(0.0, deadline - time.monotonic())):
             # The sender may wait on the server for its request timeout: batch what it has not taken in yet here (values
             # on a device that has not computed them within a second more are lost, and counted).
-            entries = self._drain()
+            entries = self.buffer.drain()
             self.batcher.read_by = max(deadline, time.monotonic() + 1.0)
             try:
                 self._absorb(entries)
@@ -216,39 +193,25 @@ class Worker:
             self._wake.clear()
             try:
                 with self._absorbing:  # (and batch numbers are taken under it: see close())
-                    entries = self._drain()
+                    entries = self.buffer.drain()
                     self._absorb(entries)
                     if not self._stop:
-                        self._keep_read(entries)
+                        self.buffer.keep_read(entries)
                     del entries
                     if not self._stop:
                         self._heartbeat()
                 # Only now that the records this thread frees are freed (a tensor's release lets go of the GIL, and a
                 # thread taking it back while the interpreter shuts down aborts the whole process) may finish() return.
                 self._release_waiters()
-                if self._stop and not self.records:  # (what was not delivered is in the outbox: close() spools it)
+                if self._stop and not self.buffer:  # (what was not delivered is in the outbox: close() spools it)
                     return
                 self._deliver()
                 if self._online and self.outbox.due:  # a backlog: deliver more at once, taking in new records first
                     self._wake.set()
             except Exception:  # never let the thread die: a dead sender loses everything after
                 log.exception("ampwatch: sender error")
-            if self._stop and not self.records:
+            if self._stop and not self.buffer:
                 return
-
-    def _keep_read(self, entries: list[tuple]) -> None:
-        """Hand records this thread has read to the training thread, which frees them (see free_read_records)."""
-        if entries:
-            if len(self.read) >= KEEP_READ:  # (it does not step: a run that only logs values)
-                self.read.popleft()
-            self.read.append(entries)
-
-    def _drain(self) -> list[tuple]:
-        entries = []
-        records = self.records
-        while records:
-            entries.append(records.popleft())
-        return entries
 
     def _absorb(self, entries: list[tuple]) -> None:
         """Turn records into batches in the outbox; a flush marker waits for the batches made of what precedes it."""

@@ -36,7 +36,8 @@ log = logging.getLogger("ampwatch")
 SPLIT = (
     "The run was started before Lightning started its {world} processes (strategy ddp launched by Lightning), so "
     "each of them reports as rank 0 into a run of its own. Let the callback start it when the fit sets up, once the "
-    "processes know their ranks: AmpwatchCallback(project=..., name=...) instead of AmpwatchCallback(ampwatch.init(...))."
+    "processes know their ranks: AmpwatchCallback(project=..., name=...) instead of "
+    "AmpwatchCallback(ampwatch.init(...))."
 )
 
 

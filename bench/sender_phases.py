@@ -88,10 +88,10 @@ def main() -> None:
             self._wake.wait(self._settings.flush_interval_s)
             self._wake.clear()
             start, cpu = time.perf_counter(), time.thread_time()
-            entries = self._drain()
+            entries = self.buffer.drain()
             self._absorb(entries)
             freeing = time.thread_time()
-            self._keep_read(entries)  # (as Worker._loop: the training thread frees them)
+            self.buffer.keep_read(entries)  # (as Worker._loop: the training thread frees them)
             del entries
             totals["free records"] += time.thread_time() - freeing
             self._release_waiters()
@@ -99,7 +99,7 @@ def main() -> None:
             delivering = time.perf_counter()
             self._deliver()
             bursts.append((start, delivering, time.perf_counter(), time.thread_time() - cpu))
-            if self._stop and not self.records:
+            if self._stop and not self.buffer:
                 return
 
     _worker.Worker._loop = loop

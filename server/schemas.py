@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from ampwatch._protocol import EVENT_TYPES, SEVERITIES
+from ampwatch._protocol import BATCH_FORMATS, EVENT_TYPES, SEVERITIES
 from ampwatch.server.db import utc
 
 # (a Literal built from the protocol's tuple: one list, not two; mypy wants literals spelled out)
@@ -121,11 +121,25 @@ class BatchIn(BaseModel):
     """One agent batch. (run, rank, seq) identifies it: a batch sent twice is stored once."""
 
     model_config = ConfigDict(extra="forbid")
+    format: int = Field(1, description="The batch format's version; absent: 1, as older agents send it.")
     rank: Rank = 0
     seq: Annotated[int, Field(ge=1, le=MAX_BIGINT)]
     points: dict[Name, SeriesIn] = {}
     events: Annotated[list[EventIn], Field(max_length=10_000)] = []
     status: Literal["running", "finished", "crashed"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_format(cls, body: Any) -> Any:
+        """A format this server does not know is said first and alone: its other fields may mean something else."""
+        version = body.get("format", 1) if isinstance(body, dict) else 1
+        if version.__class__ is not int or version not in BATCH_FORMATS:
+            takes = ", ".join(map(str, BATCH_FORMATS))
+            raise ValueError(
+                f"batch format {version!r} is not one this server takes (it takes format {takes}): "
+                "upgrade the ampwatch server to the agent's version, or use an agent that sends these"
+            )
+        return body
 
 
 class BatchOut(BaseModel):

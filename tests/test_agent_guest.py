@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampwatch
 from ampwatch import _watch
+from ampwatch._buffer import KEEP_READ
 from ampwatch._protocol import APPLIED_STEP
-from ampwatch._worker import KEEP_READ
 
 
 def _train(run: Any, steps: int = 30, *, fused: bool = False, nan_step: int | None = 7) -> list[torch.Tensor]:
@@ -327,6 +327,40 @@ def test_the_sender_reads_the_step_tensors_and_the_training_thread_frees_them(me
     for step in range(40):
         only_logs.log({"x": torch.tensor(float(step))}, step=step)
         time.sleep(0.03)
-    assert 0 < len(only_logs._worker.read) <= KEEP_READ  # (private: the records kept for the training thread to free)
+    assert (
+        0 < len(only_logs._worker.buffer.read) <= KEEP_READ
+    )  # (private: the records kept for the training thread to free)
     only_logs.finish()
-    assert not only_logs._worker.read
+    assert not only_logs._worker.buffer.read
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["fp16-gradscaler", "bf16-no-scaler"])
+def test_grad_norm_is_the_clips_own_value_on_every_step(memory, scaled: bool) -> None:
+    """A loop that clips: the recorded grad_norm is what clip_grad_norm_ returned, to the last bit, on every step,
+    the first one and those that take per-layer norms (every 50th) included; the per-layer norms are still there."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    totals = []
+    with ampwatch.init("guest", "clip value", transport=memory) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for _ in range(120):
+            with torch.autocast("cpu", dtype=torch.float16 if scaled else torch.bfloat16):
+                loss = model(torch.randn(8, 16)).float().pow(2).mean()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+            else:
+                loss.backward()
+            totals.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+    recorded = memory.series(run.id)
+    assert recorded["grad_norm"]["steps"] == list(range(120))
+    assert [v.hex() for v in recorded["grad_norm"]["values"]] == [float(t).hex() for t in totals]
+    assert recorded["grad_norm/0"]["steps"] == [0, 50, 100]  # (the first Linear's per-layer norms, as before)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 import re
 
 import pytest
 
-from ampwatch._transport import packed
+from ampwatch._protocol import BATCH_FORMAT, BATCH_FORMATS
+from ampwatch._transport import HttpTransport, packed
 from ampwatch.server import Settings
 from ampwatch.server.values import downsample
 
@@ -363,3 +365,44 @@ def test_runs_sort_by_health_by_severity_and_put_runs_without_steps_last_on_ever
 
     assert (order("health", "desc"), order("health", "asc")) == (["a", "c", "b", "d"], ["b", "d", "c", "a"])
     assert (order("step", "desc"), order("step", "asc")) == (["b", "a", "c", "d"], ["c", "a", "b", "d"])
+
+
+@pytest.mark.parametrize("version", [None, BATCH_FORMAT])
+def test_a_batch_without_a_format_or_with_the_current_one_is_stored(http, version) -> None:
+    """A body without `format` is an older agent's (version 1); the current agent names its version."""
+    body = GOOD if version is None else {**GOOD, "format": version}
+    assert http.post("/api/v1/runs/r1/batches", json=body).json() == {"stored": True, "points": 3}
+    assert _stored(http)[0]["loss"]["steps"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("version", [max(BATCH_FORMATS) + 1, 0, "1", True, 1.0])
+def test_a_batch_format_the_server_does_not_take_gets_a_422_naming_the_ones_it_takes(http, version) -> None:
+    """A newer agent's format is refused as a whole, saying which versions this server takes, not stored in part
+    (its fields may mean something else)."""
+    reply = http.post("/api/v1/runs/r1/batches", json={**GOOD, "format": version, "novel": {}})
+    assert reply.status_code == 422, reply.text
+    (error,) = reply.json()["detail"]  # (said alone: not drowned in errors about fields it does not know)
+    assert f"batch format {version!r} is not one this server takes" in error["msg"]
+    assert f"it takes format {', '.join(map(str, BATCH_FORMATS))}" in error["msg"]
+    assert _stored(http) == ({}, [])
+
+
+def test_the_agent_names_its_batch_format(live_server) -> None:
+    """Every batch the agent sends says its format version, and a real server stores it."""
+    import ampwatch
+
+    sent: list[dict] = []
+
+    class Recording(HttpTransport):
+        def send(self, method: str, path: str, body: bytes):
+            if path.endswith("/batches"):
+                sent.append(json.loads(body))
+            return super().send(method, path, body)
+
+    with ampwatch.init("p", "format", transport=Recording(live_server.url, None, 5.0)) as run:
+        for step in range(3):
+            run.log({"x": float(step)}, step=step)
+        assert run.flush(30.0)
+    assert sent and all(batch["format"] == BATCH_FORMAT for batch in sent)
+    with live_server.client() as http:
+        assert http.get(f"/api/v1/runs/{run.id}/series").json()["x"]["steps"] == [0, 1, 2]

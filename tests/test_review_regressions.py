@@ -369,7 +369,7 @@ def test_log_and_watch_after_finish_are_ignored(memory, caplog) -> None:
     with caplog.at_level("WARNING", logger="ampwatch"):
         run.watch(model=model, optimizer=optimizer)
         run.log({"x": 1.0}, step=0)
-    assert not run._worker.records and not optimizer._optimizer_step_pre_hooks  # (private: nothing buffered or hooked)
+    assert not run._worker.buffer and not optimizer._optimizer_step_pre_hooks  # (private: nothing buffered or hooked)
     assert "log() after finish()" in caplog.text and "watch() after finish()" in caplog.text
 
 

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import httpx
 from sqlalchemy import CursorResult, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from ampwatch.server import models
 from ampwatch.server.alerts._channels import Outcome, send
@@ -40,7 +40,8 @@ def claim_due(session: Session, *, stamp: datetime, limit: int, group_wait_s: fl
         .limit(limit * _GROUP_MAX * 4)
     )
     rows = session.execute(query).all()
-    keyed = [(_group_key(r), r) for r in rows]
+    held = _resolves_held(session, [r.id for r in rows if r.new_state == "resolved"])
+    keyed = [(_group_key(r), r) for r in rows if r.id not in held]
     ready = {key for key, r in keyed if r.attempt > 1 or utc(r.due_at) <= waited}
     groups: dict[tuple[Any, ...], list[int]] = {}
     for key, row in keyed:
@@ -56,6 +57,33 @@ def claim_due(session: Session, *, stamp: datetime, limit: int, group_wait_s: fl
             groups.setdefault(key, []).append(row.id)
     session.commit()
     return list(groups.values())
+
+
+def _resolves_held(session: Session, resolved_ids: list[int]) -> set[int]:
+    """Resolved notices whose alert's firing notice, to the same channel, is still on its first attempt: a
+    receiver (Alertmanager, a pager) that never saw the alert fire would drop the resolve, so it waits."""
+    if not resolved_ids:
+        return set()
+    F, mine, theirs, their_flip = models.AlertFlip, D, aliased(D), aliased(models.AlertFlip)
+    query = (
+        select(mine.id)
+        .join(F, F.id == mine.flip_id)
+        .where(mine.id.in_(resolved_ids))
+        .where(
+            select(theirs.id)
+            .join(their_flip, their_flip.id == theirs.flip_id)
+            .where(
+                their_flip.alert_id == F.alert_id,
+                their_flip.new_state == "firing",
+                their_flip.id < F.id,
+                theirs.channel_id == mine.channel_id,
+                theirs.attempt == 1,
+                theirs.status.in_(("queued", "sending")),
+            )
+            .exists()
+        )
+    )
+    return set(session.scalars(query))
 
 
 def _group_key(row: Any) -> tuple[Any, ...]:
@@ -79,7 +107,7 @@ def attempt(
         if channel is None:
             return Outcome(False, error="the delivery or its channel was deleted")
         flips = {d.id: session.get(models.AlertFlip, d.flip_id) for d in deliveries if d.flip_id is not None}
-        stale = [d for d in deliveries if _superseded(session, flips.get(d.id))]
+        stale = [d for d in deliveries if _superseded(session, d, flips.get(d.id))]
         if stale:  # a retried "firing" must not arrive after the "resolved" that followed it
             for delivery in stale:
                 delivery.status, delivery.finished_at = "superseded", now()
@@ -105,9 +133,10 @@ def attempt(
     return outcome
 
 
-def _superseded(session: Session, flip: models.AlertFlip | None) -> bool:
-    """A firing notice (or a reminder) of an alert that has resolved since."""
-    if flip is None or flip.new_state != "firing":
+def _superseded(session: Session, delivery: models.AlertDelivery, flip: models.AlertFlip | None) -> bool:
+    """A retried firing notice (or a reminder) of an alert that has resolved since. A first attempt always goes
+    out (its resolve waits for it: `_resolves_held`), so that a brief NaN is never told only as resolved."""
+    if flip is None or flip.new_state != "firing" or (delivery.attempt == 1 and flip.old_state != "firing"):
         return False
     alert = session.get(models.Alert, flip.alert_id)
     return alert is not None and alert.state != "firing"

@@ -294,11 +294,33 @@ def test_a_retried_firing_notice_never_arrives_after_the_resolved_one(alert_serv
             json={"seq": 2, "points": {"loss": {"steps": list(range(2, 14)), "values": [1.0] * 12}}},
         )
         receiver.wait(2)
-        time.sleep(4.5)  # past the firing notice's retry
-        deliveries = _wait_final(http, "recovers", 2)
+        deliveries = _wait_final(http, "recovers", 2)  # the first attempt, and the retry's outcome
     assert [b["status"] for b in receiver.bodies()] == ["firing", "resolved"]  # (the retry said "firing" last)
     retry = [d for d in deliveries if d["attempt"] == 2]
     assert retry and retry[0]["status"] == "superseded", deliveries
+
+
+def test_an_alert_that_resolves_before_its_firing_notice_went_out_is_told_firing_then_resolved(
+    alert_server, receiver
+) -> None:
+    # The firing notice waits out group_wait; the run recovers within it. A receiver that only ever saw the
+    # resolve (Alertmanager drops it; a pager never rang) would never learn of the NaN.
+    server = alert_server(alert_group_wait_s=1.5)
+    with server.client() as http:
+        _nan(http, "brief", step=1)
+        http.post(
+            "/api/v1/runs/brief/batches",
+            json={"seq": 2, "points": {"loss": {"steps": list(range(2, 14)), "values": [1.0] * 12}}},
+        ).raise_for_status()
+        deadline = time.monotonic() + 20
+        while http.get("/api/v1/alerts", params={"run_id": "brief"}).json()[0]["state"] != "resolved":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert receiver.bodies() == []  # it resolved while its firing notice still waited
+        receiver.wait(2)
+        deliveries = _wait_final(http, "brief", 1)
+    assert [b["status"] for b in receiver.bodies()] == ["firing", "resolved"]
+    assert [d["status"] for d in deliveries] == ["delivered"], deliveries
 
 
 def test_a_notification_is_retried_for_a_day_then_given_up(alert_server, receiver) -> None:
