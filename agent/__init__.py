@@ -8,7 +8,8 @@ This package is the agent: standard library only. The server is `ampwatch.server
 """
 
 from ampwatch._run import Run, init
+from ampwatch._stop import StopRequested
 from ampwatch._transport import Response, Transport
 
 __version__ = "0.1.0"
-__all__ = ["Response", "Run", "Transport", "init", "__version__"]
+__all__ = ["Response", "Run", "StopRequested", "Transport", "init", "__version__"]

@@ -46,9 +46,10 @@ class ProbeArming:
             import torch
 
             fwd_names, fwd, bwd_names, bwd = probe.take()
+            inputs = probe.take_inputs() or None
             if fwd or bwd:
                 flags = (torch.stack(fwd) if fwd else None, torch.stack(bwd) if bwd else None)
-                self._record((ORIGIN, step, self.count, fwd_names, flags[0], bwd_names, flags[1]))
+                self._record((ORIGIN, step, self.count, fwd_names, flags[0], bwd_names, flags[1], inputs))
             elif not probe.blind_said:
                 probe.blind_said = True
                 self._config(BLIND, {"probe": "no forward seen", "armed_step": step})
@@ -67,6 +68,7 @@ class ProbeArming:
             # is known.
             start, end = self._covered
             if not start <= mailbox.arm_step < end:
+                probe.capture = mailbox.capture  # (None unless AMPWATCH_CAPTURE_DIR is set)
                 probe.arm(missed=self.count > 0 and mailbox.origin_found != self.count)
                 self.count += 1
                 self._covered = (mailbox.arm_step, step + 1 + probe.window)

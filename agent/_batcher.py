@@ -14,11 +14,13 @@ import time
 from typing import Any, Protocol
 
 from ampwatch import _resume
-from ampwatch._guard import report, warn_once
+from ampwatch._guard import guarded, report, warn_once
 from ampwatch._host import to_host
+from ampwatch._indicators import decode as decode_indicators
+from ampwatch._indicators import indicator_tensors
 from ampwatch._losses import UNREADABLE, Losses
 from ampwatch._outbox import Outbox
-from ampwatch._protocol import EVENT, KIND, ORIGIN, STATUS, STEP, STEP_KINDS, VALUES, batch_document
+from ampwatch._protocol import EVENT, INDICATORS, KIND, ORIGIN, STATUS, STEP, STEP_KINDS, VALUES, batch_document
 from ampwatch._steps import Points, StepDecoder, lean_tensors, step_tensors
 
 STEPS_PER_PASS = 512  # step records decoded in one pass (a batch can exceed `max_batch_points` by one pass)
@@ -31,7 +33,9 @@ class Diagnoser(Protocol):
 
     def observe_columns(self, columns: dict[str, tuple[list[int], list[float]]]) -> list[dict[str, Any]]: ...
 
-    def origin(self, step: int, arming: int, forward: Flags, backward: Flags) -> list[dict[str, Any]]: ...
+    def origin(
+        self, step: int, arming: int, forward: Flags, backward: Flags, inputs: dict[int, Any] | None
+    ) -> list[dict[str, Any]]: ...
 
 
 class Batcher:
@@ -55,6 +59,7 @@ class Batcher:
         # Written through `hold_back`, `stop_holding_back` and `refusal_said` only:
         self.hold_until: int | None = None  # this launch's points at steps up to this one are held back
         self.refusal: dict[str, Any] | None = None  # the event that says so, until a batch has carried it
+        self.on_critical: Any = None  # called with each critical event batched (see ampwatch._stop), if set
 
     def hold_back(self, last_step: int, refusal: dict[str, Any]) -> None:
         """A relaunch that does not resume (see ampwatch._resume): hold back its points at steps up to `last_step`, an
@@ -122,14 +127,16 @@ class Batcher:
                     series[1].append(v)
                 count += len(named)
             elif kind == ORIGIN:
-                _, origin_step, arming, fwd_names, fwd, bwd_names, bwd = part
+                _, origin_step, arming, fwd_names, fwd, bwd_names, bwd, inputs = part
                 forward = backward = []
                 if fwd is not None:
                     forward, at = list(zip(fwd_names, host[at : at + len(fwd_names)])), at + len(fwd_names)
                 if bwd is not None:
                     backward, at = list(zip(bwd_names, host[at : at + len(bwd_names)])), at + len(bwd_names)
                 if diagnosis is not None:
-                    events.extend(diagnosis.origin(origin_step, arming, forward, backward))
+                    events.extend(diagnosis.origin(origin_step, arming, forward, backward, inputs))
+            elif kind == INDICATORS:
+                at = decode_indicators(part, host, at, points)
             elif kind == EVENT:
                 events.append(part[2])
             elif kind == STATUS:
@@ -179,6 +186,10 @@ class Batcher:
             events.extend(self.diagnosis.observe_columns(points))
         if not points and not events and status is None and not heartbeat:
             return
+        if events and self.on_critical is not None:
+            for event in events:
+                if event.get("severity") == "critical":
+                    guarded(self.on_critical, event)
         if self._announce:  # this process's first batch: running (a run id used before, a resumed run, may have ended)
             self._announce, status = False, status or "running"
         self.last_batch_at = time.monotonic()
@@ -196,4 +207,6 @@ def _tensors(parts: list[Any]) -> list[Any]:
             tensors.append(part[3])
         elif part[0] == ORIGIN:
             tensors.extend(t for t in (part[4], part[6]) if t is not None)
+        elif part[0] == INDICATORS:
+            indicator_tensors(part, tensors)
     return tensors

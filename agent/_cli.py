@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-CLIENT_COMMANDS = ("runs", "run", "events", "series", "alerts", "watch", "plan")
+CLIENT_COMMANDS = ("runs", "run", "events", "series", "alerts", "watch", "plan", "stop")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,7 +138,13 @@ def _client_commands(commands: argparse._SubParsersAction) -> None:
     )
     plan_output.add_argument("--json", action="store_true", help="the plan as one JSON document (--format json)")
     plan.add_argument("--output", "-o", metavar="FILE", help="write it to FILE instead of stdout")
-    for sub in (runs, delete, prune, one, events, series, alerts, watch, plan):
+    stop = commands.add_parser(
+        "stop", help="ask a run to stop (admin token): its agent learns it at its next batch, the run ends stopped"
+    )
+    stop.add_argument("id", help="the run's id")
+    stop.add_argument("--reason", metavar="TEXT", help="why, shown with the run and told to the agent")
+    stop.add_argument("--json", action="store_true", help="the run as one JSON document")
+    for sub in (runs, delete, prune, one, events, series, alerts, watch, plan, stop):
         add_connection_flags(sub)
 
 

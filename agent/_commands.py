@@ -1,4 +1,5 @@
-"""The read commands (`ampwatch runs`, `run`, `events`, `series`, `alerts`, `watch`, `plan`, `runs delete|prune`): an
+"""The client commands (`ampwatch runs`, `run`, `events`, `series`, `alerts`, `watch`, `plan`, `stop`, `runs
+delete|prune`): an
 HTTP client of the server's API, standard library only, so `pip install ampwatch` alone runs them.
 
 People get aligned tables, programs get `--json` (one document; non-finite values spelled "NaN", "Infinity" as
@@ -33,7 +34,7 @@ RECONNECT_S = 0.5  # after a dropped stream
 FINISH_GRACE_S = 3.0  # alerts are evaluated in the background: after the run ends, `watch` waits this long for them
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-_ENDED = ("finished", "crashed")
+_ENDED = ("finished", "crashed", "stopped")
 
 
 class CommandError(Exception):
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         "alerts": _alerts,
         "watch": _watch,
         "plan": _plan,
+        "stop": _stop,
     }
     try:
         return commands[args.command](client_of(args), args)
@@ -306,6 +308,22 @@ def _delete(client: Client, args: argparse.Namespace) -> int:
             return 1
     client.json("DELETE", f"/api/v1/runs/{_quoted(args.id)}")
     print(f"deleted run {label}")
+    return 0
+
+
+def _stop(client: Client, args: argparse.Namespace) -> int:
+    """Ask a run to stop (an admin token): its agent learns it at its next batch; the run then ends `stopped`."""
+    body = {"reason": args.reason} if args.reason else {}
+    found, _ = client.json("POST", f"/api/v1/runs/{_quoted(args.id)}/stop", body=body)
+    if args.json:
+        _print_json(found)
+        return 0
+    stop = found.get("stop") or {}
+    why = f": {stop['reason']}" if stop.get("reason") else ""
+    print(
+        f"asked run {found['id']} ({found['project']}/{found['name']}) to stop, as {stop.get('by')}{why}; its agent "
+        "learns it at its next batch"
+    )
     return 0
 
 

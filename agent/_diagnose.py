@@ -14,6 +14,7 @@ from typing import Any
 
 from ampwatch._episodes import Episodes
 from ampwatch._episodes import spell as _spell
+from ampwatch._leading import Leading
 from ampwatch._median import RollingMedian
 from ampwatch._protocol import pow2
 from ampwatch._trends import Trends
@@ -91,12 +92,13 @@ class Analyzer(Trends, Episodes):
         self._ahead = 0  # of them, steps after a skip (not calibration's) at which a scheduler changed the LR
         self._norm_history: deque[tuple[int, float]] = deque(maxlen=30)  # (step, norm) of recent applied steps
         self._loss_history: deque[tuple[int, float]] = deque(maxlen=30)  # (step, loss) of recent finite losses
+        self.leading = Leading(self.event)  # the leading indicators' rules (see ampwatch._leading)
 
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series. A calm stretch (every value finite, no skipped step, nothing near a spike)
         only moves the state, in bulk; anything else is judged step by step, in step order."""
         standard = {name: columns[name] for name in OBSERVED if name in columns}
-        events: list[Event] = []
+        events: list[Event] = self.leading.observe_columns(columns)
         if not self._loss_seen:
             self._check_loss_seen(standard, events)
         if not standard or self._absorb_calm(standard):

@@ -3,14 +3,19 @@
 Training thread -> sender: the records themselves go through the sender's buffer (`Worker.record`); here,
 `wake()` asks the sender to read them now (a skipped step); `clipping` and `max_norm` say whether the loop clips its
 gradients and to what (the diagnosis words its advice by them); `optimizers` are the watched ones (the diagnosis
-asks whether an LR scheduler steps them).
+asks whether an LR scheduler steps them); `fp16_layers`, the leaf modules whose outputs were fp16 at the last
+interval step (the diagnosis warns of an fp16 overflow ahead only for those).
 Sender -> training thread: after a non-finite value, the diagnosis asks for the NaN-origin probe to be armed
 (`arm_request`, for the event at step `arm_step`), and says which arming's probe named an origin
 (`origin_found`); the training thread acts on them at the end of its next full step (see `ampwatch._steady`).
+After a stop asked of the run (see `ampwatch._stop`), `stop` says by whom and why (`run.should_stop`), and
+`stop_raise` asks the training thread to raise `ampwatch.StopRequested` at the end of its next step.
 And `free_read_records()`, the sender's errand that the training thread runs: freeing the records the sender has read.
+Both: `capture`, set at init and never after (with AMPWATCH_CAPTURE_DIR: see `ampwatch._capture`, which says which
+of its fields each thread writes).
 
-Each field has one writer, except `arm_request`: the sender sets it, the training thread clears it once it
-acted on it (a request set again meanwhile is at worst taken one full step later). Plain attributes, read without
+Each field has one writer, except `arm_request` and `stop_raise`: the sender sets them, the training thread clears
+them once it acted on them (a request set again meanwhile is at worst taken one full step later). Plain attributes, read without
 a lock: under the GIL each read or write of one is atomic, and none of them needs to agree with another.
 """
 
@@ -32,6 +37,10 @@ class Mailbox:
         "optimizers",
         "wake",
         "free_read_records",
+        "capture",
+        "fp16_layers",
+        "stop",
+        "stop_raise",
     )
 
     def __init__(self) -> None:
@@ -43,3 +52,7 @@ class Mailbox:
         self.optimizers: list[Any] = []  # training thread: the watched optimizers (replaced whole at watch())
         self.wake: Callable[[], Any] | None = None  # the sender's: wakes it (never blocks)
         self.free_read_records: Callable[[], None] | None = None  # the sender's: frees the records it read
+        self.capture: Any = None  # set once at init: where named input batches go (ampwatch._capture), or None
+        self.fp16_layers: frozenset[str] = frozenset()  # training thread: the leaf modules whose outputs are fp16
+        self.stop: dict[str, Any] | None = None  # sender: the stop the run was told of (trigger, by, reason)
+        self.stop_raise = False  # sender: raise StopRequested at the next step's end (the training thread clears it)

@@ -199,7 +199,8 @@ def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any
             max_norm = args[0] if args else kwargs.get("max_norm")
             number = isinstance(max_norm, (int, float))  # (a tensor is not read: a host read)
             details = {"max_norm": str(max_norm) if number else None}
-            message = CLIPPED_SCALED_NORM if number and math.isinf(max_norm) else CLIPPED_SCALED
+            norm_only = isinstance(max_norm, (int, float)) and math.isinf(max_norm)
+            message = CLIPPED_SCALED_NORM if norm_only else CLIPPED_SCALED
             what = "clip_grad_norm_ before scaler.unscale_(optimizer)"
             rec.misuse(what, "clip_before_unscale", message, "warning", details, once=True)
             return

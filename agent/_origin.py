@@ -12,6 +12,7 @@ import logging
 import sys
 from typing import Any
 
+from ampwatch._capture import Captured
 from ampwatch._diagnose import MAX_DIVERGED_STEPS, Analyzer, Columns, Event, Thresholds
 from ampwatch._guard import Hook, guarded
 
@@ -80,6 +81,8 @@ class OriginProbe:
         self.forward: list[tuple[str, Any]] = []
         self.backward: list[tuple[str, Any]] = []
         self._passes: list[int] = []  # where each forward pass began in `backward` (accumulated micro-batches)
+        self.inputs: dict[int, Any] = {}  # an input flag's index in `forward` -> its forward's Capture.take()
+        self.capture: Any = None  # the run's ampwatch._capture.Capture while armed with AMPWATCH_CAPTURE_DIR set
         self.steps_left = 0
         self.window = ARM_STEPS  # how many iterations the last arming lasts
         self.armed = False  # a plain attribute: the recorder reads it every step
@@ -99,7 +102,7 @@ class OriginProbe:
         if self.armed or not self.hookable:
             return
         self.armed = True
-        self._handles.append(self._model.register_forward_pre_hook(Hook(self._on_input)))
+        self._handles.append(self._model.register_forward_pre_hook(Hook(self._on_input), with_kwargs=True))
         if self.compiled:  # (the modules inside would not run their hooks: the outermost output, outside the graph)
             self._handles.append(self._model.register_forward_hook(self._hook_for(COMPILED)))
             return
@@ -116,6 +119,7 @@ class OriginProbe:
         self.forward.clear()
         self.backward.clear()
         self._passes.clear()
+        self.inputs = {}
 
     def take(self) -> tuple[list[str], list[Any], list[str], list[Any]]:
         """This iteration's flags (True = non-finite), in forward order and in backward order. In backward order, an
@@ -127,11 +131,21 @@ class OriginProbe:
             bwd.insert(at, (INPUT, bwd[at][1]))
         return [n for n, _ in fwd], [f for _, f in fwd], [n for n, _ in bwd], [f for _, f in bwd]
 
-    def _on_input(self, module: Any, args: Any) -> None:
+    def take_inputs(self) -> dict[int, Any]:
+        """This iteration's copies of the model's inputs (with a capture: see ampwatch._capture), by the index of
+        their input flag in `take()`'s forward order."""
+        inputs, self.inputs = self.inputs, {}
+        return inputs
+
+    def _on_input(self, module: Any, args: Any, kwargs: Any = None) -> None:
         if self._graph_task() != -1:  # (a recomputation: not a pass of its own)
             return
         self._passes.append(len(self.backward))
+        at = len(self.forward)
         guarded(self._flag, self.forward, INPUT, _first_float_tensor(args))
+        capture = self.capture
+        if capture is not None and len(self.forward) > at:  # (an armed step: copies are taken only then)
+            self.inputs[at] = guarded(capture.take, args, kwargs or {})
 
     def _hook_for(self, name: str) -> Hook:
         def on_output(module: Any, args: Any, output: Any) -> None:
@@ -178,11 +192,31 @@ class Diagnosis:
         self._named: tuple[str, str] | None = None  # the last origin named (module, phase)
         self._quiet = (0, 0, 0)  # the steps [from, until) after it whose events arm no probe, and their count
 
+    def _saved(
+        self, step: int, index: int, forward: list[tuple[str, float]], inputs: dict[int, Any], details: dict[str, Any]
+    ) -> str:
+        """Write the copy of the input whose flag is `forward[index]` (AMPWATCH_CAPTURE_DIR); what the message adds."""
+        captured = inputs.get(index)
+        micro_batch = sum(1 for name, _ in forward[:index] if name == INPUT)  # (its pass: accumulated micro-batches)
+        if isinstance(captured, Captured):
+            try:
+                path = self._mailbox.capture.write(step, captured, micro_batch)
+            except Exception as error:  # (a full disk, a folder not writable: said in the event, never raised)
+                reason = f"writing it to {self._mailbox.capture.directory} failed: {error}"
+            else:
+                details["capture"] = path
+                return f" The batch was saved to {path}: torch.load() it to replay it."
+        else:
+            reason = captured or "the probe could not copy it"
+        details["capture_error"] = reason
+        return f" The batch was not saved: {reason}."
+
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
         mailbox = self._mailbox  # whether the loop clips (and to which max_norm); an LR scheduler wraps a step
         self.analyzer.clipping, self.analyzer.max_norm = mailbox.clipping, mailbox.max_norm
         self.analyzer.scheduler = any(map(_scheduled, mailbox.optimizers))
+        self.analyzer.leading.fp16 = mailbox.fp16_layers
         events = self.analyzer.observe_columns(columns)
         start, end, _ = self._quiet
         arming = [e["step"] for e in events if e["type"] in self._ARMING_TYPES and not start <= e["step"] < end]
@@ -195,9 +229,15 @@ class Diagnosis:
         return events
 
     def origin(
-        self, step: int, arming: int, forward: list[tuple[str, float]], backward: list[tuple[str, float]]
+        self,
+        step: int,
+        arming: int,
+        forward: list[tuple[str, float]],
+        backward: list[tuple[str, float]],
+        inputs: dict[int, Any] | None = None,
     ) -> list[Event]:
-        """An event naming the first module whose output, else output gradient, went non-finite."""
+        """An event naming the first module whose output, else output gradient, went non-finite; one naming the input
+        batch names the file its copy was saved to (`inputs`, by input flag: see ampwatch._capture), if it was."""
         if arming in self._found:
             return []
         first_fwd = next(((i, n) for i, (n, bad) in enumerate(forward) if bad), None)
@@ -248,6 +288,8 @@ class Diagnosis:
                     "the values outgrew what the dtype holds there, rather than an operation that makes NaN."
                 )
             details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
+            if module == INPUT and self._mailbox.capture is not None:
+                message += self._saved(step, index, forward, inputs or {}, details)
             kind = "nonfinite_loss"
         else:
             # Output gradients arrive in backward order: the first non-finite one was made by the backward of the

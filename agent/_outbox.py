@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ampwatch._guard import guarded
 from ampwatch._losses import REJECTED, SPOOL_FULL, SPOOL_LOST, UNENCODABLE, Losses
 from ampwatch._protocol import batches_path, run_path
 from ampwatch._spool import Spool
@@ -49,7 +50,9 @@ class Outbox:
         self._queue: collections.deque[tuple[int, bytes | None, bool]] = collections.deque()
         self._lock = threading.Lock()  # (the queue changes on the sender thread, and at close() on the caller's)
         self._registered = False
+        self._register_again = False  # the training thread's: the run's document changed (see register_again)
         self.on_registered: Any = None  # called with the server's reply to the registration (a dict), if set
+        self.on_reply: Any = None  # called with a batch reply that says more than stored (a stop: see ampwatch._stop)
         self.retry_at = 0.0
         self._failures = 0
         if spool is not None:
@@ -135,6 +138,12 @@ class Outbox:
         """Batches wait and no backoff holds them."""
         return bool(self._queue) and time.monotonic() >= self.retry_at
 
+    def register_again(self, run_doc: dict[str, Any]) -> None:
+        """The run's document changed: register it again before the next batch (training thread; the body is in
+        place before the flag, which the sender reads first)."""
+        self._run_body = encode(run_doc)
+        self._register_again = True
+
     def deliver(self, budget_s: float | None = None) -> bool:
         """Send what is due, in order; False when the server could not take it (retry later). With a budget, stop
         after the batch that used it up (see `due`): the sender has records to take in meanwhile."""
@@ -143,6 +152,8 @@ class Outbox:
         while self._queue:
             if time.monotonic() < self.retry_at:
                 return False
+            if self._register_again:  # (cleared before the PUT: a change meanwhile is sent by another)
+                self._register_again = self._registered = False
             if not self._registered:
                 if not self._send("PUT", self._run_path, self._run_body):
                     return False
@@ -170,12 +181,22 @@ class Outbox:
                 self._drop(REJECTED, f"ampwatch: batch {seq} rejected ({reply.status}): {reply.body[:500]}", error=True)
             self._failures = 0
             self._pop()
+            if not rejected and self.on_reply is not None and ('"stop"' in reply.body or '"critical"' in reply.body):
+                self._replied(reply.body)
             if stored:
                 # (stored batches imply a spool)
                 (self.spool.set_aside if rejected else self.spool.remove)(seq)  # type: ignore[union-attr]
             if stop_at is not None and time.monotonic() >= stop_at:
                 return True
         return True
+
+    def _replied(self, body: str) -> None:
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return
+        if isinstance(doc, dict):
+            guarded(self.on_reply, doc)
 
     def _pop(self) -> None:
         with self._lock:

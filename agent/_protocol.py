@@ -42,9 +42,12 @@ EVENT_TYPES = (
     "run_crashed",
     "run_stalled",
     "checkpoint",
+    "ranks_desync",
+    "leading_indicator",
+    "run_stopped",
 )
 SEVERITIES = ("info", "warning", "critical")
-SENT_STATUSES = ("running", "finished", "crashed")  # what a batch's `status` may say (the server adds "stalled")
+SENT_STATUSES = ("running", "finished", "crashed", "stopped")  # a batch's `status` (the server adds "stalled")
 MAX_NAME = 200  # the server's limit on project, run and series names
 MAX_STEP = 2**63  # steps are in [0, MAX_STEP): the server stores them as signed 64-bit integers
 DROPPED = "dropped_records"  # the series of how many records and batches a rank lost so far, in total
@@ -102,8 +105,11 @@ VALUES = "v"  # (VALUES, step, names, values): `values` a tuple of floats, one p
 EVENT = "e"  # (EVENT, step, event): an event document, as the wire format carries it
 STATUS = "s"  # (STATUS, status): one of SENT_STATUSES
 FLUSH = "f"  # (FLUSH, done, spooled): set the threading.Event `done` once what precedes is delivered (or spooled)
-ORIGIN = "o"  # (ORIGIN, step, arming, forward names, forward flags, backward names, backward flags): what the
-#               NaN-origin probe saw at `step` (the flags a tensor each, or None for a pass not watched)
+ORIGIN = "o"  # (ORIGIN, step, arming, forward names, forward flags, backward names, backward flags, inputs): what
+#               the NaN-origin probe saw at `step` (the flags a tensor each, or None for a pass not watched); inputs,
+#               with AMPWATCH_CAPTURE_DIR set, the copies of the model's inputs by input flag (see ampwatch._capture)
+INDICATORS = "i"  # (INDICATORS, step, parts): the leading indicators of an interval step, each part (series prefix,
+#                   names, tensors, how many values they hold, what decoding needs) (see ampwatch._indicators)
 
 # A step record: (STEP, step, loss, found, norm, total, anchor, rule, lr, params)
 #   loss    the detached tensor passed to scaler.scale(), a list of them (summed), or None (no scale() call,
@@ -131,4 +137,5 @@ LEAN_FIELDS = ("kind", "step", "loss", "found", "norm", "lr")
 STEP_AT, LOSS_AT, FOUND_AT = 1, 2, 3  # positions shared by step and lean step records
 LEAN_LR_AT = 5
 STEP_KINDS = (STEP, LEAN_STEP, APPLIED_STEP)  # decoded a run of one kind at a time (see ampwatch._steps)
-DATA_KINDS = (VALUES, ORIGIN, *STEP_KINDS)  # the records a full buffer drops (the others are few, and always kept)
+# the records a full buffer drops (the others are few, and always kept)
+DATA_KINDS = (VALUES, ORIGIN, INDICATORS, *STEP_KINDS)

@@ -24,11 +24,13 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
-from ampwatch import _resume
+from ampwatch import _layout, _resume
+from ampwatch._capture import Capture
 from ampwatch._guard import guarded, warn_once
 from ampwatch._origin import Diagnosis
 from ampwatch._protocol import EVENT, MAX_NAME, MAX_STEP, STATUS, VALUES
 from ampwatch._settings import AgentSettings
+from ampwatch._stop import Stopper, StopRequested, triggers
 from ampwatch._transport import Transport
 from ampwatch._watch import Recorder
 from ampwatch._worker import Worker
@@ -51,6 +53,7 @@ class Run:
         config: Any = None,
         transport: Transport | None = None,
         resume_step: int | None = None,
+        stop_on: Any = None,
     ) -> None:
         disabled = settings.mode == "disabled"  # the fallback of a failed init(): nothing here may raise
         self.rank, self.world_size = (0, 1) if disabled else _rank_and_world_size()
@@ -81,8 +84,12 @@ class Run:
         self._relaunch_checked = False  # (see _registered)
         self._worker.outbox.on_registered = self._registered
         mailbox = self._recorder.mailbox
+        self._stopper = Stopper(mailbox, triggers(stop_on))
+        self._worker.outbox.on_reply = self._stopper.replied
+        self._worker.batcher.on_critical = self._stopper.critical
         mailbox.wake, mailbox.free_read_records = self._worker.wake, self._worker.free_read_records
         self._worker.batcher.diagnosis = Diagnosis(mailbox, self.rank)  # (it writes the probe's requests there)
+        mailbox.capture = Capture.of(settings, self.id, self.rank)  # (None unless AMPWATCH_CAPTURE_DIR is set)
         self._resume_step = None if resume_step is None else int(resume_step)  # (kept even where it is no step)
         if self._resume_step is not None:
             self._resume_from(self._resume_step)
@@ -101,7 +108,9 @@ class Run:
                 "watch-finished", "ampwatch: watch() after finish() is ignored: start a new run with ampwatch.init()"
             )
         elif self._worker is not None:  # a disabled run does not even hook: it costs nothing
-            guarded(self._recorder.watch, *guarded(_watchable, model, optimizer, scaler) or (None, None, None))
+            watched = guarded(_watchable, model, optimizer, scaler) or (None, None, None)
+            guarded(self._recorder.watch, *watched)
+            guarded(_layout.report, self._worker, watched[0])  # (DDP: the server compares the ranks' parameters)
         return self
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
@@ -119,6 +128,13 @@ class Run:
         event, which the server's rollback plan (`GET /api/v1/runs/{id}/plan`) restores from."""
         guarded(self._checkpoint, step, path)
 
+    @property
+    def should_stop(self) -> bool:
+        """True once the run was asked to stop (an admin's "Stop run", `ampwatch stop`; or a critical event, where
+        `init(stop_on=...)` has "critical"), learned at the agent's next exchange with the server: a loop that checks it
+        can save and end. The run then ends `stopped`. A read of one attribute: cheap at every step."""
+        return self._recorder.mailbox.stop is not None
+
     def finish(self) -> None:
         """Mark the run finished and deliver what is left (waits at most `AMPWATCH_FINISH_TIMEOUT_S`)."""
         guarded(self._finish, "finished", None)
@@ -130,6 +146,7 @@ class Run:
         if isinstance(stored, dict) and not self._relaunch_checked:  # (the first reply that says: re-registrations too)
             self._relaunch_checked = True
             guarded(_resume.check_relaunch, self, stored, self._resume_step)
+        guarded(self._stopper.registered, reply)
         url = reply.get("url")
         if isinstance(url, str) and url.startswith(("http://", "https://")) and url.endswith("/runs/" + self.id):
             self.url = url
@@ -153,6 +170,8 @@ class Run:
     ) -> Literal[False]:
         if _is_failure(exc):
             guarded(self._finish, "crashed", exc)
+        elif isinstance(exc, StopRequested):
+            guarded(self._finish, "stopped", None)
         else:
             guarded(self._finish, "finished", None)
         return False  # the exception, if any, propagates unchanged
@@ -249,10 +268,15 @@ class Run:
             return
         self._finished = True
         _UNFINISHED.discard(self)
+        told = self._recorder.mailbox.stop
+        if told is not None and status in ("finished", "stopped"):  # (a crash stays a crash)
+            status = "stopped"
         try:
             self._recorder.unwatch()
             if exc is not None:
                 self._record((EVENT, self._recorder.step, _crash_event(self._recorder.step, self.rank, exc)))
+            if status == "stopped":
+                self._record((EVENT, self._recorder.step, _stopped_event(self._recorder.step, self.rank, told or {})))
         finally:  # (the run is closed whatever went wrong above)
             self._record((STATUS, status))
             delivered = self._worker is None or self._worker.close(self._settings.finish_timeout_s)
@@ -306,14 +330,18 @@ def init(
     config: Any = None,
     transport: Transport | None = None,
     resume_step: int | None = None,
+    stop_on: Any = None,
 ) -> Run:
     """Start a run (`config`: a dict, an argparse.Namespace, a dataclass or an OmegaConf config). `transport`: what
     delivers batches instead of HTTP to `url` (any object with `ampwatch.Transport`'s `send` and `close`; tests pass
     an in-memory one). `resume_step`: the step a relaunch under the same run id resumes from, where its step
-    numbering continues. Never raises: on any problem it logs and returns a run that records nothing."""
+    numbering continues. `stop_on`: "request", "critical" or both (a tuple): raise `ampwatch.StopRequested` at the end of
+    the step after the run is asked to stop (an admin's request; a critical event), rather than only turning
+    `run.should_stop` true; never by default. Never raises: on any problem it logs and returns a run that records
+    nothing."""
     try:
         settings = AgentSettings.resolve(project=project, url=url, token=token)
-        return Run(settings, name, config, transport, resume_step)
+        return Run(settings, name, config, transport, resume_step, stop_on)
     except Exception:
         log.exception("ampwatch: init() failed; this run will not be recorded")
         return Run(AgentSettings(mode="disabled", project=project or "default"), name)
@@ -328,8 +356,9 @@ def _finish_at_exit() -> None:
 
 
 def _is_failure(exc: BaseException | None) -> bool:
-    """A clean `sys.exit()` ends a run; anything else escaping the loop, Ctrl-C included, cut it short."""
-    if exc is None:
+    """A clean `sys.exit()` ends a run, and so does the StopRequested it was asked for; anything else escaping the
+    loop, Ctrl-C included, cut it short."""
+    if exc is None or isinstance(exc, StopRequested):
         return False
     return not (isinstance(exc, SystemExit) and exc.code in (0, None))
 
@@ -402,6 +431,20 @@ def _crash_event(step: int, rank: int, exc: BaseException) -> dict[str, Any]:
         "severity": "critical",
         "message": message[:2000],
         "details": details,
+        "time": time.time(),
+    }
+
+
+def _stopped_event(step: int, rank: int, told: dict[str, Any]) -> dict[str, Any]:
+    """The run ended after it was asked to stop: by whom and why, on its timeline (and for the server's record)."""
+    by, reason = told.get("by") or "the user", told.get("reason")
+    return {
+        "step": step,
+        "rank": rank,
+        "type": "run_stopped",
+        "severity": "info",
+        "message": (f"Stopped at step {step}, as asked by {by}" + (f": {reason}" if reason else "."))[:2000],
+        "details": {"by": by, "reason": reason, "trigger": told.get("trigger")},
         "time": time.time(),
     }
 

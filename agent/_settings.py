@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_URL = "http://127.0.0.1:8600"
 MODES = ("online", "offline", "disabled")
@@ -26,6 +26,22 @@ class AgentSettings:
     spool_max_bytes: int = 1 << 30
     layer_norm_interval: int = 50
     param_check_interval: int = 50
+    capture_dir: str | None = field(
+        default=None,
+        metadata={
+            "doc": "when the NaN-origin probe names the input batch, write the tensors the watched model received in "
+            "that forward, and the step, to this folder (`torch.load` the file to replay them; the event names it). "
+            "Unset: nothing is copied or written. See [Diagnosis](diagnosis.md#replaying-a-bad-batch)"
+        },
+    )
+    capture_max_bytes: int = field(
+        default=256 << 20,
+        metadata={
+            "doc": "with `AMPWATCH_CAPTURE_DIR`: the most bytes of input copies held at once. A batch larger than "
+            "this is not copied, nor one that would take the copies still waiting for the sender past it: the "
+            "event then says why no file was written"
+        },
+    )
 
     @classmethod
     def resolve(cls, *, project: str | None, url: str | None, token: str | None) -> AgentSettings:
@@ -48,4 +64,6 @@ class AgentSettings:
             heartbeat_interval_s=float(env.get("AMPWATCH_HEARTBEAT_INTERVAL_S", cls.heartbeat_interval_s)),
             layer_norm_interval=max(1, int(env.get("AMPWATCH_LAYER_NORM_INTERVAL", cls.layer_norm_interval))),
             param_check_interval=max(1, int(env.get("AMPWATCH_PARAM_CHECK_INTERVAL", cls.param_check_interval))),
+            capture_dir=env.get("AMPWATCH_CAPTURE_DIR") or None,
+            capture_max_bytes=max(0, int(env.get("AMPWATCH_CAPTURE_MAX_BYTES", cls.capture_max_bytes))),
         )

@@ -30,6 +30,7 @@ from ampwatch._guard import guarded, report
 from ampwatch._host import note_stream
 from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
 from ampwatch._step_state import StepState
+from ampwatch._stop import stop_here
 
 LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
 WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips each)
@@ -42,6 +43,7 @@ class StepEnd:
 
     __slots__ = ()
     current: StepState  # (the Recorder's slot, declared here for the type checker)
+    _indicators: Any
 
     def _finish_step(self: Any, found: Any, rule: tuple[float, float, int] | None) -> None:
         """Record this iteration at its step (what the user logged under a standard name wins); `found`: the
@@ -81,6 +83,10 @@ class StepEnd:
             self._layers_due = self.cadence.layers_due(step + 1, self._probing, True)
         elif self.mailbox.arm_request:  # (no model is watched: there is nothing to arm)
             self.mailbox.arm_request = False
+        indicators = self._indicators
+        if indicators is not None:
+            indicators.end_of_step(step)
+            indicators.arm_for(step + 1)
         self._plain_until = self._plan(step)
         if self._plain_until > step + 1:
             self._enter_steady()
@@ -99,6 +105,8 @@ class StepEnd:
         if wake:  # (now that its record is in the buffer: the sender's next read must find it)
             self._wake_for_skip()
         self.current.end()
+        if self.mailbox.stop_raise:  # (the run was asked to stop, and init(stop_on=...) asked to raise it)
+            stop_here(self)
 
     def _plan(self: Any, step: int) -> int:
         """The first step after `step` whose record needs more than the plain path of `_finish_step` (see
@@ -108,6 +116,8 @@ class StepEnd:
     def _end_plain(self: Any, step: int) -> None:
         """`step` was the plan's last plain step: the full hooks again, and per-layer norms at the next step if due."""
         self._layers_due = self.cadence.layers_due(step + 1, False, self._probe is not None)
+        if self._indicators is not None:
+            self._indicators.arm_for(step + 1)
         self._leave_steady()
 
     def _enter_steady(self: Any) -> None:

@@ -17,6 +17,7 @@ from ampwatch._arming import ProbeArming
 from ampwatch._cadence import Cadence
 from ampwatch._clip import ClipTracking
 from ampwatch._guard import Hook, guarded, warn_once
+from ampwatch._indicators import Indicators
 from ampwatch._mailbox import Mailbox
 from ampwatch._misuse import (
     SILENT_UNSCALED,
@@ -82,6 +83,7 @@ class Recorder(StepEnd):
         "_torch",
         "_step_hooks",
         "_woke_at",
+        "_indicators",
     )
 
     def __init__(
@@ -123,6 +125,7 @@ class Recorder(StepEnd):
         self.misuses = Misuses()  # the misuses said so far (see ampwatch._misuse)
         self._first_forward_hook: Any = None
         self._woke_at = 0.0  # (time.monotonic() of the last)
+        self._indicators: Indicators | None = None  # the leading indicators' hooks (see ampwatch._indicators)
 
     # -- what is watched (read-only outside this class) -------------------------------------
     @property
@@ -173,6 +176,18 @@ class Recorder(StepEnd):
             self._module_of = module_names(model)
             self._probe = OriginProbe(model)
             self._layers_due = self.cadence.layers_due(self.step, False, True)
+            if self._indicators is not None:
+                self._indicators.disarm()
+            self._indicators = Indicators(
+                model,
+                lambda: self._optimizers,
+                lambda: self._module_of,
+                self.cadence.layer_interval,
+                self._record,
+                self.mailbox,
+                self._foreach_norm,
+            )
+            self._indicators.arm_for(self.step)
             # On a module that holds parameters, not the model itself: a forward wrapped in autocast (Accelerate's)
             # has it on only once that forward runs, after the model's own pre-hooks. Parameters that train: a frozen
             # backbone may only ever run under no_grad.
@@ -226,6 +241,8 @@ class Recorder(StepEnd):
         if self._probe is not None:
             self._probe.disarm()
             self._probing = False
+        if self._indicators is not None:
+            self._indicators.disarm()
         if self._scaler is not None:
             _scaler.detach(self._scaler, self)
         _scaler.stop_listening(self)

@@ -96,6 +96,14 @@ class Worker:
         `RecordBuffer.free_read_records`)."""
         self.buffer.free_read_records()
 
+    def update_environment(self, **values: Any) -> None:
+        """Say more about the run than init() knew (ampwatch._layout): the run registers again with it, before its
+        next batch. Training thread."""
+        environment = self._run_doc["environment"]
+        if any(environment.get(key) != value for key, value in values.items()):
+            environment.update(values)  # (the document a forked child's outbox registers with too)
+            self.outbox.register_again(self._run_doc)
+
     def start(self) -> None:
         """Start sending now: the run registers and heartbeats before its first step."""
         if self._thread is None:

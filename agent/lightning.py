@@ -48,6 +48,10 @@ class AmpwatchCallback(Callback):
 
     With `finish=True` (the default) the run is finished when the fit ends, and marked crashed when it
     raises; pass `finish=False` to keep it open (several fits, or logging after the fit) and finish it yourself.
+
+    Every checkpoint the trainer saves (`ModelCheckpoint`, `trainer.save_checkpoint`) is recorded with its path
+    (`run.checkpoint()`, on global rank 0), for the rollback plan; and once the run is asked to stop
+    (`run.should_stop`) the fit stops after the current batch (`trainer.should_stop`).
     """
 
     def __init__(self, run: Run | None = None, *, finish: bool = True, **init: Any) -> None:
@@ -64,6 +68,7 @@ class AmpwatchCallback(Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """After Lightning's strategy has set up its processes (and their process group)."""
+        guarded(self._record_checkpoints, trainer)
         if self.run is None:
             self.run = init_run(**self._init)
         elif (self.run.world_size, self.run.rank) != (trainer.world_size, trainer.global_rank) and Integration(
@@ -74,6 +79,29 @@ class AmpwatchCallback(Callback):
             Integration(self.run).config_warning(
                 message, {"check": "run_before_ddp", "global_rank": trainer.global_rank}
             )
+
+    def _record_checkpoints(self, trainer: Any) -> None:
+        """Wrap the trainer's own `save_checkpoint` (the instance's, once): a checkpoint is recorded once its file is
+        written, with the path it was written to (Lightning's `on_save_checkpoint` comes before, without it)."""
+        if "save_checkpoint" in vars(trainer):
+            return
+        save = trainer.save_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            result = save(*args, **kwargs)
+            if self.run is not None and trainer.is_global_zero:
+                path = args[0] if args else kwargs.get("filepath")
+                self.run.checkpoint(path=None if path is None else str(path))
+            return result
+
+        # (functions take attributes; mypy's Callable type does not say so)
+        save_checkpoint.__wrapped__ = save  # type: ignore[attr-defined]
+        trainer.save_checkpoint = save_checkpoint
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """A run asked to stop (an admin's "Stop run"; a critical event with `stop_on`) ends the fit after this batch."""
+        if self.run is not None and self.run.should_stop:
+            trainer.should_stop = True
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Optimizers and the precision plugin exist from here on (not yet in `setup`)."""

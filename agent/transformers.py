@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import sys
 from typing import Any
 
@@ -41,6 +42,10 @@ class AmpwatchCallback(TrainerCallback):
     `training_step` returns it (NaN and Inf included), is handed to the agent and summed over the optimizer step,
     and the gradient norm is taken after the last micro-batch's backward, before the Trainer clips.
 
+    Every checkpoint the Trainer saves is recorded with its folder (`run.checkpoint()`, on the main process), for the
+    rollback plan; and once the run is asked to stop (`run.should_stop`) the training stops after the current step
+    (`control.should_training_stop`).
+
     With `finish=True` (the default) the run is finished when the training ends, and marked crashed when `train()`
     raises (given to `Trainer(callbacks=...)`; added later with `add_callback`, a crash that ends the process is
     still marked at exit). Pass `finish=False` to keep the run open and finish it yourself.
@@ -68,6 +73,16 @@ class AmpwatchCallback(TrainerCallback):
         guarded(self._begin, args, kwargs.get("model"), kwargs.get("optimizer"))
         if self.run is not None:
             Integration(self.run).resume_at(int(getattr(state, "global_step", 0) or 0))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A run asked to stop (an admin's "Stop run"; a critical event with `stop_on`) ends the training here."""
+        if self.run is not None and self.run.should_stop:
+            control.should_training_stop = True
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After the Trainer saved a checkpoint: recorded at the run's step, with the folder the Trainer wrote."""
+        if self.run is not None and state.is_world_process_zero:
+            guarded(_checkpoint, self.run, args, state)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._release()
@@ -134,6 +149,12 @@ class AmpwatchCallback(TrainerCallback):
         trainer, wrapper, self._step_wrapper = self._trainer, self._step_wrapper, None
         if wrapper is not None and vars(trainer).get("training_step") is wrapper:
             del trainer.training_step
+
+
+def _checkpoint(run: Run, args: Any, state: Any) -> None:
+    """The checkpoint the Trainer just saved, at the run's step, with its folder (named as the Trainer names it)."""
+    folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+    run.checkpoint(path=folder if os.path.isdir(folder) else None)
 
 
 def _calling_trainer(callback: AmpwatchCallback) -> Any:

@@ -10,12 +10,18 @@ alert threads and the access-token cache.
 
     python bench/scale.py                      # both backends, 100 / 1 000 / 10 000 runs
     python bench/scale.py --backends sqlite --runs 100 1000 --repeat 9
-    python bench/scale.py --tabs 1 50 200      # open tabs on one run instead (a real `ampwatch server`, SQLite)
+    python bench/scale.py --tabs 1 50 200      # open tabs on one run instead (a real `ampwatch server`)
+    python bench/scale.py --replicas 1 3       # ingest through 1 and 3 replicas on one Postgres, behind nginx
 
 Tabs: N live streams of one run (the run page's), held by one asyncio client process, and a real
 `ampwatch server` process; one single-step batch every 0.25 s. Server CPU is the server process's user+system
 time over the sending window divided by its length; point-to-screen latency is from the start of the POST to
 the moment a stream has parsed the update holding that step, over every stream and step.
+
+Replicas: N `ampwatch server` processes on one scratch Postgres behind Debian's nginx (the shipped locations),
+`--senders` client threads each sending 2 000-point batches (4 series x 500 steps) of a run of its own for
+`--seconds`; points/s acknowledged, and the CPU each side used over the window (share of one core, from /proc:
+the replicas together, nginx, every postgres process of the machine, this client), so the bound shows.
 
 Target: the runs page and the first page of /api/v1/runs at 10 000 runs, p50 < 100 ms on both backends, with
 statements per request independent of the number of runs.
@@ -26,9 +32,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +50,7 @@ import httpx  # noqa: E402
 from _common import (  # noqa: E402  (after the path insert)
     DEFAULT_PG_ADMIN_URL,
     Server,
+    free_port,
     percentile,
     postgres_problem,
     scratch_database,
@@ -198,10 +208,8 @@ async def _tabs_round(url: str, pid: int, tabs: int, first_step: int, sends: int
     return share, latencies, tabs * sends - len(latencies)
 
 
-def tabs_benchmark(counts: list[int], sends: int) -> None:
-    print("| open tabs | server CPU (share of one core) | latency p50 | latency p95 | updates missing |")
-    print("|---|---|---|---|---|")
-    with scratch_database("sqlite") as db_url, tempfile.TemporaryDirectory() as tmp:
+def tabs_benchmark(counts: list[int], sends: int, backend: str, pg_admin: str) -> None:
+    with scratch_database(backend, pg_admin) as db_url, tempfile.TemporaryDirectory() as tmp:
         server = Server(db_url, Path(tmp) / "server.log")
         try:
             server.wait_ready()
@@ -209,9 +217,120 @@ def tabs_benchmark(counts: list[int], sends: int) -> None:
             for i, tabs in enumerate(counts):
                 share, latencies, missing = asyncio.run(_tabs_round(server.url, server.pid, tabs, i * sends, sends))
                 p50, p95 = percentile(latencies, 50) * 1000, percentile(latencies, 95) * 1000
-                print(f"| {tabs} | {share:.2f} | {p50:.0f} ms | {p95:.0f} ms | {missing} |", flush=True)
+                print(f"| {backend} | {tabs} | {share:.2f} | {p50:.0f} ms | {p95:.0f} ms | {missing} |", flush=True)
         finally:
             server.stop()
+
+
+LOCATIONS = Path(__file__).resolve().parents[1] / "server" / "deploy" / "ampwatch-locations.conf"
+
+
+def _nginx(ports: list[int], folder: Path) -> tuple[str, subprocess.Popen[bytes]]:
+    """nginx on a loopback port balancing over `ports`, as tests/test_replicas.py starts it."""
+    port = free_port()
+    upstreams = "\n".join(f"server 127.0.0.1:{p};" for p in ports)
+    temp = " ".join(f"{k}_temp_path {folder}/{k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    (folder / "nginx.conf").write_text(f"""
+        {"user root;" if os.geteuid() == 0 else ""}
+        worker_processes 1; pid {folder}/nginx.pid; error_log {folder}/error.log warn;
+        events {{ worker_connections 1024; }}
+        http {{
+            access_log off; {temp}
+            upstream ampwatch {{ {upstreams} keepalive 16; }}
+            server {{ listen 127.0.0.1:{port}; include {LOCATIONS}; }}
+        }}
+    """)
+    command = [shutil.which("nginx") or "/usr/sbin/nginx", "-p", str(folder), "-c", str(folder / "nginx.conf")]
+    nginx = subprocess.Popen([*command, "-g", "daemon off;"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return url, nginx
+        except httpx.TransportError:
+            time.sleep(0.05)
+    nginx.kill()
+    raise RuntimeError("nginx did not start")
+
+
+def _postgres_cpu_s() -> float:
+    """CPU seconds of every postgres process on this machine (the shared server: others' load counts too)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if "(postgres)" in text:
+            fields = text.rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _children_cpu_s(pid: int) -> float:
+    """The process and its children (nginx's workers)."""
+    total = _cpu_s(pid)
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            total += _cpu_s(int(child))
+    return total
+
+
+def _send(url: str, stop: threading.Event, sent: list[int], i: int) -> None:
+    """Batches of 2 000 points to run r<i> until `stop`, counting what was acknowledged."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        client.put(f"/api/v1/runs/r{i}", json={"project": "bench", "name": f"r{i}"}).raise_for_status()
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            span = list(range(seq * 500, seq * 500 + 500))
+            points = {n: {"steps": span, "values": [1.5] * 500} for n in ("loss", "scale", "lr", "gn")}
+            client.post(f"/api/v1/runs/r{i}/batches", json={"seq": seq, "points": points}).raise_for_status()
+            sent[i] += 2000
+
+
+def replicas_benchmark(counts: list[int], senders: int, seconds: float, pg_admin: str) -> None:
+    print("| replicas | points/s | replicas' CPU | nginx CPU | postgres CPU (all on the machine) | client CPU |")
+    print("|---|---|---|---|---|---|")
+    for count in counts:
+        with scratch_database("postgres", pg_admin) as db_url, tempfile.TemporaryDirectory() as tmp:
+            servers = [Server(db_url, Path(tmp) / f"server{i}.log") for i in range(count)]
+            nginx = None
+            try:
+                for server in servers:
+                    server.wait_ready()
+                url, nginx = _nginx([s.port for s in servers], Path(tmp))
+                stop, sent = threading.Event(), [0] * senders
+
+                threads = [threading.Thread(target=_send, args=(url, stop, sent, i)) for i in range(senders)]
+                for thread in threads:
+                    thread.start()
+                time.sleep(3.0)  # (registered, partitions made, warm)
+                before = (sum(sent), [_cpu_s(s.pid) for s in servers], _children_cpu_s(nginx.pid), _postgres_cpu_s())
+                client_before, wall = time.process_time(), time.perf_counter()
+                time.sleep(seconds)
+                elapsed = time.perf_counter() - wall
+                points = sum(sent) - before[0]
+                cpu = (
+                    (sum(_cpu_s(s.pid) for s in servers) - sum(before[1])) / elapsed,
+                    (_children_cpu_s(nginx.pid) - before[2]) / elapsed,
+                    (_postgres_cpu_s() - before[3]) / elapsed,
+                    (time.process_time() - client_before) / elapsed,
+                )
+                stop.set()
+                for thread in threads:
+                    thread.join()
+                print(
+                    f"| {count} | {points / elapsed:,.0f} | {cpu[0]:.2f} | {cpu[1]:.2f} | {cpu[2]:.2f} | {cpu[3]:.2f} |",
+                    flush=True,
+                )
+            finally:
+                if nginx is not None:
+                    nginx.terminate()
+                    nginx.wait(10)
+                for server in servers:
+                    server.stop()
 
 
 def main() -> None:
@@ -222,9 +341,24 @@ def main() -> None:
     parser.add_argument("--pg-admin-url", default=DEFAULT_PG_ADMIN_URL)
     parser.add_argument("--tabs", nargs="+", type=int, help="measure this many open tabs on one run instead")
     parser.add_argument("--sends", type=int, default=20, help="batches sent per round of --tabs")
+    parser.add_argument("--replicas", nargs="+", type=int, help="measure ingest through this many replicas instead")
+    parser.add_argument("--senders", type=int, default=6, help="client threads of --replicas, a run each")
+    parser.add_argument("--seconds", type=float, default=20.0, help="the measuring window of --replicas")
     args = parser.parse_args()
+    if args.replicas:
+        if problem := postgres_problem(args.pg_admin_url):
+            print(f"postgres skipped: {problem}")
+            return
+        replicas_benchmark(args.replicas, args.senders, args.seconds, args.pg_admin_url)
+        return
     if args.tabs:
-        tabs_benchmark(args.tabs, args.sends)
+        print("| backend | open tabs | server CPU (share of one core) | latency p50 | latency p95 | updates missing |")
+        print("|---|---|---|---|---|---|")
+        for backend in args.backends:
+            if backend == "postgres" and (problem := postgres_problem(args.pg_admin_url)):
+                print(f"| postgres | skipped: {problem} | | | | |")
+                continue
+            tabs_benchmark(args.tabs, args.sends, backend, args.pg_admin_url)
         return
     print("| backend | runs | request | p50 server time | SQL statements |")
     print("|---|---|---|---|---|")

@@ -53,7 +53,7 @@ _FILL = {  # n points 0..n-1 of one series: a decaying noisy curve; NaN every 97
 
 def load(db_url: str, backend: str) -> tuple[Any, str]:
     """A migrated database holding run `bench` with series `s10000`, `s100000`, `s1000000`."""
-    from ampwatch.server import db, rollups, store
+    from ampwatch.server import db, partitions, rollups, store
     from ampwatch.server.schemas import RunIn
 
     engine = db.make_engine(db_url)
@@ -62,7 +62,14 @@ def load(db_url: str, backend: str) -> tuple[Any, str]:
     with sessions() as session:
         store.register_run(session, run_id="bench", body=RunIn(project="bench", name="series"))
         for n in SIZES:
-            session.execute(text("INSERT INTO series (run_id, name) VALUES ('bench', :name)"), {"name": f"s{n}"})
+            # (Postgres: the id comes from the run's block, which is a partition of points of its own)
+            given = partitions.new_series_ids(session, "bench", 1)[0] if partitions.partitioned(session) else None
+            session.execute(
+                text(
+                    "INSERT INTO series (id, run_id, name) VALUES (coalesce(:id, (SELECT max(id) + 1 FROM series), 1), 'bench', :name)"
+                ),
+                {"id": given, "name": f"s{n}"},
+            )
             sid = session.execute(text("SELECT id FROM series WHERE name = :name"), {"name": f"s{n}"}).scalar()
             session.execute(text(_FILL[backend]), {"sid": sid, "n": n})
             rollups.rebuild_blocks(session, series_id=sid, rank=0)  # what ingest keeps up to date, batch by batch

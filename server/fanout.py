@@ -41,7 +41,8 @@ class Subscription:
         self.limit = limit
         self.dropped = False
         self._items: deque[Any] = deque()
-        self._ready = asyncio.Event()
+        # A bare future and a timer per wait: asyncio.wait_for made a task per wait, per message, per open stream.
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: Any) -> None:
         if self.dropped:
@@ -50,24 +51,33 @@ class Subscription:
             self.drop()  # (its client resumes from its Last-Event-ID; nobody waits for it)
         else:
             self._items.append(item)
-            self._ready.set()
+            _wake(self._waiter)
 
     def drop(self) -> None:
         """End this stream: its client reconnects and catches up on its own."""
         self.dropped = True
         self._items.clear()
-        self._ready.set()
+        _wake(self._waiter)
 
     async def get(self, timeout_s: float) -> list[Any]:
         """The messages waiting (none after `timeout_s`)."""
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
-        except TimeoutError:
-            return []
-        self._ready.clear()
+        if not self._items and not self.dropped:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
         items = list(self._items)
         self._items.clear()
         return items
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any, cast
 from sqlalchemy import Table, select, text
 from sqlalchemy.orm import Session
 
-from ampwatch.server import alerts, fanout, models, rollups, vitals
+from ampwatch.server import alerts, fanout, models, partitions, rollups, stopping, vitals
 from ampwatch.server.db import IDS_PER_QUERY, now
 from ampwatch.server.db import insert as _insert
 from ampwatch.server.schemas import BatchIn, BatchOut, RunIn
@@ -57,6 +57,7 @@ def register_run(session: Session, *, run_id: str, body: RunIn) -> models.Run:
             return run
         run = cast(models.Run, session.get(models.Run, run_id))  # (another rank's insert: the row is there)
     run.name, run.config, run.environment = body.name, body.config, body.environment
+    stopping.on_relaunch(run)
     session.commit()
     return run
 
@@ -80,6 +81,7 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     session.refresh(run, with_for_update={"key_share": True})
     count, series_ids = _store_points(session, run_id, batch)
     events = _store_events(session, run_id, batch, stamp)
+    stopping.on_events(session, run, events)
     steps = [max(s.steps) for s in batch.points.values() if s.steps] + [e.step for e in batch.events]
     if steps:
         run.last_step = max(steps + ([run.last_step] if run.last_step is not None else []))
@@ -87,6 +89,7 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
     vitals.on_points(session, run, rank=batch.rank, points=batch.points, series_ids=series_ids)
     run.last_seen_at = stamp
     if batch.status is not None:
+        stopping.on_status(run, batch.status, events)
         run.status = batch.status
         run.finished_at = stamp if batch.status != "running" else None
     if count:
@@ -103,13 +106,17 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
             series_id=series_ids["skipped"],
             stamp=stamp,
         )
+    alerts.compare_params(  # (DDP's replicated parameters must be the same on every rank)
+        session, run=run, rank=batch.rank, points=batch.points, series_ids=series_ids, stamp=stamp
+    )
     # Event rules fire in this transaction: the alert and its queued notifications commit with the batch.
     alerts.on_batch(
         session, run=run, events=events, new_step=max(steps) if steps else None, status=batch.status, stamp=stamp
     )
     fanout.ingested(session, run_id)
+    stop, critical = stopping.pending(run), stopping.latest_critical(session, run)  # (for the agent: see stopping)
     session.commit()
-    return BatchOut(stored=True, points=count)
+    return BatchOut(stored=True, points=count, stop=stop, critical=critical)
 
 
 def _store_points(session: Session, run_id: str, batch: BatchIn) -> tuple[int, dict[str, int]]:
@@ -170,10 +177,11 @@ def _series_ids(session: Session, run_id: str, names: list[str]) -> dict[str, in
     ids = _known_series(session, run_id, names)
     missing = [n for n in names if n not in ids]
     if missing:
-        session.execute(
-            _insert(session, cast(Table, models.Series.__table__)).on_conflict_do_nothing(),
-            [{"run_id": run_id, "name": n} for n in missing],
-        )
+        rows: list[dict[str, Any]] = [{"run_id": run_id, "name": n} for n in missing]
+        if partitions.partitioned(session):  # ids in the run's own partitions of points
+            for row, sid in zip(rows, partitions.new_series_ids(session, run_id, len(rows))):
+                row["id"] = sid
+        session.execute(_insert(session, cast(Table, models.Series.__table__)).on_conflict_do_nothing(), rows)
         ids.update(_known_series(session, run_id, missing))
     return ids
 

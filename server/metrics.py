@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import bindparam, func, select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -31,16 +31,14 @@ SKIP_WINDOW_STEPS = 1000  # the skip rate is the share of skipped steps among th
 _SEVERITIES = ("info", "warning", "critical")
 _RUN_LABELS = ("run", "project", "name")
 _BATCH_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# The last point of a series by one seek of the (series_id, rank, step) primary key; value NULL is NaN (see models).
-_LAST = """SELECT s.run_id, s.name,
-  (SELECT max(step) FROM points WHERE series_id = s.id AND rank = 0) AS step,
-  (SELECT value FROM points WHERE series_id = s.id AND rank = 0 ORDER BY step DESC LIMIT 1) AS value
-FROM series s WHERE s.run_id IN :runs AND s.name IN ('loss', 'scale')"""
-_SKIPS = f"""SELECT k.run_id, count(p.step), sum(CASE WHEN p.value IS NULL OR p.value <> 0 THEN 1 ELSE 0 END)
-FROM (SELECT s.id, s.run_id, (SELECT max(step) FROM points WHERE series_id = s.id AND rank = 0) AS last
-      FROM series s WHERE s.run_id IN :runs AND s.name = 'skipped') AS k
-JOIN points p ON p.series_id = k.id AND p.rank = 0 AND p.step > k.last - {SKIP_WINDOW_STEPS}
-GROUP BY k.run_id"""
+# Per series (named by its id, so that Postgres opens only that series' partition of points, see partitions):
+# its last point by one seek of the (series_id, rank, step) primary key; value NULL is NaN (see models).
+_LAST = "SELECT * FROM (SELECT {0} AS sid, step, value FROM points WHERE series_id = {0} AND rank = 0 ORDER BY step DESC LIMIT 1) AS last_{0}"
+_SKIPS = (
+    "SELECT {0}, count(step), sum(CASE WHEN value IS NULL OR value <> 0 THEN 1 ELSE 0 END) FROM points"
+    " WHERE series_id = {0} AND rank = 0"
+    f" AND step > (SELECT max(step) FROM points WHERE series_id = {{0}} AND rank = 0) - {SKIP_WINDOW_STEPS}"
+)
 
 
 class Metrics:
@@ -100,7 +98,7 @@ def _runs_by_status(session: Session) -> Iterator[Metric]:
     family = GaugeMetricFamily("ampwatch_runs", "Runs stored, by status.", labels=["status"])
     query = select(models.Run.status, func.count()).group_by(models.Run.status)
     counts: dict[str, int] = dict(session.execute(query).all())
-    for status in ("running", "finished", "crashed", "stalled"):
+    for status in ("running", "finished", "crashed", "stalled", "stopped"):
         family.add_metric([status], counts.get(status, 0))
     yield family
 
@@ -159,13 +157,21 @@ def _per_run(session: Session) -> Iterator[Metric]:
         for run_id, _, _, last_step in rows:
             if last_step is not None:
                 families["step"].add_metric(runs[run_id], last_step)
-        ids: Any = bindparam("runs", list(runs), expanding=True)
-        for run_id, name, step, value in session.execute(text(_LAST).bindparams(ids)):
-            if step is not None:  # a series without points has no last value; a NULL value is a NaN
+        S = models.Series
+        named = session.execute(
+            select(S.id, S.run_id, S.name).where(S.run_id.in_(list(runs)), S.name.in_(("loss", "scale", "skipped")))
+        ).all()
+        owner = {sid: (run_id, name) for sid, run_id, name in named}
+        last = [int(sid) for sid, _, name in named if name != "skipped"]
+        if last:  # (a series without points has no row; a NULL value is a NaN)
+            for sid, _step, value in session.execute(text(" UNION ALL ".join(_LAST.format(i) for i in last))):
+                run_id, name = owner[sid]
                 families[name if name == "loss" else "scale"].add_metric(runs[run_id], _float(value))
-        for run_id, steps, skipped in session.execute(text(_SKIPS).bindparams(ids)):
-            if steps:
-                families["skip"].add_metric(runs[run_id], skipped / steps)
+        skips = [int(sid) for sid, _, name in named if name == "skipped"]
+        if skips:
+            for sid, steps, skipped in session.execute(text(" UNION ALL ".join(_SKIPS.format(i) for i in skips))):
+                if steps:
+                    families["skip"].add_metric(runs[owner[sid][0]], skipped / steps)
         firing = session.execute(
             select(A.run_id, A.severity, func.count())
             .where(A.state == "firing", A.run_id.in_(list(runs)))

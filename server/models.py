@@ -54,6 +54,13 @@ class Run(Base):
     skip_rate: Mapped[float | None] = mapped_column(Double)
     scale: Mapped[float | None] = mapped_column(Double)  # NULL with a scale_step: the scale is NaN
     scale_step: Mapped[int | None] = mapped_column(BigInteger)  # NULL: no scale yet
+    # A stop asked of the run (see ampwatch.server.stopping): pending while stop_requested_at is set and the run has
+    # not ended; who and why stay once it ended `stopped`.
+    stop_requested_at: Mapped[datetime | None]
+    stop_by: Mapped[str | None] = mapped_column(String(200))
+    stop_reason: Mapped[str | None] = mapped_column(Text)
+    # The id of the run's latest critical numerics event (any rank; not a crash or stall): batch replies name it.
+    critical_event_id: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Series(Base):
@@ -80,7 +87,8 @@ class Point(Base):
             sqlite_where=NONFINITE_POINT,
             postgresql_where=NONFINITE_POINT,
         ),
-        {"sqlite_with_rowid": False},
+        # Postgres: one partition per block of a run's series ids (see ampwatch.server.partitions)
+        {"sqlite_with_rowid": False, "postgresql_partition_by": "RANGE (series_id)"},
     )
     series_id: Mapped[int] = mapped_column(ForeignKey("series.id", ondelete="CASCADE"), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)

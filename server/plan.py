@@ -113,6 +113,19 @@ def compute(run_id: str, signs: Sequence[models.Event], checkpoints: Sequence[mo
     return plan
 
 
+def brief(plan: dict[str, Any]) -> dict[str, Any] | None:
+    """What an alert and its notifications carry of the plan: the summary, the checkpoint, the steps to skip and
+    where the whole plan is (`path`, on the server; the run page shows it too). None without trouble."""
+    if plan["trouble"] is None:
+        return None
+    return {
+        "summary": plan["summary"],
+        "checkpoint": plan["checkpoint"],
+        "skip": {"from": plan["skip"]["from"], "to": plan["skip"]["to"]},
+        "path": f"/api/v1/runs/{plan['run_id']}/plan",
+    }
+
+
 def lightning_file(plan: dict[str, Any]) -> str:
     """`skip_batches.json` as Lightning's `SpikeDetection` writes it: a JSON list of batch indices, indented by 4."""
     return json.dumps(plan["skip"]["steps"] if plan["skip"] else [], indent=4)

@@ -2,7 +2,8 @@
 
 A run's rows go chunk by chunk, each chunk its own transaction of about `Settings.delete_chunk_rows` rows,
 so ingest of other runs waits at most one chunk for the database (SQLite has one writer; Postgres locks only
-the rows deleted). The run's row goes last, with what is left (cascading foreign keys): ingest of the run
+the rows deleted). On Postgres a run's points are partitions of their own (see `partitions`): they are
+truncated at once, and dropped once the run's row is gone. The run's row goes last, with what is left (cascading foreign keys): ingest of the run
 itself waits for that transaction, then finds no run (404).
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server import models, queries
+from ampwatch.server import models, partitions, queries
 from ampwatch.server.db import now, utc
 
 # (table, the key it is deleted in order of) for the rows a series owns; then the rows the run owns by id
@@ -43,16 +44,24 @@ def delete_run(sessions: sessionmaker[Session], run_id: str, chunk_rows: int) ->
         series_ids = list(session.scalars(select(models.Series.id).where(models.Series.run_id == run_id)))
         ranks = queries.run_ranks(session, run_id=run_id)
         engine = session.get_bind()
+        blocks = partitions.run_blocks(session, run_id) if partitions.partitioned(session) else []
     assert isinstance(engine, Engine)
+    # Postgres: the run's points are its own partitions, emptied at once; the rows in shared tables go in chunks.
+    partitions.truncate(engine, blocks)
+    in_partitions = {sid for sid in series_ids if sid // partitions.SERIES_BLOCK in blocks}
     for rank in ranks:
         for sid in series_ids:
             for table, key in _SERIES_TABLES:
+                if table == "points" and sid in in_partitions:
+                    continue
                 _delete_in_chunks(engine, chunk_rows, table, key, "series_id = :s AND rank = :k", {"s": sid, "k": rank})
         _delete_in_chunks(engine, chunk_rows, "batches", "seq", "run_id = :r AND rank = :k", {"r": run_id, "k": rank})
     for table, key in _RUN_TABLES:
         _delete_in_chunks(engine, chunk_rows, table, key, "run_id = :r", {"r": run_id})
     with engine.begin() as connection:  # the rest (series, alerts, feed, liveness) cascades from the run's row
-        return connection.execute(text("DELETE FROM runs WHERE id = :r"), {"r": run_id}).rowcount == 1
+        deleted = connection.execute(text("DELETE FROM runs WHERE id = :r"), {"r": run_id}).rowcount == 1
+    partitions.drop(engine, blocks)
+    return deleted
 
 
 def _delete_in_chunks(
@@ -68,3 +77,8 @@ def _delete_in_chunks(
             connection.execute(text(f"DELETE FROM {table} WHERE {where}{bound}"), {**params, "edge": edge})
         if edge is None:
             return
+
+
+def sweep(engine: Engine) -> int:
+    """Drop the partitions of points left by deletes whose drop did not happen (Postgres); the number dropped."""
+    return partitions.drop_orphans(engine) if partitions.partitioned(engine) else 0

@@ -22,7 +22,7 @@ from ampwatch.server.db import utc
 from ampwatch.server.vitals import HEALTH
 
 SORTS = ("started", "seen", "step", "name", "status", "health", "project")
-STATUSES = ("running", "finished", "crashed", "stalled")
+STATUSES = ("running", "finished", "crashed", "stalled", "stopped")
 DEFAULT_LIMIT = 100  # what a client that does not page gets
 MAX_LIMIT = 1000
 _NO_STEP = {True: -1, False: 2**63 - 1}  # where a run without a step sorts: last, descending or ascending

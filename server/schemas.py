@@ -18,7 +18,7 @@ from ampwatch.server.db import utc
 # (a Literal built from the protocol's tuple: one list, not two; mypy wants literals spelled out)
 EventType = Literal[EVENT_TYPES]  # type: ignore[valid-type]  # (the agent's list: ampwatch._protocol)
 Severity = Literal[SEVERITIES]  # type: ignore[valid-type]
-RunStatus = Literal["running", "finished", "crashed", "stalled"]
+RunStatus = Literal["running", "finished", "crashed", "stalled", "stopped"]
 Health = Literal["ok", "warning", "critical"]
 
 
@@ -126,7 +126,7 @@ class BatchIn(BaseModel):
     seq: Annotated[int, Field(ge=1, le=MAX_BIGINT)]
     points: dict[Name, SeriesIn] = {}
     events: Annotated[list[EventIn], Field(max_length=10_000)] = []
-    status: Literal["running", "finished", "crashed"] | None = None
+    status: Literal["running", "finished", "crashed", "stopped"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -142,9 +142,34 @@ class BatchIn(BaseModel):
         return body
 
 
+class StopOut(BaseModel):
+    """A stop asked of a run: by whom, why, when."""
+
+    by: str = Field(description="Who asked: the admin token's name, or the agent for a stop on a critical event.")
+    reason: str | None = None
+    requested_at: datetime | None = None
+
+
+class CriticalOut(BaseModel):
+    """A critical event of the run (any rank), for an agent started with `stop_on=("critical",)`."""
+
+    id: int
+    step: int
+    rank: int
+    type: str
+    message: str
+
+
 class BatchOut(BaseModel):
     stored: bool = Field(description="False when this batch had been stored before (a re-send).")
     points: int
+    stop: StopOut | None = Field(
+        default=None, description="Present while a stop asked with POST /runs/{id}/stop waits for the run to end."
+    )
+    critical: CriticalOut | None = Field(
+        default=None,
+        description="The run's latest critical numerics event (any rank; not a crash or a stall), once there is one.",
+    )
 
 
 class RunOut(BaseModel):
@@ -168,6 +193,14 @@ class RunOut(BaseModel):
     )
     skip_rate: float | None = Field(None, description="Share of skipped steps among rank 0's last 1000 steps.")
     scale: float | Literal["NaN", "Infinity", "-Infinity"] | None = Field(None, description="The latest loss scale.")
+    stop: StopOut | None = Field(
+        default=None,
+        description="The stop asked of the run (POST /runs/{id}/stop), or the one it ended `stopped` with.",
+    )
+    critical_id: int | None = Field(
+        default=None,
+        description="The id of the run's latest critical event (PUT /runs/{id} only): a relaunch's baseline.",
+    )
     firing: int | None = Field(None, description="How many alerts are firing (`GET /runs` only).")
     firing_by_severity: dict[str, int] | None = Field(
         None, description="Firing alerts by severity: critical, warning, info (`GET /runs` only)."
@@ -217,6 +250,11 @@ class RemovedRun(BaseModel):
     project: str
     name: str
     created_at: datetime
+
+
+class StopIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: Annotated[Text | None, Field(max_length=2000)] = None
 
 
 class RunsRemoved(BaseModel):

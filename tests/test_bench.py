@@ -57,6 +57,7 @@ RUNS = {
         ["syncs/step", "\nampwatch-off "],
     ),
     "hook_phases": (["--pairs", "50", "--hidden", "16"], ["lean steps:"]),
+    "indicators": (["--pairs", "40", "--hidden", "16", "--interval", "10"], ["interval steps", "other steps"]),
     "sender_phases": (
         ["--seconds", "2", "--hidden", "16"],
         ["stall per step", "during the passes", "awaiting the server", "wake-ups per step"],
@@ -71,6 +72,11 @@ RUNS = {
     "metrics_scrape": (["--backends", "sqlite", "--runs", "3", "--steps", "50", "--scrapes", "2"], ["\nsqlite "]),
     "series_query": (["--backends", "sqlite", "--repeat", "1", "--sends", "1"], ["1M-point SQLite series"]),
     "scale": (["--backends", "sqlite", "--runs", "10", "--repeat", "1"], ["| sqlite |     10 | `/api/v1/runs` |"]),
+    "delete_run": (["--backends", "sqlite", "--steps", "2000"], ["| sqlite | 8,000 |"]),
+    "partitions": (
+        ["--backends", "sqlite", "--runs", "3", "--repeat", "1", "--steps", "2000"],
+        ["| sqlite |      3 |"],
+    ),
 }
 
 

@@ -147,11 +147,11 @@ def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(mem
 def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_next_bad_batch(
     memory, monkeypatch, clip
 ) -> None:
-    # Sub-millisecond steps and a 5 s flush interval: the whole loop ends long before the sender's next timed read. A
+    # Sub-millisecond steps and a 60 s flush interval: the whole loop ends long before the sender's next timed read. A
     # skipped step wakes it (the optimizer's post-step hook says the step did not run: no host read), so the diagnosis
     # sees the first bad batch at once, arms the probe, and the probe names the input batch as the origin of a later one.
     # The loop that clips after unscale_ runs on the agent's steady path (ampwatch._steady), the other on the full one.
-    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "5")
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "60")
     model, optimizer, scaler = _small_fp16_trainer()
     with ampwatch.init("diag", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
@@ -162,7 +162,7 @@ def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_ne
                 x[0, 0] = float("nan")
             _step(model, optimizer, scaler, x, clip=clip)
         took = time.monotonic() - started
-    assert took < 5  # (the loop itself was quicker than one flush interval)
+    assert took < 60  # (the loop itself was quicker than one flush interval, even on a loaded machine)
     origins = [e for e in _events(memory, run.id) if "origin" in e["details"]]
     assert origins and origins[0]["details"]["origin"] == "(input batch)" and 210 <= origins[0]["step"] < 400
 
@@ -240,7 +240,7 @@ def test_a_skip_of_one_of_two_optimizers_wakes_the_sender_whichever_steps_first(
     # One scaler, two models and optimizers (the AMP docs' loop): NaN in model 0's batch only, so its step is skipped
     # and the other's runs. The skip must wake the sender (5 s flush interval: the loop is over long before) also when
     # the skipped optimizer steps first and the other's post-step hook fires after it.
-    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "5")
+    monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "60")
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)) for _ in range(2)]
     optimizers = [torch.optim.SGD(model.parameters(), lr=1e-3) for model in models]
@@ -263,7 +263,7 @@ def test_a_skip_of_one_of_two_optimizers_wakes_the_sender_whichever_steps_first(
             for optimizer in optimizers:
                 optimizer.zero_grad()
         took = time.monotonic() - started
-    assert took < 5
+    assert took < 60  # (quicker than one flush interval)
     origins = [e for e in _events(memory, run.id) if "origin" in e["details"]]
     assert origins and origins[0]["details"]["origin"] == "(input batch)" and 210 <= origins[0]["step"] < 400
 

@@ -32,6 +32,9 @@ with ampwatch.init("ddp", "two-ranks", url=os.environ["SERVER"]) as run:
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(x).float().pow(2).mean()
         scaler.scale(loss).backward()
+        if PERTURB and step == 8 and dist.get_rank() == 1:  # one rank's parameters change: DDP never notices
+            with torch.no_grad():
+                model.module[0].weight[0, 0] += 1e-3
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
@@ -40,12 +43,15 @@ dist.destroy_process_group()
 """
 
 
-def _launch(server: Any, tmp_path: Path, steps: int, sync: bool, text: str = SCRIPT) -> set[str]:
-    """Two ranks of the script under torchrun; the run ids they printed."""
+def _launch(server: Any, tmp_path: Path, steps: int, sync: bool, text: str = SCRIPT, perturb: bool = False) -> set[str]:
+    """Two ranks of the script under torchrun, checking the parameters (`param_norm`) every step; the run ids they
+    printed."""
     script = tmp_path / "ddp_train.py"
-    script.write_text(text.replace("STEPS", str(steps)).replace("SYNC", str(sync)).replace("OUT", repr(str(tmp_path))))
+    text = text.replace("STEPS", str(steps)).replace("SYNC", str(sync)).replace("PERTURB", str(perturb))
+    script.write_text(text.replace("OUT", repr(str(tmp_path))))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     env = {"SERVER": server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "AMPWATCH_FLUSH_INTERVAL_S": "0.05"}
+    env["AMPWATCH_PARAM_CHECK_INTERVAL"] = "1"
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("rank")}
@@ -119,6 +125,7 @@ def test_fsdp2_shards_report_the_global_grad_norm_and_their_shards_layer_norms(s
         series[0]["skipped"]["values"] == series[1]["skipped"]["values"]
     )  # found_inf all-reduced by ShardedGradScaler
     assert _disagreements(sqlite_server, run_id) == []
+    assert run["environment"]["parallel"] == "sharded" and _desyncs(sqlite_server, run_id) == []  # (shards' norms)
 
 
 TENSOR_PARALLEL = """
@@ -172,6 +179,22 @@ def _disagreements(server: Any, run_id: str) -> list[dict[str, Any]]:
     return [e for e in events if e["details"].get("cause") == "ranks_disagree"]
 
 
+def _desyncs(server: Any, run_id: str) -> list[dict[str, Any]]:
+    with server.client() as http:
+        events = http.get(f"/api/v1/runs/{run_id}/events").json()
+    return [e for e in events if e["type"] == "ranks_desync"]
+
+
+def _param_norms(server: Any, run_id: str) -> list[list[Any]]:
+    with server.client() as http:
+        series = [
+            http.get(f"/api/v1/runs/{run_id}/series", params={"name": "param_norm", "rank": r}).json()["param_norm"]
+            for r in (0, 1)
+        ]
+    assert series[0]["steps"] == series[1]["steps"]
+    return [s["values"] for s in series]
+
+
 def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp_path: Path) -> None:
     steps = 12
     ids = _launch(sqlite_server, tmp_path, steps, sync=True)
@@ -194,6 +217,23 @@ def test_two_ddp_ranks_report_into_one_run_each_with_its_rank(sqlite_server, tmp
     assert by_rank[0]["scale"]["values"] == by_rank[1]["scale"]["values"]  # found_inf agrees through all-reduce
     assert by_rank[0]["skipped"]["values"][5] == by_rank[1]["skipped"]["values"][5] == 1
     assert _disagreements(sqlite_server, run["id"]) == []  # all-reduced gradients: one found_inf, one scale
+    # DDP's replicas: the same parameters, so the same param_norm at every step, bitwise; the server compared them
+    assert run["environment"]["parallel"] == "replicated"
+    norms = _param_norms(sqlite_server, run["id"])
+    assert len(norms[0]) == steps and norms[0] == norms[1]
+    assert _desyncs(sqlite_server, run["id"]) == []
+
+
+def test_a_ddp_rank_whose_parameters_changed_is_named_by_the_server(sqlite_server, tmp_path: Path) -> None:
+    [run_id] = _launch(sqlite_server, tmp_path, 12, sync=True, perturb=True)  # rank 1's, before step 8's update
+    norms = _param_norms(sqlite_server, run_id)
+    assert norms[0][:8] == norms[1][:8] and all(a != b for a, b in zip(norms[0][8:], norms[1][8:]))
+    [event] = _desyncs(sqlite_server, run_id)  # once, not at each of the steps 8 to 11
+    assert (event["severity"], event["step"], event["rank"]) == ("critical", 8, 1)
+    assert (event["details"]["rank"], event["details"]["reference_rank"]) == (1, 0)
+    assert event["details"]["param_norm"] == norms[1][8] and event["details"]["reference_param_norm"] == norms[0][8]
+    assert "at step 8 rank 1's param_norm is" in event["message"]
+    assert _disagreements(sqlite_server, run_id) == []  # (the skipped steps still agree)
 
 
 def test_ranks_whose_scalers_skip_different_steps_are_told_apart_by_the_server(live_server, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import httpx
 from conftest import LiveServer
 from test_stream import SSE, sse
 
-from ampwatch.server.fanout import Hub
+from ampwatch.server.fanout import Hub, Subscription
 from ampwatch.server.settings import Settings
 
 
@@ -99,3 +99,30 @@ def test_a_point_ingested_through_one_server_wakes_a_stream_of_another_on_postgr
             took = time.monotonic() - sent
     assert update["data"]["points"]["loss"] == {"steps": [4], "values": ["Infinity"]}
     assert took < 5.0, took  # woken, not polled (the poll is 60 s away)
+
+
+def test_a_subscription_waits_until_a_message_or_its_timeout_and_a_cancelled_stream_stops_waiting() -> None:
+    async def scenario() -> tuple[list[Any], float, list[Any], list[Any], bool]:
+        sub = Subscription(limit=10)
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        empty = await sub.get(0.05)
+        waited = time.monotonic() - start
+        loop.call_later(0.01, sub.put, b"one")
+        woken = await sub.get(5.0)
+        sub.put(b"two")
+        sub.put(b"three")
+        ready = await sub.get(5.0)  # (waiting already: no wait)
+        task = asyncio.create_task(sub.get(5.0))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+            cancelled = False
+        except asyncio.CancelledError:
+            cancelled = True
+        return empty, waited, woken, ready, cancelled
+
+    empty, waited, woken, ready, cancelled = asyncio.run(scenario())
+    assert empty == [] and 0.04 <= waited < 2.0
+    assert woken == [b"one"] and ready == [b"two", b"three"] and cancelled

@@ -130,11 +130,13 @@ def test_a_resent_batch_is_stored_once(http) -> None:
     event = {"step": 1, "type": "nonfinite_loss", "severity": "critical", "message": "NaN loss"}
     first = http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [event]})
     again = http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [event]})
-    assert first.json() == {"stored": True, "points": 3}
     assert again.json() == {"stored": False, "points": 0}
     series, events = _stored(http)
     assert series == {"loss": {"steps": [0, 1, 2], "values": [1.0, "NaN", 0.5]}}
     assert [e["message"] for e in events] == ["NaN loss"]
+    # (a critical event: the reply names it, for agents that stop on one)
+    critical = {"id": events[0]["id"], "step": 1, "rank": 0, "type": "nonfinite_loss", "message": "NaN loss"}
+    assert first.json() == {"stored": True, "points": 3, "critical": critical}
     run = http.get("/api/v1/runs/r1").json()
     assert (run["health"], run["last_step"], run["series"]) == ("critical", 2, ["loss"])
 

@@ -470,3 +470,47 @@ def test_lightning_gan_without_a_scaler_records_the_first_optimizers_steps_only(
     assert data["grad_norm"]["steps"] == list(range(6))
     assert data["grad_norm"]["values"] == pytest.approx(module.g_norms, rel=1e-4)
     assert data["loss"] == {"steps": [], "values": []}  # (whose backward is whose: unknown with two optimizers; log it)
+
+
+def test_lightning_callback_records_the_checkpoints_the_trainer_saves_and_stops_the_fit_when_asked(
+    sqlite_server, lightning: ModuleType, tmp_path
+) -> None:
+    """ModelCheckpoint every 5 steps: each checkpoint is a `checkpoint` event at its step with the file's path. An
+    admin's stop mid-fit ends the fit after a batch (trainer.should_stop), and the run ends `stopped`."""
+    import httpx
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from ampwatch.lightning import AmpwatchCallback
+
+    max_steps, ask_at = 400, 8
+
+    class AskToStop(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if trainer.global_step == ask_at:
+                assert run.flush()  # (the run is registered)
+                url = f"{sqlite_server.url}/api/v1/runs/{run.id}/stop"
+                httpx.post(url, json={"reason": "enough"}, timeout=30).raise_for_status()
+
+    folder = tmp_path / "ckpt"
+    saved = ModelCheckpoint(dirpath=folder, every_n_train_steps=5, save_top_k=-1, filename="{step}")
+    run = ampwatch.init(project="integrations", name="lightning-stop", url=sqlite_server.url)
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        precision="bf16-mixed",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[AmpwatchCallback(run), saved, AskToStop()],
+    )
+    trainer.fit(_lightning_module(lightning))
+
+    assert ask_at < trainer.global_step < max_steps  # the fit stopped early, once the agent learned of the stop
+    info = _run_info(sqlite_server, run.id)
+    assert info["status"] == "stopped" and info["stop"]["reason"] == "enough"
+    with sqlite_server.client() as http:
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+    checkpoints = [(e["step"], e["details"]["path"]) for e in events if e["type"] == "checkpoint"]
+    expected = [(s, str(folder / f"step={s}.ckpt")) for s in range(5, trainer.global_step + 1, 5)]
+    assert checkpoints == expected and all(os.path.isfile(path) for _, path in checkpoints)

@@ -73,9 +73,9 @@ def test_importing_the_agent_loads_no_server_dependency_and_no_torch(tmp_path: P
 
 
 def test_the_agent_exports_exactly_its_all(tmp_path: Path) -> None:
-    assert sorted(ampwatch.__all__) == ["Response", "Run", "Transport", "__version__", "init"]
+    assert sorted(ampwatch.__all__) == ["Response", "Run", "StopRequested", "Transport", "__version__", "init"]
     done = _python("import ampwatch; print(sorted(n for n in vars(ampwatch) if not n.startswith('_')))", tmp_path)
-    assert done.stdout.strip() == "['Response', 'Run', 'Transport', 'init']", done.stderr
+    assert done.stdout.strip() == "['Response', 'Run', 'StopRequested', 'Transport', 'init']", done.stderr
 
 
 def test_the_agent_distribution_depends_on_nothing_and_the_server_extra_has_the_stack() -> None:

@@ -348,7 +348,12 @@ def test_a_training_resumed_from_its_checkpoint_continues_the_runs_steps(
     data = _series(sqlite_server, "hf-resumed", "loss", "grad_norm")
     assert data["loss"]["steps"] == list(range(7)) and data["grad_norm"]["steps"] == list(range(7))
     events = _get(sqlite_server, "/api/v1/runs/hf-resumed/events")
-    assert [(e["step"], e["details"].get("check")) for e in events] == [(4, "resumed")]
+    saved = str(tmp_path / "out" / "checkpoint-4")
+    assert [(e["step"], e["type"], e["details"].get("check") or e["details"].get("path")) for e in events] == [
+        (4, "checkpoint", saved),  # (the first launch's checkpoint, recorded by the callback's on_save)
+        (4, "amp_config", "resumed"),
+    ]
+    assert _get(sqlite_server, "/api/v1/runs/hf-resumed/plan")["trouble"] is None  # (a healthy run: nothing to undo)
     assert _get(sqlite_server, "/api/v1/runs/hf-resumed")["status"] == "finished"
 
 
@@ -375,6 +380,35 @@ def test_a_callback_added_later_watches_a_run_of_yours_and_can_leave_it_open(
     data = _series(sqlite_server, run.id, "loss", "eval_loss")
     assert data["loss"]["steps"] == [0, 1, 2] and data["eval_loss"] == {"steps": [2], "values": [3.5]}
     assert _get(sqlite_server, f"/api/v1/runs/{run.id}")["status"] == "finished"
+
+
+def test_a_run_asked_to_stop_ends_the_trainers_training_and_ends_stopped(
+    sqlite_server, transformers: ModuleType, tmp_path: Path
+) -> None:
+    """A stop asked of a run of yours before `train()`: the agent learns it at its first exchange, the callback sets
+    `control.should_training_stop`, the training ends after that step, and the run ends `stopped`."""
+    import httpx
+
+    import ampwatch
+    from ampwatch.transformers import AmpwatchCallback
+
+    max_steps = 200
+    run = ampwatch.init(project="transformers", name="gpt2-stop", url=sqlite_server.url)
+    assert run.flush()  # (registered: there is a run to stop)
+    httpx.post(
+        f"{sqlite_server.url}/api/v1/runs/{run.id}/stop", json={"reason": "bad data"}, timeout=30
+    ).raise_for_status()
+    trainer = transformers.Trainer(
+        model=_model(transformers),
+        args=_args(transformers, tmp_path, "fp32", max_steps),
+        train_dataset=_Batches(2 * max_steps),
+        callbacks=[AmpwatchCallback(run)],
+    )
+    trainer.train()
+    assert 0 < trainer.state.global_step < max_steps
+    shown = _get(sqlite_server, f"/api/v1/runs/{run.id}")
+    assert shown["status"] == "stopped" and shown["stop"]["reason"] == "bad data"
+    assert _series(sqlite_server, run.id, "loss")["loss"]["steps"] == list(range(trainer.state.global_step))
 
 
 def test_trainer_callback_marks_the_run_crashed_and_lets_the_exception_through(

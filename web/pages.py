@@ -6,7 +6,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlencode
+from urllib.parse import parse_qsl, urlencode
 
 import anyio
 import plotly
@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
-from ampwatch.server import auth, plan, queries, retention, runlist, vitals
+from ampwatch.server import auth, plan, queries, retention, runlist, stopping, vitals
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.schemas import MAX_INT
 from ampwatch.web import formats
@@ -133,8 +133,35 @@ def run_page(
         "alerts": queries.list_alerts(session, run_id=run_id)[:RUN_ALERTS],
         "plan": plan.compute(run_id, *plan.load(session, run_id)),
         "can_delete": auth.principal_of(request).role in DELETERS,
+        "stop": stopping.of(run),
+        "can_stop": auth.principal_of(request).role in DELETERS and run.status not in stopping.ENDED,
     }
     return templates.TemplateResponse(request, "run.html", context)
+
+
+@router.post("/runs/{run_id}/stop", dependencies=[auth.requires("admin")])
+async def stop_run_form(request: Request, run_id: str) -> RedirectResponse:
+    """The run page's "Stop run" (admins; the guard refuses cross-site posts): asked as with
+    `POST /api/v1/runs/{id}/stop`, then back to the run page, which says the stop is pending."""
+    try:  # (a plain urlencoded form: parsed here, as the alerts pages do, without python-multipart)
+        form = dict(parse_qsl((await request.body()).decode(errors="replace"), max_num_fields=5))
+    except ValueError as error:
+        raise HTTPException(400, "too many form fields") from error
+    reason = form.get("reason", "").strip().replace("\x00", "\ufffd")[:2000] or None
+    principal = auth.principal_of(request)
+    await anyio.to_thread.run_sync(_stop, request.app.state.sessions, run_id, principal, reason)
+    return RedirectResponse(f"/runs/{run_id}", status_code=303)
+
+
+def _stop(sessions: Any, run_id: str, principal: auth.Principal, reason: str | None) -> None:
+    with sessions() as session:
+        found = queries.get_run(session, run_id=run_id)
+        if found is None:
+            raise HTTPException(404, f"no run with id {run_id!r}")
+        try:
+            stopping.request(session, found[0], by=stopping.who(session, principal), reason=reason)
+        except stopping.RunEnded as error:
+            raise HTTPException(409, str(error)) from error
 
 
 @router.post("/runs/{run_id}/delete", dependencies=[auth.requires("admin")])

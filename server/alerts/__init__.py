@@ -39,6 +39,7 @@ from ampwatch.server.alerts._admin import (
 from ampwatch.server.alerts._board import AlertRow, alert_rows, condition, since
 from ampwatch.server.alerts._config import ConfigError, load_config_file
 from ampwatch.server.alerts._deliver import send_test
+from ampwatch.server.alerts._desync import compare_params
 from ampwatch.server.alerts._ingest import on_batch
 from ampwatch.server.alerts._ranks import compare_ranks
 from ampwatch.server.alerts._rules import seed_builtins
@@ -57,6 +58,7 @@ __all__ = [
     "alert_rows",
     "channel_out",
     "check_destination",
+    "compare_params",
     "compare_ranks",
     "condition",
     "create_silence",

@@ -25,6 +25,7 @@ NEVER = ("run_crashed", "run_stalled")  # these resolve when the run reports aga
 # Misuses that raise nothing and recur at every step (a mistake in the loop or the launch), which the agent and the
 # server say once: no quiet clears them, only the run's end.
 LASTING = ("unscaled_backward", "clip_before_unscale", "direct_step", "ranks_disagree")
+LASTING_TYPES = ("ranks_desync",)  # said once; the ranks do not agree again by themselves: cleared at the run's end
 
 
 def cleared(session: Session, *, alert: models.Alert, event_type: str, run: models.Run) -> str | None:
@@ -33,11 +34,13 @@ def cleared(session: Session, *, alert: models.Alert, event_type: str, run: mode
         return None
     after = alert.last_step if alert.last_step is not None else -1
     rank = alert.rank if alert.rank >= 0 else int(alert.details.get("rank", 0))
-    if event_type == "scaler_misuse" and (alert.details or {}).get("cause") in LASTING:
+    if event_type in LASTING_TYPES or (event_type == "scaler_misuse" and (alert.details or {}).get("cause") in LASTING):
         return (
             None
             if run.status in ("running", "stalled")
             else f"The run ended ({run.status}); the mistake is in its code."
+            if event_type == "scaler_misuse"
+            else f"The run ended ({run.status})."
         )
     if event_type not in _CURES:
         if run.last_step is not None and run.last_step - after >= QUIET_STEPS:

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import models
+from ampwatch.server import models, plan
 from ampwatch.server.alerts._db import steps
 
 _TITLES = {
@@ -23,6 +23,8 @@ _TITLES = {
     "loss_spike": "Loss spike",
     "skipped_step": "Skipped steps",
     "amp_config": "AMP configuration problem",
+    "ranks_desync": "Ranks hold different parameters",
+    "leading_indicator": "Trouble ahead",
 }
 TREND_STEPS = 30
 
@@ -54,6 +56,10 @@ def event_context(session: Session, *, run_id: str, rank: int, event: models.Eve
     trend = _trend(session, run_id, rank, event.step) or details.get("grad_norm_trend")
     if trend:
         context["grad_norm_trend"] = trend
+    if event.severity == "critical" and event.type in plan.TRIGGERS:  # (a run it cannot train past: what to do next)
+        rollback = plan.brief(plan.compute(run_id, *plan.load(session, run_id)))
+        if rollback is not None:
+            context["plan"] = rollback
     return context
 
 

@@ -12,7 +12,7 @@ from typing import cast
 from sqlalchemy import Table, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import models, vitals
+from ampwatch.server import models, stopping, vitals
 from ampwatch.server.alerts import _state
 from ampwatch.server.alerts._clearing import cleared_before
 from ampwatch.server.alerts._context import event_context, summary
@@ -162,13 +162,14 @@ def raise_event(
     details: dict,
     stamp: datetime,
     step: int | None = None,
+    rank: int = 0,
 ) -> None:
     """An event the server itself diagnosed (a crash, a hang, ranks out of step): stored like the agent's, then rules
-    apply; at `step`, else at the run's last step."""
+    apply; at `step`, else at the run's last step; of `rank` when it is about one."""
     event = models.Event(
         run_id=run.id,
         step=step if step is not None else run.last_step or 0,
-        rank=0,
+        rank=rank,
         type=kind,
         severity=severity,
         message=message,
@@ -177,4 +178,5 @@ def raise_event(
     )
     session.add(event)
     run.health = vitals.worse_health(run.health, [severity])
+    stopping.on_events(session, run, [event])  # (a critical the server diagnosed: agents may stop on it)
     apply_event_rules(session, run=run, events=[event], stamp=stamp)

@@ -66,7 +66,11 @@ def notice_for_flip(session: Session, flip: models.AlertFlip, base_url: str) -> 
     }
     status = "resolved" if flip.new_state == "resolved" else "firing"
     reminder = flip.old_state == "firing" and flip.new_state == "firing"
-    return Notice(status, body, run_doc, flip.reason, reminder=reminder, details=dict(alert.details or {}))
+    details = dict(alert.details or {})
+    if isinstance(details.get("plan"), dict):  # (links people and programs follow: absolute)
+        path = details["plan"].get("path") or f"/api/v1/runs/{run.id}/plan"
+        details["plan"] = {**details["plan"], "url": base_url + path, "page": f"{run_url}#run-plan"}
+    return Notice(status, body, run_doc, flip.reason, reminder=reminder, details=details)
 
 
 def test_notice(channel: models.AlertChannel, base_url: str) -> Notice:
@@ -128,6 +132,11 @@ def _context_lines(d: dict[str, Any], alert: dict[str, Any]) -> list[str]:
         )
     if alert.get("count", 1) > 1:
         out.append(f"Seen {alert['count']} times, last at step {steps(alert.get('last_step'))}.")
+    rollback = d.get("plan")
+    if isinstance(rollback, dict) and rollback.get("summary"):
+        out.append(f"Rollback plan: {rollback['summary']}")
+        if rollback.get("url"):
+            out.append(f"Plan: {rollback.get('page') or rollback['url']} (JSON: {rollback['url']})")
     return out
 
 

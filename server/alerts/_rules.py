@@ -63,6 +63,7 @@ BUILTINS: list[dict[str, Any]] = [
         min_event_severity="warning",
     ),
     _event("run_crashed", "critical", "The training process died without finish().", inhibits=True),
+    _event("ranks_desync", "critical", "DDP ranks hold different parameters (silent corruption or a desynced rank)."),
     {
         **DEFAULTS,
         "name": "skip_rate",
@@ -78,6 +79,11 @@ BUILTINS: list[dict[str, Any]] = [
     },
     _event("grad_spike", "warning", "The gradient norm jumped far above its median without a skip."),
     _event("loss_spike", "warning", "The loss jumped far above its median."),
+    _event(
+        "leading_indicator",
+        "warning",
+        "A layer's update-to-weight ratio or Adam's second-moment lag jumped: a spike or divergence is likely ahead.",
+    ),
     _event("run_stalled", "warning", "Heartbeats continue but steps stopped advancing (a hang)."),
 ]
 

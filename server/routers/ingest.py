@@ -27,12 +27,14 @@ def register_run(run_id: RunId, body: RunIn, request: Request, session: SessionD
     F = models.PointFeed  # (one row per stored batch with points: the last step stored per rank, for a relaunch)
     stored = session.execute(select(F.rank, func.max(F.last_step)).where(F.run_id == run_id).group_by(F.rank))
     out.stored_steps = {str(rank): int(step) for rank, step in stored}
+    out.critical_id = run.critical_event_id
     return out
 
 
-@router.post("/runs/{run_id}/batches", response_model=BatchOut)
+@router.post("/runs/{run_id}/batches", response_model=BatchOut, response_model_exclude_none=True)
 def post_batch(run_id: RunId, batch: BatchIn, request: Request, session: SessionDep, settings: SettingsDep) -> BatchOut:
-    """Store a batch of points and events; acknowledged only after commit, stored once per (rank, seq)."""
+    """Store a batch of points and events; acknowledged only after commit, stored once per (rank, seq). The reply
+    carries `stop` while a stop asked of the run waits, and `critical` once the run has a critical event."""
     _check_project(request, session, run_id)
     total = sum(len(s.steps) for s in batch.points.values())
     if total > settings.max_batch_points:

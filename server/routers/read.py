@@ -7,7 +7,7 @@ from typing import Annotated, Literal, cast
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from ampwatch.server import auth, models, queries, runlist, vitals
+from ampwatch.server import auth, models, queries, runlist, stopping, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, AlertOut, EventOut, Health, RunOut, RunStatus
@@ -46,6 +46,7 @@ def run_out(
         ranks=ranks or [],
         skip_rate=run.skip_rate,
         scale=cast("float | Literal['NaN', 'Infinity', '-Infinity'] | None", vitals.scale_json(run)),
+        stop=stopping.of(run),
         firing=counts["firing"],
         firing_by_severity=counts["firing_by_severity"],
     )

@@ -26,6 +26,7 @@ BUILTINS = {
     "grad_spike",
     "loss_spike",
     "run_stalled",
+    "ranks_desync",
 }
 
 

@@ -15,6 +15,10 @@
     lr: { title: "Learning rate", log: "auto", color: "#0c8599" },
   };
   const HIDDEN = new Set(["skipped"]); // drawn as shaded spans and markers, not as a chart of its own
+  // Per-layer series: one per module, so not a chart each (the gradient norms make the heatmap; the leading
+  // indicators are read through the API, or their warnings on the timeline).
+  const LAYERED = ["grad_norm/", "fp16_range/", "update_ratio/", "adam_lag/"];
+  const perLayer = (name) => LAYERED.some((prefix) => name.startsWith(prefix));
   const root = document.getElementById("charts");
   if (!root || typeof Plotly === "undefined") return;
   const runId = encodeURIComponent(root.dataset.runId);
@@ -36,7 +40,7 @@
   // ---- data -------------------------------------------------------------------------------------------
   async function read(range) {
     const run = await getJSON(`/api/v1/runs/${runId}`);
-    const names = run.series.filter((n) => !n.startsWith("grad_norm/"));
+    const names = run.series.filter((n) => !perLayer(n));
     const query = names.map((n) => `name=${encodeURIComponent(n)}`).join("&");
     const wide = range && pad(range, 0.25);
     state.pending = [];
@@ -167,7 +171,7 @@
   function chartFor(name) {
     const id = `chart-${name}`;
     let el = STANDARD[name] ? document.getElementById(id) : document.querySelector(`#chart-extra [data-series="${CSS.escape(name)}"]`);
-    if (!el && !HIDDEN.has(name) && !name.startsWith("grad_norm/")) {
+    if (!el && !HIDDEN.has(name) && !perLayer(name)) {
       el = Object.assign(document.createElement("div"), { className: "chart" });
       Object.assign(el.dataset, { series: name, title: name });
       document.getElementById("chart-extra").appendChild(el);
@@ -289,7 +293,7 @@
   function append(name, series) {
     if (state.loading) state.pending.push([name, series]);
     const added = merge(name, series);
-    if ((!added.steps.length && !added.late) || name.startsWith("grad_norm/")) return;
+    if ((!added.steps.length && !added.late) || perLayer(name)) return;
     if (name === "skipped") { drawLine("scale"); return; }
     const el = chartFor(name);
     const drawn = Number(el.dataset.points || 0);

@@ -1,0 +1,299 @@
+"""Leading indicators, collected on the training thread every `layer_interval` steps and read by the sender.
+
+On an interval step (the steps that take per-layer gradient norms, see `ampwatch._cadence`) three signals are
+reduced on the device, one scalar per module or parameter, and handed over as one INDICATORS record:
+
+- `fp16_range/<module>`: the largest absolute value each leaf module output in the step's forward passes, as a
+  fraction of fp16's largest finite value (65 504): one `vector_norm(inf)` per module, from forward hooks present
+  only during that step;
+- `update_ratio/<module>`: ||Δθ|| / ||θ|| of the module's parameters over the optimizer step: a copy of the
+  parameters taken in an optimizer pre-step hook (present only during that step), subtracted in place after it;
+- `adam_lag/<module>`: for Adam-family optimizers, how far the step's squared gradients exceed the second moment
+  `exp_avg_sq` had before the step (bias-corrected), from two `_foreach_norm`s over gradients and `exp_avg_sq`.
+
+No value is read here: the sender copies them with the step's other tensors and decodes them (`decode`); the
+diagnosis judges the series (`ampwatch._leading`). Between interval steps nothing of this is in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ampwatch._guard import Hook, guarded, report
+from ampwatch._leading import FP16_MAX, LAG, RANGE, UPDATE
+from ampwatch._origin import _first_float_tensor, compiled_wrapper, wrapped
+from ampwatch._protocol import INDICATORS, MAX_NAME
+from ampwatch._steps import Points, _series
+
+MAX_VALUES = 10_000  # forwards without an optimizer step (evaluation) must not grow the list forever
+
+
+class Indicators:
+    """The leading indicators of one watched model and its optimizers (owned by the training thread).
+
+    `arm_for(step)` at the end of the step before an interval step puts the hooks in place; `end_of_step(step)` at
+    the end of that step takes them away and records what they collected."""
+
+    __slots__ = (
+        "interval",
+        "active",
+        "_record",
+        "_mailbox",
+        "_optimizers",
+        "_module_of",
+        "_leaves",
+        "_handles",
+        "_values",
+        "_names",
+        "_fp16",
+        "_before",
+        "_torch",
+        "_norms",
+        "_graph_task",
+    )
+
+    def __init__(
+        self,
+        model: Any,
+        optimizers: Callable[[], list[Any]],
+        module_of: Callable[[], dict[int, str]],
+        interval: int,
+        record: Callable[[tuple], Any],
+        mailbox: Any,
+        norms: Callable[[list[Any]], Any],
+    ) -> None:
+        import torch
+
+        self._torch = torch
+        self.interval = interval
+        self.active = False
+        self._record, self._mailbox, self._norms = record, mailbox, norms
+        self._optimizers, self._module_of = optimizers, module_of
+        chain = wrapped(model)
+        # A compiled model runs its modules in one graph (hooks added later never run there, and on a model compiled
+        # in place each arming would recompile it); TorchScript takes no hooks: no fp16_range for them.
+        compiled = any(map(compiled_wrapper, chain)) or any(
+            getattr(m, "_compiled_call_impl", None) is not None for m in chain
+        )
+        inner = chain[-1]
+        hookable = not compiled and not isinstance(model, torch.jit.ScriptModule)
+        modules = list(inner.named_modules()) if hookable else []
+        # Blocks compiled in place one by one (`block.compile()`, as torchtitan does): their leaves are left alone.
+        inside = tuple(f"{n}." for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None)
+        self._leaves = [
+            (n, m)
+            for n, m in modules
+            if n and not any(True for _ in m.children()) and not (inside and f"{n}.".startswith(inside))
+        ]
+        self._handles: list[Any] = []
+        self._values: list[Any] = []  # the forward hooks' maxima (0-d float32 tensors), in call order
+        self._names: list[str] = []  # and their modules
+        self._fp16: set[str] = set()  # modules that output fp16 in this step
+        self._before: dict[int, tuple[Any, list[Any], list[Any], Any]] = {}  # optimizer -> (it, params, copies, scale)
+        self._graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+    def arm_for(self, step: int) -> None:
+        """Put the hooks in place if `step` is an interval step."""
+        if self.active or step % self.interval:
+            return
+        self.active = True
+        for name, module in self._leaves:
+            self._handles.append(module.register_forward_hook(self._hook_for(name)))
+        for optimizer in self._optimizers():
+            if hasattr(optimizer, "register_step_pre_hook"):
+                self._handles.append(optimizer.register_step_pre_hook(Hook(self._guarded_before_step)))
+
+    def disarm(self) -> None:
+        """Take every hook away; what they collected is dropped."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._values, self._names, self._before = [], [], {}
+        self._fp16.clear()
+        self.active = False
+
+    def end_of_step(self, step: int) -> None:
+        """After the optimizer step of an interval step: reduce, record and disarm."""
+        if not self.active:
+            return
+        parts: list[tuple[str, list[str], list[Any], int, Any]] = []
+        try:
+            torch = self._torch
+            with torch.no_grad():
+                if self._values:
+                    values = self._values
+                    try:
+                        stacked = [torch.stack(values)]  # one tensor for the sender to read and free
+                    except RuntimeError:  # (outputs on several devices)
+                        stacked = values
+                    parts.append((RANGE, self._names, stacked, len(values), None))
+                    fp16 = frozenset(self._fp16)
+                    if fp16 != self._mailbox.fp16_layers:
+                        self._mailbox.fp16_layers = fp16  # (replaced whole: the sender reads one or the other)
+                for optimizer, params, copies, scale in self._before.values():
+                    parts.extend(self._after_step(optimizer, params, copies, scale))
+        except Exception:  # (never into the loop, nor in the way of the step's end: this step's indicators are lost)
+            report(self.end_of_step)
+            parts = []
+        finally:
+            self.disarm()
+        if parts:
+            self._record((INDICATORS, step, tuple(parts)))
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _hook_for(self, name: str) -> Hook:
+        def on_output(module: Any, args: Any, output: Any) -> None:
+            guarded(self._on_output, name, output)
+
+        return Hook(on_output)
+
+    def _on_output(self, name: str, output: Any) -> None:
+        torch = self._torch
+        # Training forwards only, each once (activation checkpointing runs forwards again inside the backward).
+        if len(self._values) >= MAX_VALUES or not torch.is_grad_enabled() or self._graph_task() != -1:
+            return
+        tensor = _first_float_tensor(output)
+        if tensor is None or tensor.numel() == 0:
+            return
+        tensor = tensor.detach()
+        local = getattr(tensor, "to_local", None)  # (a DTensor: this rank's part, no collective)
+        tensor = tensor if local is None else local()
+        if tensor.dtype is torch.float16:
+            self._fp16.add(name)
+        self._values.append(torch.linalg.vector_norm(tensor, math.inf, dtype=torch.float32))
+        self._names.append(name)
+
+    def _guarded_before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        guarded(self._before_step, optimizer, args, kwargs)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer is about to step (so GradScaler found its gradients finite): copy what it updates."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        with self._torch.no_grad():
+            copies = list(self._torch._foreach_mul(params, 1.0))
+        # A fused optimizer under GradScaler takes the scale and unscales inside its kernel: the gradients stay scaled.
+        self._before[id(optimizer)] = (optimizer, params, copies, kwargs.get("grad_scale") if kwargs else None)
+
+    def _after_step(self, optimizer: Any, params: list[Any], copies: list[Any], scale: Any) -> list[tuple]:
+        torch, norms = self._torch, self._norms
+        modules = self._modules(params)
+        torch._foreach_sub_(copies, params)  # (the copy becomes before - after, in place: no second copy)
+        parts: list[tuple] = [(UPDATE, modules, [*norms(copies), *norms(params)], 2 * len(params), None)]
+        # Adam's second moment: the squared gradient norm and the sum of exp_avg_sq of each parameter after the step,
+        # with the group's beta2 and the step count (the sender recovers the moment before the step from them).
+        grads, moments, names, betas, counts = [], [], [], [], []
+        state = optimizer.state
+        index = {id(p): i for i, p in enumerate(params)}
+        for group in optimizer.param_groups:
+            beta = group.get("betas")
+            if not isinstance(beta, (tuple, list)) or len(beta) < 2 or not isinstance(beta[1], float):
+                continue
+            count = None
+            for p in group["params"]:
+                held = state.get(p) if id(p) in index else None
+                grad = p.grad
+                if not held or "exp_avg_sq" not in held or grad is None or grad.is_sparse or p.is_complex():
+                    continue
+                if count is None:
+                    step = held.get("step")
+                    count = step.detach().clone() if isinstance(step, torch.Tensor) else float(step or 0)
+                    counts.append(count)
+                grads.append(grad)
+                moments.append(held["exp_avg_sq"])
+                names.append(modules[index[id(p)]])
+                betas.append((beta[1], len(counts) - 1))
+        if grads:
+            squares = norms(grads)
+            if scale is not None:
+                squares = torch._foreach_div(squares, scale)
+            tensors = [*squares, *torch._foreach_norm(moments, 1)]
+            tensor_counts = [c for c in counts if isinstance(c, torch.Tensor)]
+            parts.append((LAG, names, tensors + tensor_counts, 2 * len(grads) + len(tensor_counts), (betas, counts)))
+        return parts
+
+    def _modules(self, params: list[Any]) -> list[str]:
+        module_of = self._module_of()
+        return [module_of.get(id(p), "(unnamed)") for p in params]
+
+
+# -- the sender's side ------------------------------------------------------------------
+
+
+def indicator_tensors(record: tuple, out: list[Any]) -> None:
+    """Append an INDICATORS record's tensors to `out`, in the order `decode` consumes them."""
+    for part in record[2]:
+        out += part[2]
+
+
+def decode(record: tuple, host: list[Any], at: int, points: Points) -> int:
+    """Append an INDICATORS record's per-layer series to `points` from the host values at `host[at]` on; return where
+    the next record's values start."""
+    step = record[1]
+    for prefix, names, _, count, extra in record[2]:
+        values = host[at : at + count]
+        at += count
+        layers = _DECODERS[prefix](names, values, extra)
+        for layer, value in layers.items():
+            series = _series(points, layer_series(prefix, layer))
+            series[0].append(step)
+            series[1].append(value)
+    return at
+
+
+def _ranges(names: list[str], values: list[float], extra: Any) -> dict[str, float]:
+    largest: dict[str, float] = {}
+    for name, value in zip(names, values):
+        value = float(value)
+        held = largest.get(name)
+        largest[name] = value if held is None or not value <= held else held  # (NaN wins: it is what went wrong)
+    return {name: value / FP16_MAX for name, value in largest.items()}
+
+
+def _updates(names: list[str], values: list[float], extra: Any) -> dict[str, float]:
+    n = len(names)
+    sums: dict[str, list[float]] = {}
+    for name, delta, weight in zip(names, values[:n], values[n:]):
+        held = sums.setdefault(name, [0.0, 0.0])
+        held[0] += float(delta) ** 2
+        held[1] += float(weight) ** 2
+    return {name: math.sqrt(d) / math.sqrt(w) for name, (d, w) in sums.items() if w > 0}
+
+
+def _lags(names: list[str], values: list[float], extra: Any) -> dict[str, float]:
+    """Per layer, the sum of squared gradients over the sum of `exp_avg_sq` before the step, bias-corrected:
+    V_before = (V_after - (1 - beta2) G) / beta2, corrected by 1 - beta2^(step - 1)."""
+    betas, counts = extra
+    n = len(names)
+    read = iter(values[2 * n :])
+    steps = [c if isinstance(c, float) else float(next(read)) for c in counts]
+    sums: dict[str, list[float]] = {}
+    for name, norm, moment, (beta2, which) in zip(names, values[:n], values[n : 2 * n], betas):
+        held = sums.setdefault(name, [0.0, 0.0, beta2, steps[which]])
+        held[0] += float(norm) ** 2
+        held[1] += float(moment)
+    lags: dict[str, float] = {}
+    for name, (squares, after, beta2, step) in sums.items():
+        if step < 2 or not 0.0 < beta2 < 1.0:  # (before the first step there is no moment to lag behind)
+            continue
+        before = (after - (1.0 - beta2) * squares) / beta2 / (1.0 - beta2 ** (step - 1))
+        lags[name] = 0.0 if squares == 0 else squares / before if before > 0 else math.inf
+    return lags
+
+
+_DECODERS: dict[str, Callable[[list[str], list[float], Any], dict[str, float]]] = {
+    RANGE: _ranges,
+    UPDATE: _updates,
+    LAG: _lags,
+}
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_series(prefix: str, module: str) -> str:
+    """`<prefix>/<module>`; past the server's limit on names, its end after a `…` (as `grad_norm/` series are)."""
+    name = f"{prefix}/{module}"
+    return name if len(name) <= MAX_NAME else f"{prefix}/…" + module[len(name) - MAX_NAME + 1 :]

@@ -1,0 +1,316 @@
+"""The leading indicators (fp16 range, update-to-weight ratio, Adam's second-moment lag) on real CPU training loops:
+each warns well before the failure it predicts, and none warns on healthy runs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import ampwatch
+
+INTERVAL = 10  # AMPWATCH_LAYER_NORM_INTERVAL in these tests: the indicators are taken every 10 steps
+LEAD = 50  # steps a warning comes before the failure it predicts, at least
+
+
+@pytest.fixture(autouse=True)
+def _interval(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", str(INTERVAL))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (tiny models: a second thread only adds contention)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(
+    memory: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    batch: Callable[[int], tuple[torch.Tensor, ...]],
+    loss_of: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor],
+    *,
+    dtype: torch.dtype | None = torch.float16,
+    before: Callable[[int], None] | None = None,
+) -> str:
+    """A standard AMP loop (fp16 with GradScaler, bf16 or fp32 without), watched; returns the run's id."""
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype is torch.float16)
+    with ampwatch.init("leading", transport=memory) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(steps):
+            if before is not None:
+                before(step)
+            inputs = batch(step)
+            with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                out = model(inputs[0])
+            loss = loss_of(out.float(), inputs)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    return run.id
+
+
+def _warnings(memory: Any, run_id: str, indicator: str) -> list[dict[str, Any]]:
+    return [e for e in memory.events(run_id) if e["details"].get("indicator") == indicator]
+
+
+def _indicator_warnings(memory: Any, run_id: str) -> list[dict[str, Any]]:
+    return [e for e in memory.events(run_id) if "indicator" in e["details"]]
+
+
+def _first_nonfinite_loss(memory: Any, run_id: str) -> int:
+    loss = memory.series(run_id, "loss")["loss"]
+    return next(s for s, v in zip(loss["steps"], loss["values"]) if isinstance(v, str) or not math.isfinite(v))
+
+
+# -- fp16 range ---------------------------------------------------------------------------------------------------
+
+
+def _growing(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Regression towards 100 000, past fp16's largest value: Adam grows the output layer's activations steadily
+    until they overflow fp16 (an output head whose targets outgrow fp16)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=5e-2)
+
+
+def _positive(step: int) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(32, 8).abs(),)
+
+
+def _towards_1e5(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return ((out / 1e5 - 1.0) ** 2).mean()
+
+
+def test_fp16_range_warns_of_an_overflow_well_before_it_happens(memory) -> None:
+    model, optimizer = _growing()
+    run_id = _train(memory, model, optimizer, 500, _positive, _towards_1e5)
+    overflow = _first_nonfinite_loss(memory, run_id)
+    warnings = _warnings(memory, run_id, "fp16_range")
+    assert warnings, memory.events(run_id)
+    first = warnings[0]
+    assert first["type"] == "amp_config" and first["severity"] == "warning"
+    assert first["details"]["layer"] == "2", first["message"]
+    assert overflow - first["step"] >= LEAD, (overflow, first["message"])
+    assert "`2`" in first["message"] and "steps" in first["message"]
+    series = memory.series(run_id, "fp16_range/2")["fp16_range/2"]
+    assert series["steps"][:3] == [0, 10, 20]  # one value per interval step
+
+
+def test_under_bf16_the_range_is_recorded_without_an_fp16_warning(memory) -> None:
+    model, optimizer = _growing()
+    run_id = _train(memory, model, optimizer, 500, _positive, _towards_1e5, dtype=torch.bfloat16)
+    values = memory.series(run_id, "fp16_range/2")["fp16_range/2"]["values"]
+    assert max(values) > 1.0  # past 65 504: bf16 holds it
+    assert not _warnings(memory, run_id, "fp16_range"), _warnings(memory, run_id, "fp16_range")
+
+
+def _first_failure(memory: Any, run_id: str) -> int:
+    """The step of the run's first sign of trouble the diagnosis reports: a spike, a non-finite value, a skip that is
+    more than calibration, a collapse."""
+    return next(e["step"] for e in memory.events(run_id) if e["severity"] != "info" and "indicator" not in e["details"])
+
+
+# -- update-to-weight ratio ----------------------------------------------------------------------------------------
+
+
+def test_update_ratio_warns_of_a_learning_rate_that_runs_away_before_the_divergence(memory) -> None:
+    """A schedule gone wrong at step 400 (a restart at 30 times the learning rate, which then keeps growing 1% a
+    step): the update ratio is an order of magnitude above its usual well before the updates diverge into spikes
+    and NaN."""
+    torch.manual_seed(0)
+    teacher = torch.randn(8, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def lr(step: int) -> None:
+        optimizer.param_groups[0]["lr"] = 1e-3 if step < 400 else 3e-2 * 1.01 ** (step - 400)
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(32, 8)
+        return x, x @ teacher + 0.3 * torch.randn(32, 1)
+
+    run_id = _train(memory, model, optimizer, 650, batch, _mse, before=lr)
+    failure = _first_failure(memory, run_id)
+    warnings = _warnings(memory, run_id, "update_ratio")
+    assert warnings and warnings[0]["type"] == "leading_indicator", memory.events(run_id)
+    assert warnings[0]["step"] > 400  # (not before the learning rate began to run away)
+    assert failure - warnings[0]["step"] >= LEAD, (failure, warnings[0]["message"])
+    assert memory.series(run_id, "update_ratio/1")["update_ratio/1"]["steps"][0] == 10  # (no step before the first)
+
+
+def _mse(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return ((out - inputs[1]) ** 2).mean()
+
+
+# -- Adam's second-moment lag --------------------------------------------------------------------------------------
+
+
+class _TwoInputs(torch.nn.Module):
+    """An MLP on the first 8 features plus a linear layer on 4 more (a second input stream)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.extra = torch.nn.Linear(4, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x[:, :8]) + self.extra(x[:, 8:])
+
+
+def test_adam_lag_warns_when_a_layers_gradients_outgrow_its_second_moment_before_the_spikes(memory) -> None:
+    """The second input stream is near 0 for 300 steps, then grows 5% a step: its layer's gradients grow faster than
+    Adam's exp_avg_sq can follow, long before the loss and gradient spikes that brings."""
+    torch.manual_seed(0)
+    teacher = torch.randn(8, 1)
+    model = _TwoInputs()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(32, 8)
+        extra = torch.randn(32, 4) * min(100.0, 1e-3 * 1.05 ** max(0, step - 300))
+        return torch.cat([x, extra], 1), x @ teacher + 0.1 * torch.randn(32, 1)
+
+    run_id = _train(memory, model, optimizer, 550, batch, _mse)
+    failure = _first_failure(memory, run_id)
+    warnings = _warnings(memory, run_id, "adam_lag")
+    assert warnings, memory.events(run_id)
+    first = warnings[0]
+    assert first["type"] == "leading_indicator" and first["details"]["layer"] == "extra", first["message"]
+    assert 300 < first["step"] and failure - first["step"] >= LEAD, (failure, first["message"])
+    lags = memory.series(run_id, "adam_lag/main.0")["adam_lag/main.0"]["values"]
+    assert all(0 < v < 20 for v in lags[:30])  # (a layer whose moment keeps up: about 1 or below)
+
+
+# -- healthy runs ---------------------------------------------------------------------------------------------------
+
+
+def test_no_indicator_warns_over_thousands_of_healthy_fp16_steps(memory) -> None:
+    """A classifier trained with Adam under fp16 autocast and GradScaler, with a warm-up and a cosine decay."""
+    torch.manual_seed(1)
+    centers = torch.randn(4, 16) * 2
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 4)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: min(1.0, (i + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(i, 3000) / 3000))
+    )
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        labels = torch.randint(0, 4, (32,))
+        return centers[labels] + torch.randn(32, 16), labels
+
+    def loss_of(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out, inputs[1])
+
+    run_id = _train(memory, model, optimizer, 3000, batch, loss_of, before=lambda step: step and schedule.step())
+    series = memory.run(run_id)["series"]
+    assert {"fp16_range/0", "fp16_range/3", "update_ratio/0", "adam_lag/3"} <= set(series)
+    assert not _indicator_warnings(memory, run_id), [e["message"] for e in _indicator_warnings(memory, run_id)]
+
+
+def test_no_indicator_warns_over_thousands_of_healthy_bf16_steps(memory) -> None:
+    """A regression trained with SGD and momentum under bf16 autocast (no GradScaler)."""
+    torch.manual_seed(2)
+    teacher = torch.randn(8, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=2e-2, momentum=0.9)
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(32, 8)
+        return x, torch.tanh(x @ teacher) + 0.1 * torch.randn(32, 1)
+
+    run_id = _train(memory, model, optimizer, 2500, batch, _mse, dtype=torch.bfloat16)
+    series = memory.run(run_id)["series"]
+    assert {"fp16_range/0", "update_ratio/0", "update_ratio/2"} <= set(series)
+    assert not any(name.startswith("adam_lag/") for name in series)  # (SGD has no second moment)
+    assert not _indicator_warnings(memory, run_id), [e["message"] for e in _indicator_warnings(memory, run_id)]
+
+
+# -- the values ------------------------------------------------------------------------------------------------------
+
+
+def test_the_indicators_are_the_values_they_name(memory) -> None:
+    """At an interval step, computed here by hand from the same loop: each leaf's largest output over 65 504, each
+    layer's ||Δθ||/||θ||, and its squared gradients over Adam's bias-corrected exp_avg_sq before the step."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+    largest: dict[str, float] = {}
+    expected: dict[str, float] = {}
+
+    def track(name: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any, output: torch.Tensor) -> None:
+            largest[name] = max(largest.get(name, 0.0), output.detach().abs().max().item())
+
+        return hook
+
+    for name, module in model.named_children():
+        module.register_forward_hook(track(name))
+    with ampwatch.init("leading", transport=memory) as run:
+        run.watch(model=model, optimizer=optimizer)
+        for step in range(21):
+            largest.clear()
+            for micro in range(2):  # (two micro-batches: the largest of both forwards)
+                model(torch.randn(4, 8) * (1 + micro)).pow(2).mean().backward()
+            if step == 20:
+                before = {n: [p.detach().clone() for p in m.parameters()] for n, m in model.named_children()}
+                moments = {
+                    n: sum(optimizer.state[p]["exp_avg_sq"].sum().item() for p in m.parameters())
+                    for n, m in model.named_children()
+                }
+                squares = {
+                    n: sum(p.grad.pow(2).sum().item() for p in m.parameters()) for n, m in model.named_children()
+                }
+                bias = 1 - 0.99 ** optimizer.state[model[0].weight]["step"].item()
+            optimizer.step()
+            optimizer.zero_grad()
+        for name, module in model.named_children():
+            expected[f"fp16_range/{name}"] = largest[name] / 65504
+            if name == "1":
+                continue
+            delta = sum((a - p.detach()).pow(2).sum().item() for a, p in zip(before[name], module.parameters()))
+            weight = sum(p.detach().pow(2).sum().item() for p in module.parameters())
+            expected[f"update_ratio/{name}"] = math.sqrt(delta) / math.sqrt(weight)
+            expected[f"adam_lag/{name}"] = squares[name] / (moments[name] / bias)
+    series = memory.series(run.id)
+    for name, value in expected.items():
+        steps, values = series[name]["steps"], series[name]["values"]
+        assert steps[-1] == 20 and values[-1] == pytest.approx(value, rel=1e-4), name
+    assert "update_ratio/1" not in series and "adam_lag/1" not in series  # (Tanh has no parameters)
+
+
+def test_the_hooks_are_in_place_only_for_the_interval_steps(memory) -> None:
+    """Between interval steps nothing of the indicators runs: no forward hook on the model, no step hook on the
+    optimizer beyond the agent's own."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    seen: dict[int, tuple[int, int]] = {}
+    with ampwatch.init("leading", transport=memory) as run:
+        run.watch(model=model, optimizer=optimizer, scaler=scaler)
+        for step in range(3 * INTERVAL + 1):
+            seen[step] = (
+                len(model[0]._forward_hooks) + len(model[1]._forward_hooks),
+                len(optimizer._optimizer_step_pre_hooks),
+            )
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        after = (len(model[0]._forward_hooks), len(optimizer._optimizer_step_pre_hooks))
+    due = [step for step, hooks in seen.items() if hooks != (0, 0)]
+    assert due == [0, INTERVAL, 2 * INTERVAL, 3 * INTERVAL] and seen[INTERVAL] == (2, 1), seen
+    assert after == (0, 0)
