@@ -23,6 +23,7 @@ log = logging.getLogger("ampwatch")
 Event = dict[str, Any]
 Columns = dict[str, tuple[list[int], list[float]]]  # series name -> (steps, values), as a batch holds them
 MAX_DIVERGED_STEPS = 100  # a divergence is said by non-finite events this many steps after the last one it explained
+SCHEDULE_AHEAD = 0.01  # share of the steps a scheduler may advance on skipped ones before that is a warning
 OBSERVED = ("loss", "scale", "skipped", "grad_norm", "lr", "param_norm")  # what the analyzer reads
 
 
@@ -87,6 +88,8 @@ class Analyzer(Trends, Episodes):
         self.scheduler = False  # an LR scheduler object wraps a watched optimizer's step (see Diagnosis)
         self._skipped_at: dict[int, bool] = {}  # recent steps -> skipped after start-up calibration
         self._scheduler_reported = False
+        self._lr_from: int | None = None  # the first step whose learning rate the scheduler check read
+        self._ahead = 0  # of them, steps after a skip (not calibration's) at which a scheduler changed the LR
         self._norm_history: deque[tuple[int, float]] = deque(maxlen=30)  # (step, norm) of recent applied steps
         self._loss_history: deque[tuple[int, float]] = deque(maxlen=30)  # (step, loss) of recent finite losses
         self.leading = Leading(self.event)  # the leading indicators' rules (see ampwatch._leading)
@@ -538,14 +541,16 @@ class Analyzer(Trends, Episodes):
     # -- schedules ----------------------------------------------------------------------
     def _check_scheduler(self, step: int, lr: float, out: list[Event]) -> None:
         # The lr read at step k is the one iteration k used; a change from k-1 happened after iteration k-1. Only an LR
-        # scheduler object is judged: a loop that computes the LR from its iteration number (nanoGPT) means to.
-        if (
-            self.scheduler
-            and self._last_lr is not None
-            and self._skipped_at.get(step - 1)
-            and lr != self._last_lr
-            and not self._scheduler_reported
-        ):
+        # scheduler object is judged: a loop that computes the LR from its iteration number (nanoGPT) means to. Said
+        # once the schedule has run ahead by more than SCHEDULE_AHEAD of the steps: a healthy fp16 run's occasional
+        # overflow skip puts it one step ahead in hundreds or thousands (Lightning steps its schedulers on skipped
+        # steps too), nothing to change.
+        # (the lr is not in every step's columns: the steps are counted from the first one read)
+        self._lr_from = step if self._lr_from is None else self._lr_from
+        steps = step - self._lr_from + 1
+        ahead = self.scheduler and self._last_lr is not None and self._skipped_at.get(step - 1) and lr != self._last_lr
+        self._ahead += bool(ahead)
+        if ahead and self._ahead > SCHEDULE_AHEAD * steps and not self._scheduler_reported:
             self._scheduler_reported = True
             out.append(
                 self.event(
@@ -553,10 +558,10 @@ class Analyzer(Trends, Episodes):
                     "amp_config",
                     "warning",
                     f"The learning rate changed ({self._last_lr:.6g} → {lr:.6g}) after step {step - 1}, which "
-                    "GradScaler skipped: the "
-                    "scheduler advances on skipped steps, so the schedule runs ahead of the optimizer. Step the "
+                    "GradScaler skipped: the scheduler advances on skipped steps, so the schedule runs ahead of the "
+                    f"optimizer ({self._ahead} of {steps} steps so far). Step the "
                     "scheduler only when the optimizer stepped.",
-                    {"lr_before": self._last_lr, "lr_after": lr},
+                    {"lr_before": self._last_lr, "lr_after": lr, "steps_ahead": self._ahead},
                 )
             )
         self._last_lr = lr

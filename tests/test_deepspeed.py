@@ -47,18 +47,19 @@ def one_process(monkeypatch: pytest.MonkeyPatch, free_tcp_port: int) -> Iterator
         deepspeed.comm.destroy_process_group()  # (DeepSpeed's own: it forgets its groups too)
 
 
-def _engine(precision: dict[str, Any], stage: int = 0) -> Any:
-    """A one-process engine with gradient accumulation 2."""
+def _engine(precision: dict[str, Any], stage: int = 0, accumulation: int = 2, **more: Any) -> Any:
+    """A one-process engine (gradient accumulation 2 unless told; `more`: other config keys)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     config = {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 2,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
         **precision,
+        **more,
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
@@ -188,6 +189,41 @@ with ampwatch.init(project="deepspeed-ranks", name="zero2", url=os.environ["SERV
 print("rank", dist.get_rank(), "run", run.id, flush=True)
 """
 )
+
+
+BUDGET_STEPS = 2000  # (a few thousand optimizer steps: the false-warning budget of each integration's loop)
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [{"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}, {"bf16": {"enabled": True}}],
+    ids=["fp16", "bf16"],
+)
+def test_a_healthy_engine_gets_no_warning_and_no_alert(
+    sqlite_server, one_process: None, precision: dict[str, Any]
+) -> None:
+    """The false-warning budget, zero: a few thousand healthy optimizer steps of an engine watched by watch_engine,
+    batches of 4, the engine's clipping and a warm-up LR schedule; fp16 through torch_autocast (a GradScaler: its
+    start-up and occasional overflow skips included) and bf16."""
+    from ampwatch.deepspeed import watch_engine
+
+    warmup = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 100}}
+    engine = _engine(precision, accumulation=1, scheduler=warmup)
+    dtype = torch.bfloat16 if "bf16" in precision else torch.float32
+    with ampwatch.init(project="budget", name="deepspeed", url=sqlite_server.url) as run:
+        watch_engine(run, engine)
+        for _ in range(BUDGET_STEPS):
+            x = torch.randn(4, 16)
+            loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), x[:, :1].sin())
+            engine.backward(loss)
+            engine.step()
+    with sqlite_server.client() as http:
+        stored = http.get(f"/api/v1/runs/{run.id}").json()
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+        alerts = http.get("/api/v1/alerts", params={"run_id": run.id}).json()
+    assert (stored["status"], stored["last_step"]) == ("finished", BUDGET_STEPS - 1)
+    warnings = [(e["type"], e["step"], e["message"]) for e in events if e["severity"] != "info"]
+    assert (warnings, alerts, stored["health"]) == ([], [], "ok")
 
 
 def test_two_zero2_ranks_report_into_one_run_and_both_skip_one_ranks_bad_batch(sqlite_server, tmp_path: Path) -> None:

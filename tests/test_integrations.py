@@ -331,6 +331,53 @@ def test_lightning_callback_records_every_optimizer_step_and_finishes_the_run(
     assert [_run_info(sqlite_server, run.id)[k] for k in ("status", "health")] == ["finished", "ok"]  # (finish() ran)
 
 
+BUDGET_STEPS = 2000  # (a few thousand optimizer steps: the false-warning budget of each integration's loop)
+
+
+def _healthy(server, run_id: str, steps: int) -> tuple[list[tuple[str, int, str]], list[dict], str]:
+    """A finished run's warnings and criticals (type, step, message), its alerts, and its health."""
+    with server.client() as http:
+        run = http.get(f"/api/v1/runs/{run_id}").json()
+        events = http.get(f"/api/v1/runs/{run_id}/events").json()
+        alerts = http.get("/api/v1/alerts", params={"run_id": run_id}).json()
+    assert (run["status"], run["last_step"]) == ("finished", steps - 1), run
+    return [(e["type"], e["step"], e["message"]) for e in events if e["severity"] != "info"], alerts, run["health"]
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_a_healthy_lightning_fit_gets_no_warning_and_no_alert(
+    sqlite_server, lightning: ModuleType, precision: str
+) -> None:
+    """The false-warning budget, zero: a healthy fit of a few thousand steps through the callback, noisy batches of
+    4, clipping (to 0.05), a cosine LR scheduler that Lightning steps every step; fp16 with the plugin's GradScaler (its
+    start-up skip and occasional overflow skips included), bf16 without one."""
+    from ampwatch.lightning import AmpwatchCallback
+
+    class Healthy(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+        def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return F.mse_loss(self.net(x).float(), x[:, :1].sin())
+
+        def configure_optimizers(self) -> dict:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=BUDGET_STEPS)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(torch.randn(4096, 16), batch_size=4, shuffle=True)
+
+    callback = AmpwatchCallback(project="budget", name=f"lightning-{precision}", url=sqlite_server.url)
+    trainer = _trainer(lightning, callback, BUDGET_STEPS, precision, 1)
+    trainer.fit(Healthy())
+    assert (trainer.precision_plugin.scaler is not None) == (precision == "16-mixed")
+    warnings, alerts, health = _healthy(sqlite_server, callback.run.id, BUDGET_STEPS)
+    assert (warnings, alerts, health) == ([], [], "ok")
+
+
 def test_lightning_callback_marks_the_run_crashed_and_lets_the_exception_through(
     sqlite_server, lightning: ModuleType
 ) -> None:

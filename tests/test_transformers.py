@@ -65,19 +65,18 @@ def _model(transformers: ModuleType) -> Any:
 
 
 def _args(transformers: ModuleType, tmp_path: Path, precision: str, steps: int, **more: Any) -> Any:
+    defaults = {"per_device_train_batch_size": 2, "logging_steps": 1}  # (`more` may change these)
     return transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
         max_steps=steps,
-        per_device_train_batch_size=2,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         report_to=[],
         save_strategy="no",
-        logging_steps=1,
         disable_tqdm=True,
         dataloader_num_workers=0,
-        **more,
+        **{**defaults, **more},
     )
 
 
@@ -168,6 +167,70 @@ class _Embedded(_Batches):
             embeds[3, 5] = float("nan")
         self.served += 1
         return {"inputs_embeds": embeds, "labels": self.tokens[i] % self.width}
+
+
+class _Regression(torch.nn.Module):
+    """The smallest model a Trainer trains (the loss in its output, as the Trainer expects): a healthy loop's cost is
+    the Trainer's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.mse_loss(self.net(x).float(), labels)}
+
+
+class _Noisy(torch.utils.data.Dataset):
+    def __init__(self, rows: int) -> None:
+        generator = torch.Generator().manual_seed(2)
+        self.x = torch.randn(rows, 16, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.x[i, :1].sin()}
+
+
+BUDGET_STEPS = 2000  # (a few thousand optimizer steps: the false-warning budget of each integration's loop)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_healthy_training_gets_no_warning_and_no_alert(
+    sqlite_server, transformers: ModuleType, tmp_path: Path, precision: str
+) -> None:
+    """The false-warning budget, zero: a few thousand healthy optimizer steps through the callback, batches of 4, the
+    Trainer's clipping and its warm-up and cosine schedule. On the CPU, fp16 is trained in fp32 by Accelerate (no
+    GradScaler, no autocast): its one warning is that, which is true; nothing else may warn."""
+    from ampwatch.transformers import AmpwatchCallback
+
+    callback = AmpwatchCallback(project="budget", name=f"trainer-{precision}", url=sqlite_server.url)
+    args = _args(
+        transformers,
+        tmp_path,
+        precision,
+        BUDGET_STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=100,
+        logging_steps=100,
+    )
+    trainer = transformers.Trainer(model=_Regression(), args=args, train_dataset=_Noisy(4096), callbacks=[callback])
+    trainer.train()
+    run = callback.run
+    assert run is not None
+    with sqlite_server.client() as http:
+        stored = http.get(f"/api/v1/runs/{run.id}").json()
+        events = http.get(f"/api/v1/runs/{run.id}/events").json()
+        alerts = http.get("/api/v1/alerts", params={"run_id": run.id}).json()
+    assert (stored["status"], stored["last_step"]) == ("finished", BUDGET_STEPS - 1)
+    warnings = [(e["type"], e["details"].get("check"), e["step"]) for e in events if e["severity"] != "info"]
+    true_ones = [("amp_config", "accelerate_fp16_on_cpu", 0)] if precision == "fp16" else []
+    assert (warnings, alerts) == (true_ones, []), [e["message"] for e in events if e["severity"] != "info"]
+    assert stored["health"] == ("warning" if true_ones else "ok")
 
 
 def test_trainer_callback_records_a_nan_batch_that_the_trainers_own_logs_hide(
