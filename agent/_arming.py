@@ -16,12 +16,11 @@ from ampwatch._origin import OriginProbe
 from ampwatch._protocol import ORIGIN
 
 BLIND = (
-    "The NaN-origin probe, armed after a non-finite value, saw no forward pass of the watched model in a whole "
-    "step: its hooks did not run, so it cannot say where NaN/Inf come from. Most likely the model was compiled "
-    "after watch() (torch.compile(model): the compiled graph does not run hooks added to the modules inside it "
-    "later): pass the compiled model to watch() instead, and the probe tells a bad input batch from the model; "
-    "run uncompiled to have it name the module. Or the loop calls another model than the one passed to "
-    "watch()."
+    "The NaN-origin probe, armed after a non-finite value, saw no forward pass of the watched model in a whole step: "
+    "its hooks did not run, so it cannot say where NaN/Inf come from. Most likely the model was compiled after watch() "
+    "(torch.compile(model): the compiled graph does not run hooks added to the modules inside it later): pass the "
+    "compiled model to watch() instead, and the probe tells a bad input batch from the model; run uncompiled to have "
+    "it name the module. Or the loop calls another model than the one passed to watch()."
 )
 
 

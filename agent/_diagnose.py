@@ -226,20 +226,15 @@ class Analyzer(Trends, Episodes):
                     "the values overflowed. Lower the learning rate (or warm it up longer)."
                     if diverged
                     else "stopped once the scale was lower, so they were most likely fp16 overflow (gradients or "
-                    "activations too "
-                    "large for fp16 at the higher scale; inf - inf is NaN) rather than an operation that makes NaN. If "
-                    "they "
-                    "come back at this scale or lower, look for one that does on some batches (sqrt, log, a division "
-                    "by "
-                    "0); if the scale keeps having to fall, for activations that keep growing (bf16 has the range of "
-                    "fp32)."
+                    "activations too large for fp16 at the higher scale; inf - inf is NaN) rather than an operation "
+                    "that makes NaN. If they come back at this scale or lower, look for one that does on some batches "
+                    "(sqrt, log, a division by 0); if the scale keeps having to fall, for activations that keep "
+                    "growing (bf16 has the range of fp32)."
                     if overflow
                     else f"began at loss scale {pow2(self._streak_start_scale)}, a scale steps had been applied at, so "
-                    "not "
-                    "because the scale had grown too high: most likely an operation that makes NaN on some batches "
-                    "(look "
-                    "for sqrt, log, pow or a norm of zero, or a division by a value that can be 0), or a batch whose "
-                    "gradients are too large for fp16. If they come back, the NaN-origin probe names where."
+                    "not because the scale had grown too high: most likely an operation that makes NaN on some batches "
+                    "(look for sqrt, log, pow or a norm of zero, or a division by a value that can be 0), or a batch "
+                    "whose gradients are too large for fp16. If they come back, the NaN-origin probe names where."
                 )
                 out.append(
                     self.event(
@@ -247,8 +242,7 @@ class Analyzer(Trends, Episodes):
                         "skipped_step",
                         "info",
                         f"Steps are applied again at step {step} after {self._streak} skipped; loss scale "
-                        f"{pow2(scale)}. The NaN "
-                        f"gradients reported at step {self._nan_alarm} {why}",
+                        f"{pow2(scale)}. The NaN gradients reported at step {self._nan_alarm} {why}",
                         {
                             "recovered": True,
                             "streak": self._streak,
@@ -351,8 +345,7 @@ class Analyzer(Trends, Episodes):
                     "skipped_step",
                     "warning",
                     f"{self._streak} consecutive skipped steps (loss scale now {pow2(scale / 2)}): more than fp16 "
-                    "overflow "
-                    "usually causes. Watch for a scale collapse.",
+                    "overflow usually causes. Watch for a scale collapse.",
                     {"streak": self._streak, "scale_after": scale / 2},
                 )
             )
@@ -383,8 +376,7 @@ class Analyzer(Trends, Episodes):
         elif skipped is None:  # a value the user logged (see _logged)
             fate = (
                 "GradScaler skips a step whose loss is non-finite (its gradients are too), so that step most likely "
-                "did "
-                "not change the parameters."
+                "did not change the parameters."
             )
         else:
             fate = (
@@ -518,8 +510,7 @@ class Analyzer(Trends, Episodes):
         if phase == "backward":
             return (
                 f"The NaN-origin event named the backward of `{module}`: an operation there makes NaN at any scale "
-                "(sqrt, "
-                "log, pow or a norm at 0), which bf16 does not fix: guard it (an epsilon, a clamp)."
+                "(sqrt, log, pow or a norm at 0), which bf16 does not fix: guard it (an epsilon, a clamp)."
             )
         if module == "(input batch)":
             return (

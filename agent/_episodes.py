@@ -68,15 +68,12 @@ class Episodes:
                 "loss (the backward pass made them: see the nonfinite_grad event)"
                 if episode[1] == "gradients"
                 else f"Step {episode[0]}'s gradients were non-finite (no loss is recorded, so the forward or the "
-                "backward "
-                "pass made them: see the nonfinite_grad event)"
+                "backward pass made them: see the nonfinite_grad event)"
             )
             how = (
                 f"{made}, and the optimizer wrote them into the parameters: no GradScaler skips such a step. Restore "
-                "the "
-                "last good checkpoint, and skip the update when the gradient norm (the value clip_grad_norm_ returns) "
-                "is "
-                "non-finite."
+                "the last good checkpoint, and skip the update when the gradient norm (the value clip_grad_norm_ "
+                "returns) is non-finite."
             )
         elif self._nonfinite_loss and self._last_loss is not None and self._last_loss[0] == step:
             how = (
@@ -87,8 +84,7 @@ class Episodes:
         else:
             how = (
                 f"{'Not a benign fp16 overflow: r' if self._scaled else 'R'}estore the last good checkpoint, and lower "
-                "the "
-                "learning rate or find the layer that overflows."
+                "the learning rate or find the layer that overflows."
             )
         out.append(
             self.event(
@@ -124,8 +120,7 @@ class Episodes:
                     "amp_config",
                     "info",
                     "No loss is recorded: without an enabled GradScaler the agent cannot see it (there is no "
-                    "scaler.scale() to "
-                    "read it from), so non-finite losses and loss spikes go unseen. Log it with "
+                    "scaler.scale() to read it from), so non-finite losses and loss spikes go unseen. Log it with "
                     'run.log({"loss": loss}) before '
                     "optimizer.step() (after it, pass step=).",
                     {"check": "no_loss"},

@@ -103,7 +103,8 @@ class Leading:
             f"fp16 overflow ahead in `{layer}`: its largest output grew from {first * FP16_MAX:.4g} to "
             f"{last * FP16_MAX:.4g} over steps {since}–{step} ({last:.1%} of fp16's range), a steady climb: it "
             f"passes 65 504 in about {steps_left} steps (around step {step + steps_left}) if it keeps multiplying at "
-            f"its recent rate, {linear} if it only grows by its recent amount per step. GradScaler cannot help with an activation that overflows in the forward pass. Train in bf16 "
+            f"its recent rate, {linear} if it only grows by its recent amount per step. GradScaler cannot help with "
+            "an activation that overflows in the forward pass. Train in bf16 "
             "(torch.autocast(dtype=torch.bfloat16), which has fp32's range), or keep this layer's output in fp32, or "
             f"find why it grows (too high a learning rate, a missing normalization).{also}"
         )

@@ -15,8 +15,8 @@ Both: `capture`, set at init and never after (with AMPWATCH_CAPTURE_DIR: see `am
 of its fields each thread writes).
 
 Each field has one writer, except `arm_request` and `stop_raise`: the sender sets them, the training thread clears
-them once it acted on them (a request set again meanwhile is at worst taken one full step later). Plain attributes, read without
-a lock: under the GIL each read or write of one is atomic, and none of them needs to agree with another.
+them once it acted on them (a request set again meanwhile is at worst taken one full step later). Plain attributes,
+read without a lock: under the GIL each read or write of one is atomic, and none of them needs to agree with another.
 """
 
 from __future__ import annotations

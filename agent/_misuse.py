@@ -111,9 +111,8 @@ def classify(sig: Signature) -> tuple[str, str] | None:
 
 
 SILENT_UNSCALED = (
-    "backward() ran without scaler.scale(loss) although earlier steps used it: the gradients are divided by the "
-    "loss scale (a norm of 0.2 becomes 3e-6) and the model stops learning, silently. "
-    "Fix: scaler.scale(loss).backward()."
+    "backward() ran without scaler.scale(loss) although earlier steps used it: the gradients are divided by the loss "
+    "scale (a norm of 0.2 becomes 3e-6) and the model stops learning, silently. Fix: scaler.scale(loss).backward()."
 )
 CLIPPED_SCALED = (
     "clip_grad_norm_ ran on the scaled gradients, before scaler.unscale_(optimizer): max_norm applied to gradients "
@@ -209,9 +208,8 @@ def clipped_scaled(rec: Any, parameters: Any, args: tuple, kwargs: dict[str, Any
 CLIP_NONFINITE = (
     "Under an enabled GradScaler, gradients that overflow fp16 are normal now and then (at start-up, and after the "
     "scale grows): GradScaler skips those steps and lowers the scale, but clip_grad_norm_(..., "
-    "error_if_nonfinite=True) raises first and stops the run. Fix: drop error_if_nonfinite=True; NaN/Inf that are "
-    "not overflow are reported as "
-    "nonfinite_grad."
+    "error_if_nonfinite=True) raises first and stops the run. Fix: drop error_if_nonfinite=True; NaN/Inf that are not "
+    "overflow are reported as nonfinite_grad."
 )
 
 

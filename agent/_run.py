@@ -335,8 +335,8 @@ def init(
     """Start a run (`config`: a dict, an argparse.Namespace, a dataclass or an OmegaConf config). `transport`: what
     delivers batches instead of HTTP to `url` (any object with `ampwatch.Transport`'s `send` and `close`; tests pass
     an in-memory one). `resume_step`: the step a relaunch under the same run id resumes from, where its step
-    numbering continues. `stop_on`: "request", "critical" or both (a tuple): raise `ampwatch.StopRequested` at the end of
-    the step after the run is asked to stop (an admin's request; a critical event), rather than only turning
+    numbering continues. `stop_on`: "request", "critical" or both (a tuple): raise `ampwatch.StopRequested` at the
+    end of the step after the run is asked to stop (an admin's request; a critical event), rather than only turning
     `run.should_stop` true; never by default. Never raises: on any problem it logs and returns a run that records
     nothing."""
     try:

@@ -83,8 +83,7 @@ class Trends:
         if diverged:  # (a learning rate too high multiplies the norm step after step: that, not a batch)
             hint = (
                 f" {diverged[0].upper()}{diverged[1:]}: the updates diverge, most likely from too high a learning "
-                "rate. "
-                "Lower it (or warm it up longer); clip_grad_norm_ with a finite max_norm caps each update."
+                "rate. Lower it (or warm it up longer); clip_grad_norm_ with a finite max_norm caps each update."
             )
         elif name == "loss":
             hint = " Check the batch and the learning rate" + (f" ({lr:.3g})." if lr is not None else ".")

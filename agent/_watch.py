@@ -199,9 +199,8 @@ class Recorder(StepEnd):
             else:
                 warn_once(
                     "scripted",
-                    "ampwatch: a TorchScript model takes no hooks: its steps, loss, scale and "
-                    "norms are recorded, but not where a NaN came from, nor checks of its forward's "
-                    "autocast",
+                    "ampwatch: a TorchScript model takes no hooks: its steps, loss, scale and norms are recorded, but "
+                    "not where a NaN came from, nor checks of its forward's autocast",
                 )
         if scaler is not None:
             _scaler.attach(scaler, self)

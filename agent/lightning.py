@@ -99,7 +99,8 @@ class AmpwatchCallback(Callback):
         trainer.save_checkpoint = save_checkpoint
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """A run asked to stop (an admin's "Stop run"; a critical event with `stop_on`) ends the fit after this batch."""
+        """A run asked to stop (an admin's "Stop run"; a critical event with `stop_on`) ends the fit after this
+        batch."""
         if self.run is not None and self.run.should_stop:
             trainer.should_stop = True
 
