@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ from ampwatch._episodes import Episodes
 from ampwatch._episodes import spell as _spell
 from ampwatch._leading import Leading
 from ampwatch._median import RollingMedian
+from ampwatch._protocol import event as protocol_event
 from ampwatch._protocol import pow2
 from ampwatch._trends import Trends
 
@@ -562,15 +562,7 @@ class Analyzer(Trends, Episodes):
         what its origin means.)"""
         if "origin" in details:
             self._origin = (details["origin"], details["phase"])
-        return {
-            "step": step,
-            "rank": self.rank,
-            "type": kind,
-            "severity": severity,
-            "message": message,
-            "details": details,
-            "time": time.time(),
-        }
+        return protocol_event(step, self.rank, kind, severity, message, details)
 
 
 def _within(steps: list[int], known: list[int]) -> bool:

@@ -22,6 +22,7 @@ import array
 import base64
 import math
 import sys
+import time
 from typing import Any
 
 API_VERSION = 1
@@ -139,3 +140,16 @@ LEAN_LR_AT = 5
 STEP_KINDS = (STEP, LEAN_STEP, APPLIED_STEP)  # decoded a run of one kind at a time (see ampwatch._steps)
 # the records a full buffer drops (the others are few, and always kept)
 DATA_KINDS = (VALUES, ORIGIN, INDICATORS, *STEP_KINDS)
+
+
+def event(step: int, rank: int, kind: str, severity: str, message: str, details: dict[str, Any]) -> dict[str, Any]:
+    """An event as a batch carries it (the server's EventIn), stamped now."""
+    return {
+        "step": step,
+        "rank": rank,
+        "type": kind,
+        "severity": severity,
+        "message": message,
+        "details": details,
+        "time": time.time(),
+    }

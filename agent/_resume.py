@@ -13,10 +13,10 @@ import base64
 import json
 import logging
 import sys
-import time
 from typing import Any
 
 from ampwatch._protocol import EVENT
+from ampwatch._protocol import event as protocol_event
 from ampwatch._transport import encode, packed
 
 log = logging.getLogger("ampwatch")
@@ -95,12 +95,4 @@ def _unpacked(text: str, code: str) -> list[Any]:
 
 
 def _event(run: Any, step: int, severity: str, message: str, details: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "step": step,
-        "rank": run.rank,
-        "type": "amp_config",
-        "severity": severity,
-        "message": message,
-        "details": details,
-        "time": time.time(),
-    }
+    return protocol_event(step, run.rank, "amp_config", severity, message, details)

@@ -18,7 +18,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -29,6 +28,7 @@ from ampwatch._capture import Capture
 from ampwatch._guard import guarded, warn_once
 from ampwatch._origin import Diagnosis
 from ampwatch._protocol import EVENT, MAX_NAME, MAX_STEP, STATUS, VALUES
+from ampwatch._protocol import event as protocol_event
 from ampwatch._settings import AgentSettings
 from ampwatch._stop import Stopper, StopRequested, triggers
 from ampwatch._transport import Transport
@@ -251,15 +251,7 @@ class Run:
             (
                 EVENT,
                 at,
-                {
-                    "step": at,
-                    "rank": self.rank,
-                    "type": "checkpoint",
-                    "severity": "info",
-                    "message": message,
-                    "details": {"path": where},
-                    "time": time.time(),
-                },
+                protocol_event(at, self.rank, "checkpoint", "info", message, {"path": where}),
             )
         )
 
@@ -424,29 +416,16 @@ def _crash_event(step: int, rank: int, exc: BaseException) -> dict[str, Any]:
         details = {"exception": type(exc).__name__}
     if exc.__traceback__ is not None:
         details["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:]
-    return {
-        "step": step,
-        "rank": rank,
-        "type": "run_crashed",
-        "severity": "critical",
-        "message": message[:2000],
-        "details": details,
-        "time": time.time(),
-    }
+    return protocol_event(step, rank, "run_crashed", "critical", message[:2000], details)
 
 
 def _stopped_event(step: int, rank: int, told: dict[str, Any]) -> dict[str, Any]:
     """The run ended after it was asked to stop: by whom and why, on its timeline (and for the server's record)."""
     by, reason = told.get("by") or "the user", told.get("reason")
-    return {
-        "step": step,
-        "rank": rank,
-        "type": "run_stopped",
-        "severity": "info",
-        "message": (f"Stopped at step {step}, as asked by {by}" + (f": {reason}" if reason else "."))[:2000],
-        "details": {"by": by, "reason": reason, "trigger": told.get("trigger")},
-        "time": time.time(),
-    }
+    message = (f"Stopped at step {step}, as asked by {by}" + (f": {reason}" if reason else "."))[:2000]
+    return protocol_event(
+        step, rank, "run_stopped", "info", message, {"by": by, "reason": reason, "trigger": told.get("trigger")}
+    )
 
 
 def _rank_and_world_size() -> tuple[int, int]:

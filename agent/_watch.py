@@ -8,7 +8,6 @@ own exceptions pass through unchanged, with a diagnosis recorded on the side.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from ampwatch._misuse import (
 )
 from ampwatch._origin import OriginProbe, module_names
 from ampwatch._protocol import EVENT
+from ampwatch._protocol import event as protocol_event
 from ampwatch._steady import StepEnd
 from ampwatch._step_state import StepState
 from ampwatch._steps import CLIP_TOTAL
@@ -442,15 +442,7 @@ class Recorder(StepEnd):
         self._record((EVENT, self.step, self._event("scaler_misuse", severity, message, {"cause": cause, **details})))
 
     def _event(self, kind: str, severity: str, message: str, details: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "rank": self.rank,
-            "type": kind,
-            "severity": severity,
-            "message": message,
-            "details": details,
-            "time": time.time(),
-        }
+        return protocol_event(self.step, self.rank, kind, severity, message, details)
 
 
 def _unwrap(optimizer: Any) -> Any:
