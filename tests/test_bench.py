@@ -92,6 +92,9 @@ def test_a_benchmark_script_runs_and_prints_its_result(script: str, tmp_path: Pa
         cwd=tmp_path,
         env={**env, "HOME": str(tmp_path)},
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # A script ran to its end when it exits 0, or 1 where it printed a speed target as not met: targets are the
+    # benchmark's to judge on a quiet machine, not this smoke test's (CI runs it beside three other workers).
+    finished = done.returncode == 0 or (done.returncode == 1 and "NOT met" in done.stdout)
+    assert finished, done.stdout[-3000:] + done.stderr[-3000:]
     for text in expected:
         assert text in done.stdout, done.stdout[-3000:]
