@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _client_commands(commands: argparse._SubParsersAction) -> None:
     """The commands that read (and prune) the server's runs over HTTP: standard library only."""
-    from ampwatch._commands import add_connection_flags, duration_s
+    from ampwatch._client import add_connection_flags
+    from ampwatch._commands import duration_s
 
     runs = commands.add_parser("runs", help="list runs (or delete and prune them)")
     runs.add_argument("--project", help="only this project's runs")
