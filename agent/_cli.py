@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 def _client_commands(commands: argparse._SubParsersAction) -> None:
     """The commands that read (and prune) the server's runs over HTTP: standard library only."""
     from ampwatch._client import add_connection_flags
-    from ampwatch._commands import duration_s
+    from ampwatch._commands import duration_s, event_id, events_limit
 
     runs = commands.add_parser("runs", help="list runs (or delete and prune them)")
     runs.add_argument("--project", help="only this project's runs")
@@ -106,6 +106,12 @@ def _client_commands(commands: argparse._SubParsersAction) -> None:
 
     events = commands.add_parser("events", help="list a run's events (the newest 1000, in step order)")
     events.add_argument("id", help="the run's id")
+    amount = events.add_mutually_exclusive_group()
+    amount.add_argument("--limit", type=events_limit, metavar="N", help="at most N events, 1 to 10000 (default 1000)")
+    amount.add_argument("--all", action="store_true", help="every event, in stored order, read page by page")
+    events.add_argument(
+        "--after-id", type=event_id, metavar="ID", help="only events stored after the event ID, in stored order"
+    )
     events.add_argument("--json", action="store_true", help="one JSON document instead of a table")
 
     series = commands.add_parser("series", help="print series of a run, one row per step")

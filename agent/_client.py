@@ -15,6 +15,7 @@ from typing import Any
 from ampwatch import __version__
 
 DEFAULT_URL = "http://127.0.0.1:8600"
+EVENTS_PAGE = 10_000  # the most events the server answers at once
 
 
 class CommandError(Exception):
@@ -129,6 +130,18 @@ def list_runs(client: Client, project: str | None) -> list[dict[str, Any]]:
             path, query = "/api/v1/runs", {"project": project, "cursor": cursor}
         else:
             return runs
+
+
+def list_events(client: Client, run_id: str, after_id: int = 0) -> list[dict[str, Any]]:
+    """Every event of the run stored after the event `after_id` (0: from the first), in stored order, read a page
+    at a time; events stored while it reads are included."""
+    events: list[dict[str, Any]] = []
+    while True:
+        page = client.get(f"/api/v1/runs/{quoted(run_id)}/events", limit=EVENTS_PAGE, after_id=after_id)
+        events += page
+        if len(page) < EVENTS_PAGE:
+            return events
+        after_id = page[-1]["id"]
 
 
 def _next_link(header: str) -> str | None:

@@ -16,12 +16,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ampwatch._client import Client, CommandError, client_of, list_runs, quoted
+from ampwatch._client import EVENTS_PAGE, Client, CommandError, client_of, list_events, list_runs, quoted
 from ampwatch._follow import watch
 from ampwatch._format import plan_text, print_json, table, timestamp
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+EVENTS_DEFAULT = 1000  # what the server answers without a `limit`
+_MAX_ID = 2**63 - 1  # the largest id the server stores
 
 
 def duration_s(text: str) -> float:
@@ -30,6 +32,20 @@ def duration_s(text: str) -> float:
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 90d, 12h, 30m")
     return float(match[1]) * _UNITS[match[2]]
+
+
+def events_limit(text: str) -> int:
+    """A number of events the server answers at once, 1 to EVENTS_PAGE (an argparse type)."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= EVENTS_PAGE:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of events from 1 to {EVENTS_PAGE}")
+    return int(text)
+
+
+def event_id(text: str) -> int:
+    """An event's id, 0 or more (an argparse type)."""
+    if not text.strip().isdigit() or int(text) > _MAX_ID:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an event id (a whole number, 0 or more)")
+    return int(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,12 +110,24 @@ def _run(client: Client, args: argparse.Namespace) -> int:
 
 
 def _events(client: Client, args: argparse.Namespace) -> int:
-    events = client.get(f"/api/v1/runs/{quoted(args.id)}/events")
+    """The newest events in step order; with `--after-id`, those stored after one; with `--all`, every one."""
+    limit = args.limit or EVENTS_DEFAULT
+    if args.all:
+        events = list_events(client, args.id, args.after_id or 0)
+    else:
+        events = client.get(f"/api/v1/runs/{quoted(args.id)}/events", limit=limit, after_id=args.after_id)
     if args.json:
         print_json(events)
-        return 0
-    rows = [[e["step"], e["rank"], e["severity"], e["type"], e["message"]] for e in events]
-    print(table(["STEP", "RANK", "SEVERITY", "TYPE", "MESSAGE"], rows))
+    else:
+        rows = [[e["step"], e["rank"], e["severity"], e["type"], e["message"]] for e in events]
+        print(table(["STEP", "RANK", "SEVERITY", "TYPE", "MESSAGE"], rows))
+    if not args.all and len(events) == limit:  # a full page: say how to see the rest
+        more = (
+            f"the newest {limit} events are shown; the run may have more (--all prints every one)"
+            if args.after_id is None
+            else f"{limit} events are shown; more may follow (--after-id {events[-1]['id']} prints the next)"
+        )
+        print(f"ampwatch events: {more}", file=sys.stderr)
     return 0
 
 

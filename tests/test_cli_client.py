@@ -285,6 +285,57 @@ def test_runs_follows_the_next_page_cursor(sqlite_server, capsys) -> None:
     assert code == 0 and sorted(r["id"] for r in _strict(out)) == [f"page-{i:03d}" for i in range(105)]
 
 
+def _post_events(http: Any, run_id: str, seq: int, steps: range) -> None:
+    events = [{"step": s, "type": "skipped_step", "severity": "info", "message": f"skip {s}"} for s in steps]
+    assert http.post(f"/api/v1/runs/{run_id}/batches", json={"seq": seq, "events": events}).status_code == 200
+
+
+def test_events_pages_by_limit_and_after_id_and_all_reads_every_page(sqlite_server, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("AMPWATCH_URL", sqlite_server.url)
+    with sqlite_server.client() as http:
+        _register(http, "long", "p", "long")
+        _post_events(http, "long", 1, range(10_000))  # exactly one full page of the server's (10 000)
+    code, out, err = _cli_run(capsys, "events", "long", "--all", "--json")
+    every = _strict(out)
+    assert (code, err) == (0, "") and [e["step"] for e in every] == list(range(10_000))
+    with sqlite_server.client() as http:
+        _post_events(http, "long", 2, range(10_000, 10_003))
+    code, out, _ = _cli_run(capsys, "events", "long", "--all", "--json")
+    every = _strict(out)
+    assert code == 0 and [e["step"] for e in every] == list(range(10_003))
+    assert len({e["id"] for e in every}) == 10_003
+
+    code, out, err = _cli_run(capsys, "events", "long")  # the newest 1000: a full page says how to see the rest
+    assert code == 0 and len(out.splitlines()) == 1001 and out.splitlines()[1].split()[0] == "9003"
+    assert "may have more" in err and "--all" in err and err.count("\n") == 1
+    code, out, err = _cli_run(capsys, "events", "long", "--limit", "3", "--json")
+    assert [e["step"] for e in _strict(out)] == [10_000, 10_001, 10_002] and "--all" in err
+
+    first = every[0]["id"]
+    code, out, err = _cli_run(capsys, "events", "long", "--after-id", str(first), "--limit", "2", "--json")
+    page = _strict(out)
+    assert code == 0 and [e["step"] for e in page] == [1, 2] and f"--after-id {page[-1]['id']}" in err
+    code, out, err = _cli_run(capsys, "events", "long", "--after-id", str(every[-3]["id"]), "--json")
+    assert (code, [e["step"] for e in _strict(out)], err) == (0, [10_001, 10_002], "")  # not a full page: no hint
+    code, out, _ = _cli_run(capsys, "events", "long", "--after-id", str(every[-5]["id"]), "--all")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()] == ["STEP", "9999", "10000", "10001", "10002"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--limit", "0"], "from 1 to 10000"),
+        (["--limit", "10001"], "from 1 to 10000"),
+        (["--limit", "ten"], "from 1 to 10000"),
+        (["--all", "--limit", "5"], "not allowed with argument"),
+        (["--after-id", "-1"], "not an event id"),
+    ],
+)
+def test_events_paging_flags_that_make_no_sense_are_usage_errors(capsys, argv: list[str], says: str) -> None:
+    code, out, err = _cli_run(capsys, "events", "some-run", *argv, "--url", f"http://127.0.0.1:{free_port()}")
+    assert (code, out) == (2, "") and says in err, err
+
+
 def test_the_documented_examples_run(filled, capsys, monkeypatch) -> None:
     server, run_id = filled
     monkeypatch.setenv("AMPWATCH_URL", server.url)
