@@ -247,7 +247,10 @@ def _events(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(events)
         return 0
-    rows = [[e["step"], e["rank"], e["severity"], e["type"], e["message"]] for e in events]
+    plan = {
+        e["id"]: f" Rollback plan: {e['plan']['summary']} (ampwatch plan {args.id})" for e in events if e.get("plan")
+    }
+    rows = [[e["step"], e["rank"], e["severity"], e["type"], e["message"] + plan.get(e["id"], "")] for e in events]
     print(table(["STEP", "RANK", "SEVERITY", "TYPE", "MESSAGE"], rows))
     return 0
 
@@ -497,6 +500,8 @@ class _Watcher:
             print(f"step {last}  {shown}", flush=True)
         for event in update.get("events") or []:
             print(f"event [{event['severity']}] step {event['step']} {event['type']}: {event['message']}", flush=True)
+            if event.get("plan"):  # (a plan trigger)
+                print(f"  rollback plan: {event['plan']['summary']} (ampwatch plan {self.run_id})", flush=True)
         return (update.get("run") or {}).get("status")
 
     def check_alerts(self) -> int | None:
