@@ -119,7 +119,12 @@ def _events(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print_json(events)
     else:
-        rows = [[e["step"], e["rank"], e["severity"], e["type"], e["message"]] for e in events]
+        plan = {
+            e["id"]: f" Rollback plan: {e['plan']['summary']} (ampwatch plan {args.id})"
+            for e in events
+            if e.get("plan")
+        }
+        rows = [[e["step"], e["rank"], e["severity"], e["type"], e["message"] + plan.get(e["id"], "")] for e in events]
         print(table(["STEP", "RANK", "SEVERITY", "TYPE", "MESSAGE"], rows))
     if not args.all and len(events) == limit:  # a full page: say how to see the rest
         more = (

@@ -138,6 +138,8 @@ class _Watcher:
             print(f"step {last}  {shown}", flush=True)
         for event in update.get("events") or []:
             print(f"event [{event['severity']}] step {event['step']} {event['type']}: {event['message']}", flush=True)
+            if event.get("plan"):  # (a plan trigger)
+                print(f"  rollback plan: {event['plan']['summary']} (ampwatch plan {self.run_id})", flush=True)
         return (update.get("run") or {}).get("status")
 
     def check_alerts(self) -> int | None:

@@ -1,7 +1,7 @@
 """The rollback plan: from a run's stored events, the checkpoint to restore and the steps to skip.
 
 A critical event the run cannot train past (`TRIGGERS`: non-finite parameters, a loss-scale collapse, a
-divergence told as a critical spike) is part of an *episode*: the leading signs before it (gradient or loss spikes,
+divergence told as a critical spike, ranks holding different parameters) is part of an *episode*: the leading signs before it (gradient or loss spikes,
 warned skipped steps, non-finite values), each within `EPISODE_GAP` steps of the next, are where the trouble
 began. (A NaN loss or gradients that a GradScaler skipped are signs, not triggers: the run went on unharmed.)
 The plan restores the last checkpoint saved strictly before the episode's first sign and skips every step from
@@ -30,8 +30,11 @@ SIGN_TYPES = (
     "nonfinite_grad",
     "nonfinite_param",
     "scale_collapse",
+    "ranks_desync",
 )
-TRIGGERS = ("nonfinite_param", "scale_collapse", "grad_spike", "loss_spike")  # when critical
+# When critical. A desynchronised rank's state (ranks_desync) is corrupt from the first step it differs at: the last
+# checkpoint before it is the one to restore, as for parameters gone non-finite.
+TRIGGERS = ("nonfinite_param", "scale_collapse", "grad_spike", "loss_spike", "ranks_desync")
 EPISODE_GAP = 100  # signs further apart than this are separate troubles
 # A leading indicator (an fp16 range headed for overflow, an update ratio or Adam lag jump) warns up to hundreds of
 # steps ahead, at the layer-norm interval: one this far before an episode's first sign is where its state went bad.
@@ -42,8 +45,22 @@ FORMATS = ("json", "lightning", "megatron")
 
 
 def event_json(event: models.Event) -> dict[str, Any]:
-    """An event as the read API shows it (`GET /api/v1/runs/{id}/events`)."""
-    return EventOut.of(event).model_dump(mode="json")
+    """An event as the read API shows it (`GET /api/v1/runs/{id}/events`), without a plan."""
+    return EventOut.of(event).model_dump(mode="json", exclude_unset=True)
+
+
+def is_trigger(event: models.Event) -> bool:
+    """Whether the event can trigger a plan: critical, of a type in `TRIGGERS`."""
+    return event.severity == "critical" and event.type in TRIGGERS
+
+
+def events_out(session: Session, run_id: str, events: Sequence[models.Event]) -> list[EventOut]:
+    """The events as the read API and the run stream show them: each plan trigger carries the run's plan in brief
+    (`brief`), computed once, and only when one of the events is a trigger (no query otherwise). Dump them with
+    `exclude_unset=True`, so that other events have no `plan` key."""
+    triggers = any(is_trigger(e) for e in events)
+    rollback = brief(compute(run_id, *load(session, run_id))) if triggers else None
+    return [EventOut.of(e, rollback if is_trigger(e) else None) for e in events]
 
 
 def load(session: Session, run_id: str) -> tuple[list[models.Event], list[models.Event], list[models.Event]]:
@@ -88,7 +105,7 @@ def compute(
         "episode_gap": EPISODE_GAP,
         "summary": "No critical numerics event: nothing to roll back.",
     }
-    trigger = next((i for i, e in enumerate(signs) if e.severity == "critical" and e.type in TRIGGERS), None)
+    trigger = next((i for i, e in enumerate(signs) if is_trigger(e)), None)
     if trigger is None:
         return plan
     start = trigger

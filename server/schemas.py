@@ -207,6 +207,28 @@ class RunOut(BaseModel):
     )
 
 
+class PlanCheckpointOut(BaseModel):
+    step: int = Field(description="The checkpoint's step: the number of steps its state completed.")
+    rank: int
+    path: str | None
+
+
+class PlanStepsOut(BaseModel):
+    model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True)
+
+    from_: int = Field(alias="from", description="The first step to skip.")
+    to: int = Field(description="The last step to skip (inclusive).")
+
+
+class PlanBriefOut(BaseModel):
+    """The rollback plan in brief (`ampwatch.server.plan.brief`), as a plan-triggering event and its alert carry it."""
+
+    summary: str
+    checkpoint: PlanCheckpointOut | None = Field(description="The checkpoint to restore; null: start over.")
+    skip: PlanStepsOut
+    path: str = Field(description="The whole plan: GET this path (`/api/v1/runs/{id}/plan`).")
+
+
 class EventOut(BaseModel):
     id: int
     step: int
@@ -216,13 +238,20 @@ class EventOut(BaseModel):
     message: str
     details: dict[str, Any]
     time: datetime
+    plan: PlanBriefOut | None = Field(
+        None,
+        description="On a plan trigger only (a critical nonfinite_param, scale_collapse, grad_spike, loss_spike or "
+        "ranks_desync): the run's rollback plan in brief. Absent on other events.",
+    )
 
     @classmethod
-    def of(cls, event: Any) -> EventOut:
-        """An event row (`models.Event`) as the read API, the streams and the plan show it."""
+    def of(cls, event: Any, plan: dict[str, Any] | None = None) -> EventOut:
+        """An event row (`models.Event`) as the read API, the streams and the plan show it; with `plan` (a brief),
+        as a plan trigger. Dump it with `exclude_unset=True`: `plan` is then left out where it was not given."""
         return cls(
             id=event.id, step=event.step, rank=event.rank, type=event.type, severity=event.severity,
             message=event.message, details=event.details, time=utc(event.time),
+            **({} if plan is None else {"plan": PlanBriefOut.model_validate(plan)}),
         )  # fmt: skip
 
 

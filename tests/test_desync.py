@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from ampwatch._protocol import batch_document
+from ampwatch._protocol import batch_document, event
+from ampwatch.server.plan import MARGIN
 
 NAN = float("nan")
 NORMS = [1.5, 2.0, NAN, 3.0, 4.0]
@@ -72,3 +73,29 @@ def test_ranks_that_agree_bitwise_or_are_not_replicated_are_not_compared(live_se
             for rank in (0, 1):
                 _send(http, run, rank, 1, [0, 1, 2, 3, 4], NORMS if run == "same" else [v + rank for v in NORMS])
             assert _desyncs(http, run) == [], run
+
+
+def test_a_desync_is_a_plan_trigger_its_event_and_alert_restore_the_last_checkpoint_before_it(live_server) -> None:
+    """A desynchronised rank's state is corrupt from the first step it differs at: restore the checkpoint before."""
+    environment = {"world_size": 2, "parallel": "replicated"}
+    checkpoints = [event(s, 0, "checkpoint", "info", "checkpoint", {"path": f"ckpt/{s}"}) for s in (2, 4)]
+    with live_server.client() as http:
+        assert http.put("/api/v1/runs/d2", json={"project": "p", "name": "d", "environment": environment}).is_success
+        body = batch_document(
+            0, 1, {"param_norm": ([0, 1, 2, 3, 4, 5], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])}, checkpoints, None
+        )
+        assert http.post("/api/v1/runs/d2/batches", json=body).status_code == 200
+        _send(http, "d2", 1, 1, [0, 1, 2, 3, 4, 5], [1.0, 2.0, 3.0, 4.0, 5.5, 6.5])  # apart from step 4 on
+        [desync] = _desyncs(http, "d2")
+        [alert] = http.get("/api/v1/alerts", params={"run_id": "d2"}).json()
+        details = http.get(f"/api/v1/alerts/{alert['id']}").json()["details"]
+        doc = http.get("/api/v1/runs/d2/plan").json()
+    assert (doc["trouble"]["critical_step"], doc["trouble"]["first_sign"]["type"]) == (4, "ranks_desync")
+    assert doc["checkpoint"] == {"step": 2, "rank": 0, "path": "ckpt/2"}  # (the one at 4 may hold the corrupt state)
+    assert desync["plan"] == {
+        "summary": doc["summary"],
+        "checkpoint": doc["checkpoint"],
+        "skip": {"from": 4, "to": 4 + MARGIN},
+        "path": "/api/v1/runs/d2/plan",
+    }
+    assert details["plan"]["summary"] == doc["summary"] and details["plan"]["checkpoint"]["step"] == 2

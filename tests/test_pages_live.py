@@ -399,3 +399,20 @@ def test_run_page_shows_a_new_alert_as_its_event_arrives(sqlite_server: Any, pag
     page.reload()
     page.wait_for_selector("#run-alerts tr[data-state='firing']")
     assert page.locator("#run-alerts").inner_text() == live, "the live table reads as the server writes it"
+
+
+def test_a_plan_trigger_arriving_live_says_the_plan_on_the_timeline(sqlite_server: Any, page: Any) -> None:
+    url = sqlite_server.url
+    ui.register(url, "planned", "live", "planned")
+    ui.post(url, "planned", 1, {"loss": {"steps": [0, 1], "values": [1.0, 1.0]}})
+    ui.open_run(page, url, "planned")
+    page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
+    checkpoint = {"step": 1, "type": "checkpoint", "severity": "info", "message": "saved", "details": {"path": "c1"}}
+    collapse = {"step": 3, "type": "scale_collapse", "severity": "critical", "message": "The scale collapsed."}
+    ui.post(url, "planned", 2, {"loss": {"steps": [2, 3], "values": [1.0, "NaN"]}}, [checkpoint, collapse])
+    said = page.locator("#timeline li.ev[data-step='3'] .ev-plan")
+    said.wait_for(timeout=10_000)
+    assert said.inner_text().startswith("Rollback plan: Trouble began at step 3 (scale_collapse)")
+    assert "restore the checkpoint at step 1 (c1)" in said.inner_text()
+    assert said.locator("a").get_attribute("href") == "/api/v1/runs/planned/plan"  # (no plan section: loaded before)
+    assert page.locator("#timeline li.ev[data-step='1'] .ev-plan").count() == 0

@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from test_stream import sse
 
 import ampwatch
 from ampwatch import _cli
+from ampwatch._protocol import batch_document, event
 from ampwatch.server import auth, models, plan
 
 EVERY = 10  # steps between checkpoints
@@ -299,3 +301,53 @@ def test_the_plan_is_a_read_route(sqlite_server, capsys, monkeypatch, wait_for) 
     assert code == 0 and json.loads(out)["trouble"] is None
     code, out, err = _cli_run(capsys, "plan", run.id, "--url", sqlite_server.url)
     assert (code, out) == (1, "") and "this server needs a token" in err and "AMPWATCH_TOKEN" in err
+
+
+def test_a_plan_trigger_carries_the_plan_in_brief_in_the_events_api_the_stream_and_ampwatch_events(
+    sqlite_server, capsys, monkeypatch
+) -> None:
+    loads: list[str] = []
+    real_load = plan.load
+    monkeypatch.setattr(plan, "load", lambda session, run_id: loads.append(run_id) or real_load(session, run_id))
+    said = [
+        event(10, 0, "checkpoint", "info", "checkpoint", {"path": "ckpt/10.pt"}),
+        event(15, 0, "grad_spike", "warning", "grad norm 40x its median", {}),
+        event(20, 0, "scale_collapse", "critical", "the scale collapsed", {}),
+        event(22, 0, "nonfinite_param", "critical", "parameters are NaN", {}),
+        event(22, 0, "nonfinite_loss", "critical", "NaN loss (a sign, not a trigger)", {}),
+    ]
+    with sqlite_server.client() as http:
+        assert http.put("/api/v1/runs/t1", json={"project": "plan", "name": "trig"}).is_success
+        assert http.post("/api/v1/runs/t1/batches", json=batch_document(0, 1, {}, said[:2], None)).is_success
+        with sse(http, "/api/v1/runs/t1/stream", params={"after_event": 0}) as stream:
+            stream.until(lambda d: len(d["events"]) == 2)
+            assert loads == []  # (no trigger among the streamed events: no plan computed)
+            assert http.post("/api/v1/runs/t1/batches", json=batch_document(0, 2, {}, said[2:], None)).is_success
+            streamed = stream.until(lambda d: d["events"])[-1]["data"]["events"]
+        doc = http.get("/api/v1/runs/t1/plan").json()
+        del loads[:]
+        events = http.get("/api/v1/runs/t1/events").json()
+        assert loads == ["t1"]  # once for the page, with its two triggers
+        first_two = http.get("/api/v1/runs/t1/events", params={"after_id": 0, "limit": 2}).json()
+        assert loads == ["t1"]  # a page without a trigger computes none
+
+    brief = {
+        "summary": doc["summary"],
+        "checkpoint": {"step": 10, "rank": 0, "path": "ckpt/10.pt"},
+        "skip": {"from": 15, "to": 22 + plan.MARGIN},
+        "path": "/api/v1/runs/t1/plan",
+    }
+    assert doc["summary"].startswith("Trouble began at step 15 (grad_spike) before the scale_collapse at step 20")
+    carrying = [(e["type"], e["plan"]) for e in events if "plan" in e]
+    assert carrying == [("scale_collapse", brief), ("nonfinite_param", brief)]
+    assert [e["type"] for e in streamed] == ["scale_collapse", "nonfinite_param", "nonfinite_loss"]
+    assert [e.get("plan") for e in streamed] == [brief, brief, None] and "plan" not in streamed[2]
+    assert all("plan" not in e for e in first_two)
+    assert [e for e in events if "plan" not in e][:2] == first_two  # (the same objects as before the plan existed)
+
+    code, out, _ = _cli_run(capsys, "events", "t1", "--url", sqlite_server.url)
+    assert code == 0
+    lines = [line for line in out.splitlines() if "Rollback plan:" in line]
+    assert len(lines) == 2 and all(f"Rollback plan: {doc['summary']} (ampwatch plan t1)" in line for line in lines)
+    code, out, _ = _cli_run(capsys, "events", "t1", "--url", sqlite_server.url, "--json")
+    assert code == 0 and json.loads(out) == events

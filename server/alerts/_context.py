@@ -56,7 +56,7 @@ def event_context(session: Session, *, run_id: str, rank: int, event: models.Eve
     trend = _trend(session, run_id, rank, event.step) or details.get("grad_norm_trend")
     if trend:
         context["grad_norm_trend"] = trend
-    if event.severity == "critical" and event.type in plan.TRIGGERS:  # (a run it cannot train past: what to do next)
+    if plan.is_trigger(event):  # (a run it cannot train past: what to do next)
         rollback = plan.brief(plan.compute(run_id, *plan.load(session, run_id)))
         if rollback is not None:
             context["plan"] = rollback

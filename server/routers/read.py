@@ -7,7 +7,7 @@ from typing import Annotated, Literal, cast
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from ampwatch.server import auth, models, queries, runlist, stopping, vitals
+from ampwatch.server import auth, models, plan, queries, runlist, stopping, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, AlertOut, EventOut, Health, RunOut, RunStatus
@@ -146,7 +146,7 @@ def get_heatmap(
     return Response(json.dumps(grid, separators=(",", ":")), media_type="application/json")
 
 
-@router.get("/runs/{run_id}/events", response_model=list[EventOut])
+@router.get("/runs/{run_id}/events", response_model=list[EventOut], response_model_exclude_unset=True)
 def get_events(
     run_id: str,
     session: SessionDep,
@@ -162,9 +162,10 @@ def get_events(
     ] = None,
 ) -> list[EventOut]:
     """The run's newest `limit` events (step, rank, type, severity, message, details, time) in step order; with
-    `after_id`, the first `limit` stored after that event."""
+    `after_id`, the first `limit` stored after that event. A plan trigger also carries `plan`, the run's rollback
+    plan in brief."""
     _get_run(session, run_id)
-    return [EventOut.of(e) for e in queries.list_events(session, run_id=run_id, limit=limit, after_id=after_id)]
+    return plan.events_out(session, run_id, queries.list_events(session, run_id=run_id, limit=limit, after_id=after_id))
 
 
 @router.get("/alerts", response_model=list[AlertOut])

@@ -31,7 +31,7 @@ from fastapi.sse import KEEPALIVE_COMMENT, ServerSentEvent, format_sse_event
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server import auth, fanout, models, queries, series, vitals
+from ampwatch.server import auth, fanout, models, plan, queries, series, vitals
 from ampwatch.server.db import utc
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, EventOut
@@ -252,7 +252,7 @@ def _poll_run(
         message: dict[str, Any] = {
             "run": _run_state(run),
             "points": {},
-            "events": [_event(e) for e in events],
+            "events": [_event(e) for e in plan.events_out(session, run_id, events)],
             "reset": False,
         }
         if sum(hi - lo + 1 for lo, hi in cursor.pending) > RESET_STEPS:
@@ -336,8 +336,8 @@ def _run_state(run: models.Run) -> dict[str, Any]:
     }
 
 
-def _event(e: models.Event) -> dict[str, Any]:
-    return EventOut.of(e).model_dump(mode="json")
+def _event(e: EventOut) -> dict[str, Any]:
+    return e.model_dump(mode="json", exclude_unset=True)  # (a plan trigger's `plan`; none on other events)
 
 
 @router.get("/stream/runs", response_class=SSEResponse, status_code=200, responses=_SSE_DOC)

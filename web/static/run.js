@@ -272,6 +272,12 @@
     if (e.rank) button.append(Object.assign(document.createElement("span"), { className: "muted", textContent: `rank ${e.rank}` }));
     const msg = Object.assign(document.createElement("p"), { className: "ev-msg", textContent: e.message });
     li.append(button, msg);
+    if (e.plan) { // a plan trigger: the plan as it stands now (the page's plan section, if any, is the load's)
+      const plan = Object.assign(document.createElement("p"), { className: "ev-plan", textContent: `Rollback plan: ${e.plan.summary} ` });
+      const here = document.getElementById("run-plan");
+      plan.append(Object.assign(document.createElement("a"), { href: here ? "#run-plan" : e.plan.path, textContent: here ? "Plan and files" : "Plan (JSON)" }));
+      li.append(plan);
+    }
     timeline.appendChild(li);
     const count = document.getElementById("event-count");
     if (count) count.textContent = String(state.seen.size);
