@@ -60,6 +60,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from ampwatch.server import models  # noqa: E402
 from ampwatch.server.app import create_app  # noqa: E402
+from ampwatch.server.deploy import write_loopback_nginx  # noqa: E402
 from ampwatch.server.settings import Settings  # noqa: E402
 
 PATHS = ("/", "/api/v1/runs", "/?sort=step&order=asc", "/alerts")
@@ -222,25 +223,11 @@ def tabs_benchmark(counts: list[int], sends: int, backend: str, pg_admin: str) -
             server.stop()
 
 
-LOCATIONS = Path(__file__).resolve().parents[1] / "server" / "deploy" / "ampwatch-locations.conf"
-
-
 def _nginx(ports: list[int], folder: Path) -> tuple[str, subprocess.Popen[bytes]]:
-    """nginx on a loopback port balancing over `ports`, as tests/test_replicas.py starts it."""
+    """nginx on a loopback port balancing over `ports`, as `ampwatch.server.deploy` configures it."""
     port = free_port()
-    upstreams = "\n".join(f"server 127.0.0.1:{p};" for p in ports)
-    temp = " ".join(f"{k}_temp_path {folder}/{k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    (folder / "nginx.conf").write_text(f"""
-        {"user root;" if os.geteuid() == 0 else ""}
-        worker_processes 1; pid {folder}/nginx.pid; error_log {folder}/error.log warn;
-        events {{ worker_connections 1024; }}
-        http {{
-            access_log off; {temp}
-            upstream ampwatch {{ {upstreams} keepalive 16; }}
-            server {{ listen 127.0.0.1:{port}; include {LOCATIONS}; }}
-        }}
-    """)
-    command = [shutil.which("nginx") or "/usr/sbin/nginx", "-p", str(folder), "-c", str(folder / "nginx.conf")]
+    config = write_loopback_nginx(folder, port, ports)
+    command = [shutil.which("nginx") or "/usr/sbin/nginx", "-p", str(folder), "-c", str(config)]
     nginx = subprocess.Popen([*command, "-g", "daemon off;"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20

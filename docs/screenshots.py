@@ -12,6 +12,7 @@ demo's run really recorded and diagnosed.
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 IMG = Path(__file__).resolve().parent / "img"
+VIEWPORT = {"width": 1280, "height": 800}
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 
@@ -45,10 +47,22 @@ def _start_demo(db: Path, port: int, steps: int) -> tuple[subprocess.Popen[str],
     raise SystemExit(f"the demo ended without a run page (exit code {demo.wait()})")
 
 
-def _shoot(page: Any, url: str, name: str, ready: str, selector: str | None = None) -> None:
+def _load(page: Any, url: str, ready: str) -> None:
     page.goto(url)
     page.wait_for_selector(ready, timeout=30_000)
     time.sleep(1.0)  # Plotly animates its first draw; a picture taken mid-draw shows half a chart
+
+
+def _shoot(page: Any, url: str, name: str, ready: str, selector: str | None = None) -> None:
+    page.set_viewport_size(VIEWPORT)
+    _load(page, url, ready)
+    charts = selector is not None and page.locator(f"{selector} .js-plotly-plot").count() > 0
+    box = page.locator(selector).bounding_box() if charts else None
+    if box and box["y"] + box["height"] > VIEWPORT["height"]:
+        # Playwright captures an element below the viewport's edge by resizing the page, and charts re-lay out
+        # mid-capture (overlapping): the page is loaded again in a viewport that holds the element.
+        page.set_viewport_size({"width": VIEWPORT["width"], "height": math.ceil(box["y"] + box["height"]) + 16})
+        _load(page, url, ready)
     path = IMG / name
     if selector:
         page.locator(selector).screenshot(path=str(path))
@@ -71,7 +85,7 @@ def main() -> int:
         try:
             with sync_playwright() as playwright:
                 browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                context = browser.new_context(viewport={"width": 1280, "height": 800})
+                context = browser.new_context(viewport=VIEWPORT)
                 page = context.new_page()
                 _shoot(page, run_url, "run-page.png", "#charts[data-loaded='true']")
                 _shoot(page, run_url, "run-charts.png", "#charts[data-loaded='true']", "#charts")

@@ -6,7 +6,6 @@ NaN alert is delivered once."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import threading
@@ -24,8 +23,8 @@ from conftest import ServerProcess, free_port
 from test_stream import sse
 
 import ampwatch
+from ampwatch.server.deploy import write_loopback_nginx
 
-LOCATIONS = Path(__file__).resolve().parents[1] / "server" / "deploy" / "ampwatch-locations.conf"
 STEPS, NAN_STEP, KILL_STEP = 300, 60, 150
 
 
@@ -54,27 +53,14 @@ def hooks() -> Iterator[tuple[str, list[dict[str, Any]]]]:
 def nginx_in_front(replicas: list[ServerProcess], folder: Path) -> tuple[str, subprocess.Popen[bytes]]:
     """Debian's nginx on a loopback port, balancing over `replicas` with the shipped locations."""
     port = free_port()
-    upstreams = "\n".join(f"server 127.0.0.1:{r.port} max_fails=1 fail_timeout=5s;" for r in replicas)
-    temp = " ".join(
-        f"{kind}_temp_path {folder}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    (folder / "nginx.conf").write_text(f"""
-        {"user root;" if os.geteuid() == 0 else ""}
-        worker_processes 1; pid {folder}/nginx.pid; error_log {folder}/error.log warn;
-        events {{ worker_connections 1024; }}
-        http {{
-            access_log off; {temp}
-            upstream ampwatch {{ {upstreams} keepalive 16; }}
-            server {{ listen 127.0.0.1:{port}; include {LOCATIONS}; }}
-        }}
-    """)
+    config = write_loopback_nginx(folder, port, [r.port for r in replicas])
     nginx = subprocess.Popen(
         [
             shutil.which("nginx") or "/usr/sbin/nginx",
             "-p",
             str(folder),
             "-c",
-            str(folder / "nginx.conf"),
+            str(config),
             "-g",
             "daemon off;",
         ],

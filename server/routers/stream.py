@@ -1,5 +1,6 @@
 """Live updates over Server-Sent Events, polled from the database (replicas share nothing else) by one
-poller per topic in each process, shared by every open stream of it (see `ampwatch.server.fanout`).
+poller per topic in each process, shared by every open stream of it (see `ampwatch.server.fanout`; the wire
+format, pings and the response are `ampwatch.server.sse`).
 
 Points follow the run's point feed (`point_feed`): every stored batch with points gets the run's next
 position, taken under the run row's lock just before commit, so positions become visible in order and a
@@ -26,8 +27,7 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
-from fastapi.responses import StreamingResponse
-from fastapi.sse import KEEPALIVE_COMMENT, ServerSentEvent, format_sse_event
+from fastapi.sse import ServerSentEvent
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -36,6 +36,7 @@ from ampwatch.server.db import utc
 from ampwatch.server.routers.read import run_out
 from ampwatch.server.schemas import MAX_BIGINT, MAX_INT, EventOut
 from ampwatch.server.settings import Settings
+from ampwatch.server.sse import RETRY_MS, SSE_DOC, SSEResponse, encode, shared, sse_id
 from ampwatch.server.values import to_json
 
 router = APIRouter(prefix="/api/v1", tags=["stream"], dependencies=[auth.requires("read")])
@@ -44,7 +45,6 @@ RESET_STEPS = 20_000  # more steps than this to send at once, the client re-read
 MAX_ROWS = 50_000  # more points than this to send at once: the same
 RESCAN_S = 10.0  # event ids are looked at again for this long: a transaction commits well within it
 FEED_ROWS = 1000  # feed rows read per look; more are read at once in the next
-RETRY_MS = 500
 
 
 @dataclass
@@ -82,31 +82,7 @@ def _parse_id(last_event_id: str | None) -> tuple[int, int] | None:
         return None
 
 
-PING_S = 15.0  # a comment line after this long without a message keeps proxies from closing an idle stream
-_SSE_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}}}
-
-
-class SSEResponse(StreamingResponse):
-    """Server-Sent Events written straight to the connection: a message a poller encoded once is the same bytes
-    for every stream of its topic, and each message is one `send` (FastAPI's EventSourceResponse encodes per
-    connection and passes each message through two tasks and two queues: several times the CPU per open tab)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, messages: AsyncIterator[ServerSentEvent | bytes]) -> None:
-        super().__init__(
-            (m if isinstance(m, bytes) else encode(m) async for m in messages),
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # (nginx: do not buffer)
-        )
-
-
-def encode(message: ServerSentEvent) -> bytes:
-    return format_sse_event(
-        data_str=message.raw_data, event=message.event, id=message.id, retry=message.retry, comment=message.comment
-    )
-
-
-@router.get("/runs/{run_id}/stream", response_class=SSEResponse, status_code=200, responses=_SSE_DOC)
+@router.get("/runs/{run_id}/stream", response_class=SSEResponse, status_code=200, responses=SSE_DOC)
 async def stream_run(
     request: Request,
     run: Annotated[models.Run, Depends(_existing_run)],
@@ -173,42 +149,19 @@ async def _run_messages(
             if update is not None:
                 sent.update(e["id"] for e in update["events"])
                 yield _update(update, cursor.id)
-        async for position, update, message in _shared(subscription, deadline):
+        async for position, update, message in shared(subscription, deadline):
             repeated = (
                 position <= cursor.position and update["points"] or any(e["id"] in sent for e in update["events"])
             )
             if repeated:  # (sent by the catch-up already: right after it, the poller may send them again)
                 events = [e for e in update["events"] if e["id"] not in sent]
                 points = {} if position <= cursor.position else update["points"]
-                message = encode(_update({**update, "points": points, "events": events}, _sse_id(message)))
+                message = encode(_update({**update, "points": points, "events": events}, sse_id(message)))
             yield message
 
 
 def _update(update: dict[str, Any], cursor_id: str) -> ServerSentEvent:
     return ServerSentEvent(event="update", raw_data=json.dumps(update, separators=(",", ":")), id=cursor_id)
-
-
-def _sse_id(message: bytes) -> str:
-    """The id line of an encoded message ('' when it has none)."""
-    for line in message.split(b"\n"):
-        if line.startswith(b"id:"):
-            return line[3:].strip().decode()
-    return ""
-
-
-async def _shared(subscription: fanout.Subscription, deadline: float) -> AsyncIterator[Any]:
-    """The topic's messages until the stream's deadline, or until it falls too far behind (dropped); a ping
-    comment after PING_S without one."""
-    quiet_since = time.monotonic()
-    while not subscription.dropped and (left := deadline - time.monotonic()) > 0:
-        messages = await subscription.get(min(left, PING_S))
-        for message in messages:
-            yield message
-        if messages:
-            quiet_since = time.monotonic()
-        elif time.monotonic() - quiet_since >= PING_S and not subscription.dropped:
-            yield KEEPALIVE_COMMENT
-            quiet_since = time.monotonic()
 
 
 async def _run_sync(fn: Callable[[], Any]) -> Any:
@@ -340,7 +293,7 @@ def _event(e: EventOut) -> dict[str, Any]:
     return e.model_dump(mode="json", exclude_unset=True)  # (a plan trigger's `plan`; none on other events)
 
 
-@router.get("/stream/runs", response_class=SSEResponse, status_code=200, responses=_SSE_DOC)
+@router.get("/stream/runs", response_class=SSEResponse, status_code=200, responses=SSE_DOC)
 async def stream_runs(
     request: Request,
     project: str | None = None,
@@ -388,7 +341,7 @@ async def _runs_messages(
             changed, newest = await _run_sync(partial(_missed_runs, sessions, settings, filters, resume))
             if changed:
                 yield _runs(changed, max(resume, newest) if newest else resume)
-        async for message in _shared(subscription, deadline):
+        async for message in shared(subscription, deadline):
             yield message
 
 
