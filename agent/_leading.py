@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ampwatch._episodes import spell
 from ampwatch._median import RollingMedian
+from ampwatch._protocol import spell
 
 Event = dict[str, Any]
 Columns = dict[str, tuple[list[int], list[float]]]

@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 from ampwatch._capture import Captured
-from ampwatch._diagnose import MAX_DIVERGED_STEPS, Analyzer, Columns, Event, Thresholds
+from ampwatch._context import Columns, Event, Thresholds
+from ampwatch._diagnose import Analyzer
 from ampwatch._guard import Hook, guarded
 
 log = logging.getLogger("ampwatch")
@@ -213,9 +214,9 @@ class Diagnosis:
 
     def observe_columns(self, columns: Columns) -> list[Event]:
         """Events for a batch's series; critical ones are also logged, so a user without a server sees them."""
-        mailbox = self._mailbox  # whether the loop clips (and to which max_norm); an LR scheduler wraps a step
-        self.analyzer.clipping, self.analyzer.max_norm = mailbox.clipping, mailbox.max_norm
-        self.analyzer.scheduler = any(map(_scheduled, mailbox.optimizers))
+        mailbox, context = self._mailbox, self.analyzer.context  # (the Context's fields this writes: see there)
+        context.clipping, context.max_norm = mailbox.clipping, mailbox.max_norm
+        context.scheduler = any(map(_scheduled, mailbox.optimizers))
         self.analyzer.leading.fp16 = mailbox.fp16_layers
         events = self.analyzer.observe_columns(columns)
         start, end, _ = self._quiet
@@ -274,17 +275,17 @@ class Diagnosis:
                     "functional call in a parent's forward, such as a softmax over a fully masked row, a log of 0 "
                     "or a division by 0): every module's output before it was finite."
                 )
-                applied = self.analyzer._applied(step)
+                applied = self.analyzer.nonfinite.applied(step)
                 if applied:  # (the parameters, not the data, made them: the first step's origin cannot be traced now)
                     message = (
                         f"At step {step} the first non-finite output is `{module}`'s, most likely because its "
                         f"parameters are non-finite: {applied}. Where that step's values came from can no longer "
                         "be traced: restore a good checkpoint, and the probe names it when it happens again."
                     )
-            diverged = self.analyzer.diverged
-            if diverged and step - diverged[0] <= MAX_DIVERGED_STEPS and module != INPUT:
+            diverged = self.analyzer.trends.recent_divergence(step)
+            if diverged and module != INPUT:
                 message += (
-                    f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and "
+                    f" Before it, {diverged}: most likely the updates diverged (too high a learning rate) and "
                     "the values outgrew what the dtype holds there, rather than an operation that makes NaN."
                 )
             details = {"origin": module, "phase": "forward", "order": [n for n, _ in forward]}
@@ -297,12 +298,11 @@ class Diagnosis:
             # (first_bwd is not None here: the branch is taken only when first_fwd is None and one of them is not)
             index, received = first_bwd  # type: ignore[misc]
             module = backward[index - 1][0] if index > 0 else INPUT
-            diverged = self.analyzer.diverged
-            diverging = diverged is not None and step - diverged[0] <= MAX_DIVERGED_STEPS  # (no operation to blame)
+            diverged = self.analyzer.trends.recent_divergence(step)  # (if it did, no operation to blame)
             if module != INPUT:  # (else the first of its pass: the loss made it)
                 example = (
                     "a functional call in a parent's forward"
-                    if diverging
+                    if diverged is not None
                     else ("a functional call such as torch.sqrt in a parent's forward")
                 )
                 where = (
@@ -317,15 +317,15 @@ class Diagnosis:
                     "non-finite (if this step's loss is non-finite too, the loss's forward made it: a log of 0, a "
                     "division by 0)"
                 )
-            if diverging and diverged is not None:
+            if diverged is not None:
                 look = (
-                    f" Before it, {diverged[1]}: most likely the updates diverged (too high a learning rate) and the "
+                    f" Before it, {diverged}: most likely the updates diverged (too high a learning rate) and the "
                     "gradients outgrew what the dtype holds there. Lower the learning rate."
                 )
             else:
                 look = " Look there for sqrt, log, pow or a norm at 0" + (
                     " (or, if steps come back at a lower loss scale, for values too large for fp16)."
-                    if self.analyzer._scaled
+                    if self.analyzer.context.scaled
                     else "."
                 )
             message = (

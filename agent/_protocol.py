@@ -98,6 +98,13 @@ def pow2(value: float) -> str:
     return f"{value:g}"
 
 
+def spell(value: float) -> float | str:
+    """A value as an event's details hold it in JSON (non-finite ones as strings)."""
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
 # -- records: what the training thread appends for the sender thread ----------------------------------------------
 # Plain tuples (the cheapest object Python builds, on the hot path); the first field is the kind.
 KIND = 0

@@ -6,11 +6,13 @@ from __future__ import annotations
 import copy
 import math
 import random
+from collections import deque
 from typing import Any
 
 import pytest
 
-from ampwatch._diagnose import Analyzer, Columns
+from ampwatch._diagnose import Analyzer, Columns, Thresholds
+from ampwatch._median import RollingMedian
 
 
 def _series(rng: random.Random, steps: int) -> list[dict[str, float]]:
@@ -66,18 +68,28 @@ def _comparable(events: list[dict[str, Any]]) -> list[tuple]:
     return [(e["step"], e["type"], e["severity"], e["message"]) for e in events]
 
 
+PARTS = ("context", "trends", "skips", "nonfinite", "schedule", "leading")
+REFERENCES = ("_context", "_trends", "_skips", "_event", "event")  # (another part, or the analyzer's event maker)
+
+
+def _plain(value: Any) -> Any:
+    """A part's state as plain values that compare equal when the state is the same."""
+    if isinstance(value, RollingMedian):
+        return list(value._order), list(value._sorted)
+    if isinstance(value, deque):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if hasattr(value, "__dict__") and not isinstance(value, Thresholds):
+        return {key: _plain(item) for key, item in vars(value).items() if key not in REFERENCES}
+    return copy.deepcopy(value)
+
+
 def _state(analyzer: Analyzer) -> dict[str, Any]:
-    state = copy.deepcopy(analyzer.__dict__)
-    for name in ("_grad_median", "_loss_median"):
-        median = state.pop(name)
-        state[name] = (list(median._order), median._sorted)
-    leading = vars(state.pop("leading"))  # (its own state, without the analyzer's event maker it holds)
-    state["leading"] = {k: v for k, v in leading.items() if k not in ("_event", "_medians")}
-    state["leading"]["_medians"] = {k: (list(m._order), m._sorted) for k, m in leading["_medians"].items()}
-    state["_norm_history"] = list(state["_norm_history"])
-    state["_skipped_at"] = {
-        k: v for k, v in state["_skipped_at"].items() if k >= max(state["_skipped_at"], default=0) - 1
-    }
+    state = {name: _plain(getattr(analyzer, name)) for name in PARTS}
+    assert set(vars(analyzer)) == {*PARTS, "rank"}  # (a part added here is compared too)
+    skipped_at = state["schedule"]["_skipped_at"]  # (the scheduler check reads the last two steps only)
+    state["schedule"]["_skipped_at"] = {k: v for k, v in skipped_at.items() if k >= max(skipped_at, default=0) - 1}
     return state
 
 
@@ -103,7 +115,7 @@ def test_a_calm_batch_is_absorbed_in_bulk() -> None:
         for s in range(60)
     ]
     analyzer.observe_columns(_columns(rows))  # through start-up calibration, one by one
-    assert not analyzer.calibrating
+    assert not analyzer.skips.calibrating
     calm = _columns(
         [(s, {"loss": 1.1, "grad_norm": 0.6, "scale": 65536.0, "skipped": 0.0, "lr": 1e-3}) for s in range(60, 260)]
     )
@@ -117,7 +129,7 @@ def test_state_stays_small_when_steps_are_not_contiguous() -> None:
     analyzer = Analyzer()
     for step in range(0, 50_000, 10):  # a loop that counts samples, say
         analyzer.observe(step, {"scale": 1024.0, "skipped": 0.0, "lr": 1e-3})
-    assert len(analyzer._skipped_at) <= 2
+    assert len(analyzer.schedule._skipped_at) <= 2
 
 
 def test_noisy_losses_are_no_spikes_and_a_jump_from_a_negative_loss_is() -> None:
