@@ -273,9 +273,11 @@
     const msg = Object.assign(document.createElement("p"), { className: "ev-msg", textContent: e.message });
     li.append(button, msg);
     if (e.plan) { // a plan trigger: the plan as it stands now (the page's plan section, if any, is the load's)
-      const plan = Object.assign(document.createElement("p"), { className: "ev-plan", textContent: `Rollback plan: ${e.plan.summary} ` });
+      const plan = Object.assign(document.createElement("p"), { className: "ev-plan" });
+      plan.textContent = `Rollback plan: ${e.plan.summary} `;
       const here = document.getElementById("run-plan");
-      plan.append(Object.assign(document.createElement("a"), { href: here ? "#run-plan" : e.plan.path, textContent: here ? "Plan and files" : "Plan (JSON)" }));
+      const link = here ? { href: "#run-plan", textContent: "Plan and files" } : { href: e.plan.path, textContent: "Plan (JSON)" };
+      plan.append(Object.assign(document.createElement("a"), link));
       li.append(plan);
     }
     timeline.appendChild(li);
