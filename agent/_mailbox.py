@@ -8,8 +8,9 @@ interval step (the diagnosis warns of an fp16 overflow ahead only for those).
 Sender -> training thread: after a non-finite value, the diagnosis asks for the NaN-origin probe to be armed
 (`arm_request`, for the event at step `arm_step`), and says which arming's probe named an origin
 (`origin_found`); the training thread acts on them at the end of its next full step (see `ampwatch._steady`).
-After a stop asked of the run (see `ampwatch._stop`), `stop` says by whom and why (`run.should_stop`), and
-`stop_raise` asks the training thread to raise `ampwatch.StopRequested` at the end of its next step.
+After a stop asked of the run (see `ampwatch._stop`), `stop` says by whom and why (`run.should_stop`), `stop_at` after
+which step it is due (a run of several ranks; None: at once), and `stop_raise` asks the training thread to raise
+`ampwatch.StopRequested` at the end of its next step where it is due.
 And `free_read_records()`, the sender's errand that the training thread runs: freeing the records the sender has read.
 Both: `capture`, set at init and never after (with AMPWATCH_CAPTURE_DIR: see `ampwatch._capture`, which says which
 of its fields each thread writes).
@@ -40,6 +41,7 @@ class Mailbox:
         "capture",
         "fp16_layers",
         "stop",
+        "stop_at",
         "stop_raise",
     )
 
@@ -55,4 +57,5 @@ class Mailbox:
         self.capture: Any = None  # set once at init: where named input batches go (ampwatch._capture), or None
         self.fp16_layers: frozenset[str] = frozenset()  # training thread: the leaf modules whose outputs are fp16
         self.stop: dict[str, Any] | None = None  # sender: the stop the run was told of (trigger, by, reason)
+        self.stop_at: int | None = None  # sender: the step the stop is due after (None: at once); written before `stop`
         self.stop_raise = False  # sender: raise StopRequested at the next step's end (the training thread clears it)

@@ -30,7 +30,7 @@ from ampwatch._origin import Diagnosis
 from ampwatch._protocol import EVENT, MAX_NAME, MAX_STEP, STATUS, VALUES
 from ampwatch._protocol import event as protocol_event
 from ampwatch._settings import AgentSettings
-from ampwatch._stop import Stopper, StopRequested, triggers
+from ampwatch._stop import Stopper, StopRequested, due, triggers
 from ampwatch._transport import Transport
 from ampwatch._watch import Recorder
 from ampwatch._worker import Worker
@@ -69,7 +69,7 @@ class Run:
                 "project": self.project,
                 "name": self.name,
                 "config": _jsonable(_config_dict(config)),
-                "environment": _environment(self.world_size),
+                "environment": _environment(self.world_size, settings.flush_interval_s),
             }
             self._worker = Worker(settings, self.id, doc, self.rank, transport)
         self._recorder = Recorder(
@@ -84,7 +84,10 @@ class Run:
         self._relaunch_checked = False  # (see _registered)
         self._worker.outbox.on_registered = self._registered
         mailbox = self._recorder.mailbox
-        self._stopper = Stopper(mailbox, triggers(stop_on))
+        recorder = self._recorder
+        self._stopper = Stopper(
+            mailbox, triggers(stop_on), lambda: recorder.step, late_wait_s=3 * settings.flush_interval_s + 5.0
+        )
         self._worker.outbox.on_reply = self._stopper.replied
         self._worker.batcher.on_critical = self._stopper.critical
         mailbox.wake, mailbox.free_read_records = self._worker.wake, self._worker.free_read_records
@@ -132,8 +135,9 @@ class Run:
     def should_stop(self) -> bool:
         """True once the run was asked to stop (an admin's "Stop run", `ampwatch stop`; or a critical event, where
         `init(stop_on=...)` has "critical"), learned at the agent's next exchange with the server: a loop that checks it
-        can save and end. The run then ends `stopped`. A read of one attribute: cheap at every step."""
-        return self._recorder.mailbox.stop is not None
+        can save and end. The run then ends `stopped`. In a run of several ranks, it turns true on every rank after the
+        same step, which the server fixes (see `ampwatch._stop`). A few attribute reads: cheap at every step."""
+        return due(self._recorder.mailbox, self._recorder.step)
 
     def finish(self) -> None:
         """Mark the run finished and deliver what is left (waits at most `AMPWATCH_FINISH_TIMEOUT_S`)."""
@@ -456,7 +460,7 @@ def _run_id(project: str, name: str | None, world_size: int) -> str:
     return hashlib.sha256("\0".join(shared).encode()).hexdigest()[:16]
 
 
-def _environment(world_size: int) -> dict[str, Any]:
+def _environment(world_size: int, flush_interval_s: float) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -464,6 +468,7 @@ def _environment(world_size: int) -> dict[str, Any]:
         "pid": os.getpid(),
         "argv": sys.argv[:20],
         "world_size": world_size,
+        "flush_interval_s": flush_interval_s,  # (the server times a stop of several ranks by it)
     }
     torch = sys.modules.get("torch")  # the user's torch, if loaded; never imported here
     if torch is not None:

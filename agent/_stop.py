@@ -2,14 +2,23 @@
 
 The sender thread learns of a stop from the server's reply to a batch (`stop`: an admin asked; `critical`: the run
 has a critical event, diagnosed on any rank or by the server) or from the diagnosis of its own batch (a critical
-event), and writes it to the mailbox: `stop`, what the run was told (by whom, why), and `stop_raise`, raise at the
-next step's end. The training thread reads `stop_raise` once per step (one attribute of the mailbox) and, when set,
-`stop_here` raises StopRequested, once. Nothing is raised unless `stop_on` names what happened.
+event), and writes it to the mailbox: `stop`, what the run was told (by whom, why), `stop_at`, the step after which
+it is due (None: at once), and `stop_raise`, raise at the next step's end where it is due. The training thread reads
+`stop_raise` once per step (one attribute of the mailbox) and, when set and due, `stop_here` raises StopRequested,
+once. Nothing is raised unless `stop_on` names what happened.
+
+A stop asked of a run of several ranks comes with the step every rank stops after (`at_step`, fixed by the server):
+ranks that stopped at different steps would leave the others waiting in their next collective. A rank that learns it
+only after running past it (two steps or more: the step after it then ran whole, so its collectives saw every rank
+there, and no rank stopped at it) waits for the later step the server fixes once a batch reports a step past it; if
+none comes within `late_wait_s`, it stops at once and says so. A stop on a critical event is due at once on each rank.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ampwatch._guard import warn_once
@@ -47,11 +56,16 @@ class Stopper:
     """The sender thread's side: what it learned, to the mailbox (the only writer of `stop`, and of `stop_raise`
     but for the training thread's clearing it once raised)."""
 
-    def __init__(self, mailbox: Any, stop_on: frozenset[str]) -> None:
+    def __init__(
+        self, mailbox: Any, stop_on: frozenset[str], steps: Callable[[], int] = lambda: 0, late_wait_s: float = 10.0
+    ) -> None:
         self.mailbox = mailbox
         self.stop_on = stop_on
+        self.steps = steps  # the training thread's steps done (the agent's next step), read from the sender
+        self.late_wait_s = late_wait_s
         self.critical_seen = -1  # server critical events up to this id are an earlier launch's (see `registered`)
         self.armed = False  # the raise was asked for (once)
+        self.late_since: float | None = None  # when this rank learned a stop's step after it had run past it
 
     def registered(self, reply: dict[str, Any]) -> None:
         """The registration reply: the latest critical event an earlier launch under this run id left is not ours."""
@@ -65,7 +79,8 @@ class Stopper:
         if isinstance(stop, dict):
             by = str(stop.get("by") or "an admin")
             reason = stop.get("reason")
-            self._told("request", by, None if reason is None else str(reason))
+            at = stop.get("at_step")
+            self._request(by, None if reason is None else str(reason), at if at.__class__ is int else None)
         critical = reply.get("critical")
         if isinstance(critical, dict) and isinstance(critical.get("id"), int) and critical["id"] > self.critical_seen:
             self.critical_seen = critical["id"]
@@ -79,26 +94,71 @@ class Stopper:
                 "critical", "ampwatch", f"critical {event.get('type')} at step {event.get('step')}{where}: {message}"
             )
 
-    def _told(self, trigger: str, by: str, reason: str | None) -> None:
-        """The first stop told sets `should_stop`; the first told of a trigger in `stop_on` also arms the raise (a
-        request first, where only "critical" raises, then a critical event: that one raises, and says so)."""
+    def _request(self, by: str, reason: str | None, at: int | None) -> None:
+        """A stop an admin asked for; `at`: the step every rank of the run stops after (a run of several ranks)."""
+        mailbox = self.mailbox
+        told = mailbox.stop
+        if told is not None and told["trigger"] == "request":  # (told before: only a later step may change it)
+            if at is not None and mailbox.stop_at is not None and at > mailbox.stop_at >= self.steps():
+                mailbox.stop_at = at  # (not due yet, and the ranks all passed the step before: see the docstring)
+            return
+        done = self.steps()
+        if at is not None and done > at + 1:  # (ran past it: so did every rank, and the server fixes a later one)
+            now = time.monotonic()
+            if self.late_since is None:
+                self.late_since = now
+                log.warning(
+                    "ampwatch: this rank learned of the stop after step %d, which every rank was to stop after, at "
+                    "step %d: waiting for the server to fix a later step",
+                    at,
+                    done - 1,
+                )
+            if now - self.late_since < self.late_wait_s:
+                return
+            log.warning(
+                "ampwatch: the server fixed no later step to stop after within %.0f s: this rank stops now, and "
+                "other ranks may wait for it in their next collective",
+                self.late_wait_s,
+            )
+            at = None
+        self._told("request", by, reason, at)
+
+    def _told(self, trigger: str, by: str, reason: str | None, at: int | None = None) -> None:
+        """The first stop told sets `should_stop` (due after step `at`, or at once); the first told of a trigger in
+        `stop_on` also arms the raise (a request first, where only "critical" raises, then a critical event: that one
+        raises, at once, and says so)."""
         mailbox = self.mailbox
         told = {"trigger": trigger, "by": by, "reason": reason}
         if mailbox.stop is None:
+            mailbox.stop_at = at  # (written before `stop`, which the training thread reads first)
             mailbox.stop = told
-            log.warning("ampwatch: this run was asked to stop, by %s%s", by, f": {reason}" if reason else "")
+            after = f" (every rank stops after step {at})" if at is not None else ""
+            log.warning("ampwatch: this run was asked to stop, by %s%s%s", by, f": {reason}" if reason else "", after)
         if trigger in self.stop_on and not self.armed:
             self.armed = True
+            mailbox.stop_at = at
             mailbox.stop = told  # (what the raise says; written before the flag the training thread reads)
             mailbox.stop_raise = True
+
+
+def due(mailbox: Any, done: int) -> bool:
+    """Whether the stop told is due once `done` steps ran (steps 0 to done - 1): `run.should_stop`."""
+    if mailbox.stop is None:  # (read before `stop_at`, which the sender writes first)
+        return False
+    at = mailbox.stop_at
+    return at is None or done > at
 
 
 def stop_here(rec: Any) -> None:
     """The training thread, where a step ended (its record made; see `ampwatch._steady.StepEnd._end_step`): raise
     StopRequested, once. With an enabled GradScaler the step ends inside its `update()`, before GradScaler's own: that
     update is done here first (its wrapper then does not), so the scale and the scaler's state are the step's end
-    as without ampwatch, and the full hooks are back for any step the loop still runs."""
+    as without ampwatch, and the full hooks are back for any step the loop still runs. Not before the step the stop
+    is due after (`mailbox.stop_at`): the flag stays set until then."""
     mailbox = rec.mailbox
+    at = mailbox.stop_at
+    if at is not None and rec.step <= at:
+        return
     mailbox.stop_raise = False
     told = mailbox.stop or {}
     scaler = rec._scaler
@@ -108,6 +168,10 @@ def stop_here(rec: Any) -> None:
     rec._plain_until = 0
     rec._leave_steady()
     by, reason, step = told.get("by"), told.get("reason"), rec.step - 1
+    if at is not None and step > at:
+        log.warning(
+            "ampwatch: this rank stops after step %d, not after step %d as the other ranks: it learned late", step, at
+        )
     raise StopRequested(
         f"ampwatch: the run was asked to stop by {by}" + (f": {reason}" if reason else "") + f" (after step {step})",
         by=by,

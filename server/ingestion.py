@@ -87,6 +87,7 @@ def ingest_batch(session: Session, *, run_id: str, batch: BatchIn) -> BatchOut:
         run.last_step = max(steps + ([run.last_step] if run.last_step is not None else []))
     run.health = vitals.worse_health(run.health, [e.severity for e in batch.events])
     vitals.on_points(session, run, rank=batch.rank, points=batch.points, series_ids=series_ids)
+    stopping.on_batch(run, batch.points, stamp)  # (before last_seen_at moves: the step rate's time)
     run.last_seen_at = stamp
     if batch.status is not None:
         stopping.on_status(run, batch.status, events)

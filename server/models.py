@@ -61,6 +61,12 @@ class Run(Base):
     stop_reason: Mapped[str | None] = mapped_column(Text)
     # The id of the run's latest critical numerics event (any rank; not a crash or stall): batch replies name it.
     critical_event_id: Mapped[int | None] = mapped_column(BigInteger)
+    # The run's pace (the highest agent step of its latest batch, steps per second, the weight of that average) and,
+    # for a stop asked of a run of several ranks, the step every rank stops after (see ampwatch.server.stopping).
+    pace_step: Mapped[int | None] = mapped_column(BigInteger)
+    step_rate: Mapped[float | None] = mapped_column(Double)
+    step_rate_weight: Mapped[float | None] = mapped_column(Double)
+    stop_at_step: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Series(Base):

@@ -148,6 +148,12 @@ class StopOut(BaseModel):
     by: str = Field(description="Who asked: the admin token's name, or the agent for a stop on a critical event.")
     reason: str | None = None
     requested_at: datetime | None = None
+    at_step: int | None = Field(
+        default=None,
+        description="A run of several ranks: the step every rank stops after (the agents raise StopRequested, and "
+        "`should_stop` turns true, once it ran); fixed at the first batch answered after the request. Null for a "
+        "single rank, which stops at once.",
+    )
 
 
 class CriticalOut(BaseModel):

@@ -6,10 +6,20 @@ with a pending request carries it (`BatchOut.stop`), so each rank learns it at i
 ends `stopped` keeps who and why; a run that ends otherwise, or a relaunch under the same run id, lets go of the
 request. A batch reply also names the run's latest critical numerics event (`BatchOut.critical`), for agents
 started with `stop_on=("critical",)`: a rank then stops on what another rank, or the server, diagnosed.
+
+Ranks of one run learn a stop at different steps, and a rank that stops while the others train on leaves them
+waiting in their next collective. So for a run of several ranks (`world_size` > 1) the first batch answered after the
+request fixes `stop_at_step`, the step every rank stops after: the run's pace (`pace_step`, the highest agent step of
+that batch, fresh) plus the steps the run makes, at its `step_rate`, in two of its agents' flush intervals (the
+environment's `flush_interval_s`) and `SLACK_S`: by then every rank has had its next exchange. A rank that learns it
+only after passing it shows that every rank passed it (each step's collectives wait for every rank, so none stopped
+there): a batch reporting a step past `stop_at_step` fixes a later one, with twice the overshoot on top.
 """
 
 from __future__ import annotations
 
+import math
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -22,6 +32,10 @@ from ampwatch.server.schemas import CriticalOut, StopOut
 
 ENDED = ("finished", "crashed", "stopped")
 NOT_NUMERICS = ("run_crashed", "run_stalled", "run_stopped")  # critical, but no reason to stop a run that lives
+STEP_SERIES = ("loss", "scale", "skipped", "grad_norm", "lr", "param_norm")  # the agent's own series of each step
+RATE_TAU_S = 10.0  # the step rate is a time-weighted average over about the last this many seconds
+SLACK_S = 2.0  # beyond two flush intervals: what a rank's exchange with the server may take
+FLUSH_INTERVAL_S = 0.5  # the agent's default AMPWATCH_FLUSH_INTERVAL_S, where a run's environment does not say
 
 
 class RunEnded(ValueError):
@@ -42,7 +56,7 @@ def request(session: Session, run: models.Run, *, by: str, reason: str | None) -
     if run.status in ENDED:
         raise RunEnded(f"the run already ended ({run.status})")
     if run.stop_requested_at is None:
-        run.stop_requested_at, run.stop_by, run.stop_reason = now(), by, reason
+        run.stop_requested_at, run.stop_by, run.stop_reason, run.stop_at_step = now(), by, reason, None
     session.commit()
 
 
@@ -51,7 +65,7 @@ def of(run: models.Run) -> StopOut | None:
     if run.stop_by is None or (run.stop_requested_at is None and run.status != "stopped"):
         return None
     at = utc(run.stop_requested_at) if run.stop_requested_at is not None else None
-    return StopOut(by=run.stop_by, reason=run.stop_reason, requested_at=at)
+    return StopOut(by=run.stop_by, reason=run.stop_reason, requested_at=at, at_step=run.stop_at_step)
 
 
 def pending(run: models.Run) -> StopOut | None:
@@ -62,7 +76,8 @@ def pending(run: models.Run) -> StopOut | None:
 def on_relaunch(run: models.Run) -> None:
     """A run id registered again after the run ended: a new launch, which no earlier stop request concerns."""
     if run.status in ENDED:
-        run.stop_requested_at = None
+        run.stop_requested_at = run.stop_at_step = None
+        run.pace_step = run.step_rate = run.step_rate_weight = None  # (the new launch's pace is its own)
 
 
 def on_status(run: models.Run, status: str, events: list[Any]) -> None:
@@ -75,7 +90,40 @@ def on_status(run: models.Run, status: str, events: list[Any]) -> None:
             run.stop_by = str(details.get("by") or "the agent")[:200]
             run.stop_reason = str(details.get("reason")) if details.get("reason") is not None else None
     elif status in ENDED:
-        run.stop_requested_at = None
+        run.stop_requested_at = run.stop_at_step = None
+
+
+def on_batch(run: models.Run, points: dict[str, Any], stamp: datetime) -> None:
+    """A batch (`{name: PointsIn}`) arrived, before the run's `last_seen_at` moves to `stamp`: keep the run's pace and,
+    while a stop of a run of several ranks is pending, the step every rank stops after (see the module's docstring)."""
+    highest = max((max(points[n].steps) for n in STEP_SERIES if n in points and points[n].steps), default=None)
+    previous = run.pace_step
+    if highest is not None:
+        run.pace_step = highest
+    elapsed = (stamp - utc(run.last_seen_at)).total_seconds()
+    if previous is not None and run.pace_step is not None and elapsed > 0:
+        # An exponential average weighted by time, corrected for its start as Adam's moments are: the steps each
+        # batch (of any rank) moved the pace by, over the time since the batch before, add up to the steps made
+        # over the time passed, whatever the ranks' interleaving.
+        weight, before = -math.expm1(-elapsed / RATE_TAU_S), run.step_rate_weight or 0.0
+        total = before + weight * (1.0 - before)
+        rate = run.step_rate or 0.0
+        run.step_rate = rate + weight / total * ((run.pace_step - previous) / elapsed - rate)
+        run.step_rate_weight = total
+    world = (run.environment or {}).get("world_size")
+    if pending(run) is None or run.pace_step is None or not isinstance(world, int) or world < 2:
+        return
+    if run.stop_at_step is None:
+        run.stop_at_step = run.pace_step + _margin(run)
+    elif highest is not None and highest > run.stop_at_step:  # (the ranks all passed it: a later one)
+        run.stop_at_step = highest + _margin(run) + 2 * (highest - run.stop_at_step)
+
+
+def _margin(run: models.Run) -> int:
+    """The steps the run makes, at its rate, in two of its agents' flush intervals and SLACK_S; 2 more."""
+    flush = (run.environment or {}).get("flush_interval_s")
+    flush = flush if isinstance(flush, (int, float)) and 0 < flush < 3600 else FLUSH_INTERVAL_S
+    return math.ceil(max(run.step_rate or 0.0, 0.0) * (2 * flush + SLACK_S)) + 2
 
 
 def on_events(session: Session, run: models.Run, events: list[models.Event]) -> None:

@@ -312,3 +312,130 @@ def test_the_first_stop_sets_should_stop_and_the_first_of_a_trigger_in_stop_on_a
     assert mailbox.stop_raise and mailbox.stop["trigger"] == "critical" and mailbox.stop["by"] == "ampwatch"
     assert mailbox.stop["reason"] == "critical nonfinite_param at step 12 (rank 1, told by the server): NaN weights"
     assert triggers(None) == frozenset() and triggers(("request", "critical")) == {"request", "critical"}
+
+
+DDP_STOP = """
+import json, os, time, urllib.request
+from datetime import timedelta
+import torch, torch.distributed as dist
+import ampwatch
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))  # (a rank left waiting fails in 30 s, not hangs)
+rank, server = dist.get_rank(), os.environ["SERVER"]
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+run = ampwatch.init("stop", "ddp", url=server, stop_on="request")
+run.watch(model=model, optimizer=optimizer)
+raised = None
+try:
+    for step in range(MAX_STEPS):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == ASK_AT and rank == 0:
+            run.flush()  # (registered, with its world size)
+            asked = urllib.request.Request(f"{server}/api/v1/runs/{run.id}/stop", b"{}", method="POST")
+            urllib.request.urlopen(asked.add_header("Content-Type", "application/json") or asked, timeout=30)
+        time.sleep(0.005)  # (a step of a real model takes longer than this one's)
+except ampwatch.StopRequested as stop:
+    raised = stop.step
+steps = torch.tensor([float(-1 if raised is None else raised)])
+dist.all_reduce(steps)  # (every rank left its loop: none waits in a step's collective)
+run.finish()
+print("rank", rank, "run", run.id, "raised", raised, "sum", int(steps.item()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_every_ddp_rank_raises_stop_requested_after_the_same_step_the_server_fixed(sqlite_server, tmp_path) -> None:
+    """Two gloo ranks under torchrun, asked to stop at step ASK_AT: each learns the stop at its own next exchange, but
+    both raise after the step the server fixed (`stop.at_step`), so neither waits for the other in a collective."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_stop.py"
+    script.write_text(DDP_STOP.replace("MAX_STEPS", str(MAX_STEPS)).replace("ASK_AT", str(ASK_AT)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = {"SERVER": sqlite_server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env["AMPWATCH_FLUSH_INTERVAL_S"] = "0.05"
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line.split() for line in done.stdout.splitlines() if line.startswith("rank"))
+    [run_id] = {line[3] for line in lines}
+    raised = [int(line[5]) for line in lines]
+    shown = httpx.get(f"{sqlite_server.url}/api/v1/runs/{run_id}", timeout=30).json()
+    at = shown["stop"]["at_step"]
+    assert len(lines) == 2 and raised == [at, at] and ASK_AT < at < MAX_STEPS - 1, (lines, shown["stop"])
+    assert shown["status"] == "stopped" and [int(line[7]) for line in lines] == [2 * at, 2 * at]
+    assert "learned late" not in done.stderr and "waiting for the server" not in done.stderr
+
+
+def test_the_server_fixes_the_step_every_rank_stops_after_at_the_first_batch_after_the_request(live_server) -> None:
+    """A run of several ranks: the first batch answered after the request fixes `at_step` past the highest step it
+    reported, every reply then carries the same; a batch reporting a step past it (the ranks all ran past) fixes a
+    later one. A single rank's stop has none: it stops at once. A relaunch lets go of it."""
+    from ampwatch._protocol import batch_document
+
+    def send(http: Any, run: str, rank: int, seq: int, steps: range, status: str | None = None) -> dict[str, Any]:
+        points = {"loss": (list(steps), [1.0] * len(steps)), "tokens": ([10**9], [1.0])}  # (a user's own numbering)
+        reply = http.post(f"/api/v1/runs/{run}/batches", json=batch_document(rank, seq, points, [], status))
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    with live_server.client() as http:
+        for run, world in (("two", 2), ("one", 1)):
+            environment = {"world_size": world, "flush_interval_s": 0.05}
+            assert http.put(f"/api/v1/runs/{run}", json={"project": "p", "name": run, "environment": environment})
+            send(http, run, 0, 1, range(0, 10))
+            asked = http.post(f"/api/v1/runs/{run}/stop", json={})
+            assert asked.status_code == 200 and asked.json()["stop"]["at_step"] is None  # (fixed at the next batch)
+        stop = send(http, "two", 1, 1, range(0, 12))["stop"]
+        at = stop["at_step"]
+        assert (
+            11 + 2 <= at < 10**9
+        )  # past the highest step of that batch, by the steps of about 2.1 s at the run's rate
+        assert send(http, "two", 0, 2, range(10, 13))["stop"]["at_step"] == at  # (every rank is told the same)
+        assert http.get("/api/v1/runs/two").json()["stop"]["at_step"] == at
+        later = send(http, "two", 0, 3, range(13, at + 6))["stop"]["at_step"]  # the ranks all ran past it
+        assert later >= at + 5 + 2 + 2 * 5
+        assert send(http, "two", 1, 2, range(12, at + 1))["stop"]["at_step"] == later
+        assert "at_step" not in send(http, "one", 0, 2, range(10, 20))["stop"]  # a single rank stops at once
+        send(http, "two", 0, 4, range(at + 6, at + 7), status="stopped")
+        shown = http.get("/api/v1/runs/two").json()
+        assert (shown["status"], shown["stop"]["at_step"]) == ("stopped", later)
+        assert http.put("/api/v1/runs/two", json={"project": "p", "name": "two", "environment": {"world_size": 2}})
+        assert "stop" not in send(http, "two", 0, 5, range(0, 5))  # (a relaunch: the stop was the launch before's)
+
+
+def test_a_rank_that_learns_the_step_after_running_past_it_waits_for_a_later_one_or_stops_at_once(caplog) -> None:
+    """The sender's side alone: past the step by two or more, a rank waits for the later step the server fixes (its
+    collectives ran with every rank there, so none stopped at it); with none in `late_wait_s`, it stops at once."""
+    from ampwatch._mailbox import Mailbox
+    from ampwatch._stop import Stopper, due, triggers
+
+    done = [50]
+    mailbox = Mailbox()
+    stopper = Stopper(mailbox, triggers("request"), lambda: done[0], late_wait_s=600.0)
+    with caplog.at_level("WARNING", logger="ampwatch"):
+        stopper.replied({"stop": {"by": "ops", "at_step": 48}})  # (steps 0-49 ran: 49 is past 48 by one more)
+    assert (mailbox.stop, mailbox.stop_raise, due(mailbox, 50)) == (None, False, False)
+    assert "learned of the stop after step 48" in caplog.text and "waiting for the server" in caplog.text
+    stopper.replied({"stop": {"by": "ops", "at_step": 80}})
+    assert (mailbox.stop_at, mailbox.stop_raise, mailbox.stop["by"]) == (80, True, "ops")
+    assert not due(mailbox, 80) and due(mailbox, 81)
+    stopper.replied({"stop": {"by": "ops", "at_step": 90}})  # a later step while not due: taken
+    assert mailbox.stop_at == 90
+    done[0] = 91
+    stopper.replied({"stop": {"by": "ops", "at_step": 120}})  # due already: it stays
+    assert mailbox.stop_at == 90 and due(mailbox, 91)
+
+    in_time = Mailbox()
+    Stopper(in_time, triggers("request"), lambda: 49).replied({"stop": {"by": "ops", "at_step": 48}})
+    assert in_time.stop_at == 48  # (one past: it may not have passed the check at 48's end yet)
+    never = Mailbox()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ampwatch"):
+        Stopper(never, triggers("request"), lambda: 50, late_wait_s=0.0).replied({"stop": {"by": "ops", "at_step": 40}})
+    assert (never.stop_at, never.stop_raise, due(never, 50)) == (None, True, True)
+    assert "this rank stops now" in caplog.text
