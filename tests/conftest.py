@@ -205,10 +205,10 @@ def _no_internal_agent_errors(request: pytest.FixtureRequest) -> Iterator[None]:
 def _no_run_left_watching(request: pytest.FixtureRequest) -> Iterator[None]:
     """A run a test leaves open keeps its hooks on torch (`clip_grad_norm_` wrapped) for the tests after it: take
     them off at the end of each test (its run still ends at exit), and note which test left it open."""
-    from ampwatch import _run
+    from ampwatch import _ending
 
     yield
-    for run in list(_run._UNFINISHED):
+    for run in list(_ending.UNFINISHED):
         run._recorder.unwatch()
         if LEAKS:
             with open(LEAKS, "a") as out:

@@ -136,10 +136,10 @@ def test_the_handler_is_installed_only_from_the_main_thread(memory) -> None:
     before = signal.getsignal(signal.SIGTERM)
     if before is not signal.SIG_DFL:  # an earlier test of this process installed it: start from the default
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    from ampwatch import _run
+    from ampwatch import _ending
 
-    saved = dict(_run._sigterm)
-    _run._sigterm.update(previous=None, pid=0)
+    saved = dict(_ending._sigterm)
+    _ending._sigterm.update(previous=None, pid=0)
     try:
         runs: list[ampwatch.Run] = []
         thread = threading.Thread(target=lambda: runs.append(ampwatch.init("signals", transport=memory)))
@@ -148,24 +148,24 @@ def test_the_handler_is_installed_only_from_the_main_thread(memory) -> None:
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # not from a worker thread (it would raise there)
         runs[0].finish()
         run = ampwatch.init("signals", transport=memory)
-        assert signal.getsignal(signal.SIGTERM) is _run._on_sigterm
+        assert signal.getsignal(signal.SIGTERM) is _ending._on_sigterm
         run.finish()
     finally:
         signal.signal(signal.SIGTERM, before)
-        _run._sigterm.update(saved)
+        _ending._sigterm.update(saved)
 
 
 def test_as_a_containers_init_the_default_ignore_of_sigterm_is_kept(memory, monkeypatch) -> None:
     """PID 1 (a container without an init): the kernel ignores SIGTERM's default action there, so a handler
     that marks the run crashed and re-sends the signal would leave training running, recorded as crashed.
     (A real PID 1 needs a PID namespace, which CI may not allow; the process id is what the agent checks.)"""
-    from ampwatch import _run
+    from ampwatch import _ending
 
     before = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    saved = dict(_run._sigterm)
-    _run._sigterm.update(previous=None, pid=0)
-    monkeypatch.setattr(_run.os, "getpid", lambda: 1)
+    saved = dict(_ending._sigterm)
+    _ending._sigterm.update(previous=None, pid=0)
+    monkeypatch.setattr(_ending.os, "getpid", lambda: 1)
     try:
         run = ampwatch.init("signals", transport=memory)
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -173,4 +173,4 @@ def test_as_a_containers_init_the_default_ignore_of_sigterm_is_kept(memory, monk
         run.finish()
     finally:
         signal.signal(signal.SIGTERM, before)
-        _run._sigterm.update(saved)
+        _ending._sigterm.update(saved)
