@@ -32,7 +32,9 @@ PREFIXES = (RANGE, UPDATE, LAG)
 RISE_POINTS = 8  # interval steps a climb is fitted over (350 steps at the default interval)
 RISE_MIN = 1.25  # its growth over them, at least
 STEADY = 0.8  # the share of the log fraction's variance over them that a steady climb explains, at least
-RANGE_FLOOR = 0.01  # of fp16's range (655): below it, an overflow is far off whatever the trend
+# Of fp16's range (3 275): below it, an overflow is far off whatever the trend. A layer learning outputs in the
+# thousands climbs as one that will overflow does until it levels off (bench/foresight.py).
+RANGE_FLOOR = 0.05
 HORIZON_INTERVALS = 20  # projected overflow at most this many intervals ahead (1000 steps at the default interval)
 UPDATE_FACTOR = 10.0
 LAG_FACTOR = 10.0

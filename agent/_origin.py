@@ -143,7 +143,10 @@ class OriginProbe:
             return
         self._passes.append(len(self.backward))
         at = len(self.forward)
-        guarded(self._flag, self.forward, INPUT, _first_float_tensor(args))
+        batch = _first_float_tensor(args)
+        if batch is None and kwargs:  # (a model called with keywords, `model(pixel_values=x)`: the batch is there)
+            batch = _first_float_tensor(kwargs)
+        guarded(self._flag, self.forward, INPUT, batch)
         capture = self.capture
         if capture is not None and len(self.forward) > at:  # (an armed step: copies are taken only then)
             self.inputs[at] = guarded(capture.take, args, kwargs or {})

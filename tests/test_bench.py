@@ -56,6 +56,7 @@ RUNS = {
         ],
         ["syncs/step", "\nampwatch-off "],
     ),
+    "foresight": (["--quick"], ["fp16_range: ", "update_ratio: ", "adam_lag: ", "minimum lead", "false warnings: "]),
     "hook_phases": (["--pairs", "50", "--hidden", "16"], ["lean steps:"]),
     "indicators": (["--pairs", "40", "--hidden", "16", "--interval", "10"], ["interval steps", "other steps"]),
     "sender_phases": (

@@ -27,8 +27,11 @@ class Masked(torch.nn.Module):
 POISONED = (5, 15)  # the first arms the probe (after a flush), which names the input batch at the second
 
 
-def _train(memory: Any, steps: int = 20) -> tuple[list[dict[str, Any]], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """A GradScaler loop whose batches at POISONED hold a NaN and an Inf; the events and each step's inputs."""
+def _train(
+    memory: Any, steps: int = 20, keywords: bool = False
+) -> tuple[list[dict[str, Any]], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """A GradScaler loop whose batches at POISONED hold a NaN and an Inf; the events and each step's inputs. With
+    `keywords`, the model is called with keyword arguments only."""
     torch.manual_seed(0)
     model = Masked()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -42,7 +45,8 @@ def _train(memory: Any, steps: int = 20) -> tuple[list[dict[str, Any]], dict[int
                 x[2, 3], x[7, 0] = float("nan"), float("inf")
             seen[step] = (x.clone(), mask.clone())
             with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(x, mask=mask, tag="train").float().pow(2).mean()
+                out = model(x=x, mask=mask, tag="train") if keywords else model(x, mask=mask, tag="train")
+                loss = out.float().pow(2).mean()
             x.zero_()  # (a loop that reuses its input buffer: the copy is what the model received, not this)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -83,6 +87,19 @@ def test_the_named_input_batch_is_written_for_a_replay(memory, tmp_path: Path, m
     _same(saved["kwargs"]["mask"], seen[POISONED[1]][1])
     replayed = Masked()(*saved["args"], **saved["kwargs"])  # the bad sample again, outside the run
     assert not replayed.isfinite().all()
+
+
+def test_a_model_called_with_keywords_only_has_its_input_batch_named_and_written(
+    memory, tmp_path: Path, monkeypatch
+) -> None:
+    """`model(x=batch, ...)`, as Hugging Face models are called: the probe reads the input from the keywords."""
+    monkeypatch.setenv("AMPWATCH_CAPTURE_DIR", str(tmp_path))
+    events, seen = _train(memory, keywords=True)
+    origin = _origin(events)
+    assert "data problem" in origin["message"] and origin["details"]["order"][0] == "(input batch)"
+    saved = torch.load(origin["details"]["capture"])
+    assert saved["args"] == () and set(saved["kwargs"]) == {"x", "mask", "tag"}
+    _same(saved["kwargs"]["x"], seen[POISONED[1]][0])
 
 
 def test_nothing_is_copied_or_written_without_the_setting(memory, tmp_path: Path, monkeypatch) -> None:
