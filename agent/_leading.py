@@ -6,7 +6,8 @@ Three rules, each said once per layer and episode:
   its rate, reaches 65 504 within `HORIZON_INTERVALS` intervals: an `amp_config` warning that names the layer and
   how many steps are left (only for outputs that are fp16: under bf16 or fp32 the series is recorded,
   and nothing overflows at 65 504);
-- update ratio: ||Δθ||/||θ|| of a layer at `UPDATE_FACTOR` times its own median (an order of magnitude) or more;
+- update ratio: ||Δθ||/||θ|| of a layer at `UPDATE_FACTOR` times its own median (an order of magnitude) or more,
+  or grown `UPDATE_FACTOR`× along a steady climb over the last `CLIMB_POINTS` interval steps (see `_growth`);
 - Adam's second-moment lag: a layer's squared gradients at `LAG_FACTOR` times its own usual lag and `LAG_FLOOR` times
   the second moment Adam divides them by (its updates are then ~sqrt of that larger than Adam's usual step);
   both at two interval steps in a row (one hard batch moves a single step that much).
@@ -39,6 +40,10 @@ HORIZON_INTERVALS = 20  # projected overflow at most this many intervals ahead (
 UPDATE_FACTOR = 10.0
 LAG_FACTOR = 10.0
 LAG_FLOOR = 20.0
+# Interval steps a steady climb of a layer's update ratio is fitted over: one that grows `UPDATE_FACTOR`× along it
+# counts as a jump (a learning rate growing a little each step is followed by the rolling median). Shorter windows
+# also catch a benign warm-up of a loss's weight (bench/foresight.py).
+CLIMB_POINTS = 40
 WARMUP_POINTS = 5  # interval steps of a layer's history before its jumps are judged
 WINDOW = 50  # interval steps in a layer's rolling median
 
@@ -52,6 +57,7 @@ class Leading:
         self.fp16: frozenset[str] = frozenset()
         self._ranges: dict[str, deque[tuple[int, float]]] = {}
         self._medians: dict[tuple[str, str], RollingMedian] = {}
+        self._climbs: dict[str, deque[tuple[int, float]]] = {}  # update ratios' last `CLIMB_POINTS` values
         self._high: set[tuple[str, str]] = set()  # (prefix, layer) at or above its limit at its last interval step
         self._seen: dict[tuple[str, str], int] = {}  # (prefix, layer) -> how many values were judged
         self._warned: dict[tuple[str, str], float] = {}  # (prefix, layer) -> the value it was warned at
@@ -140,10 +146,15 @@ class Leading:
                 limit = UPDATE_FACTOR * usual if usual > 0 else math.inf
             else:  # Adam's lag is about 1 where the moment keeps up; a layer with no gradient until now has none
                 limit = max(LAG_FLOOR, LAG_FACTOR * usual)
+            high = value >= limit
+            if prefix == UPDATE and CLIMB_POINTS:
+                climb = self._climbs.setdefault(layer, deque(maxlen=CLIMB_POINTS))
+                climb.append((step, value))
+                high = high or (len(climb) == CLIMB_POINTS and _growth(climb) >= UPDATE_FACTOR)
             if key in self._warned:
-                if value < limit / 3:  # (back near its usual level: a later jump is a new episode)
+                if value < limit / 3 and not high:  # (back near its usual level: a later jump is a new episode)
                     del self._warned[key]
-            elif seen > WARMUP_POINTS and value >= limit:
+            elif seen > WARMUP_POINTS and high:
                 # Twice in a row: one hard batch among easy ones moves one step's update (and Adam's lag) that much,
                 # then the moments absorb it; a learning rate or gradients that ran away stay up.
                 if key in self._high:
@@ -163,9 +174,9 @@ class Leading:
         also = f" Also: {_listed(others)}." if others else ""
         if prefix == UPDATE:
             message = (
-                f"Update-to-weight ratio of `{layer}` jumped to {value:.3g} at step {step}, {times:.0f}× its usual "
-                f"{usual:.3g}: this step changed the layer's parameters by {value:.1%} of their norm. An order of "
-                "magnitude more than before usually means a learning rate that is now too high (a schedule, a "
+                f"Update-to-weight ratio of `{layer}` jumped or climbed steadily to {value:.3g} at step {step}, "
+                f"{times:.0f}× its usual {usual:.3g}: this step changed the layer's parameters by {value:.1%} of their norm. An order of "
+                "magnitude more than before, at once or along a steady climb, usually means a learning rate that is now too high (a schedule, a "
                 "restart) or gradients that grew; a divergence or a loss spike tends to follow. Check the learning "
                 f"rate and the gradient norm.{also}"
             )
@@ -217,6 +228,25 @@ def _projection(history: deque[tuple[int, float]]) -> float | None:
         return None
     now = mean_l + slope * (steps[-1] - mean_s)  # (the line at the latest step: one batch's noise does not move it)
     return max(0.0, -now / slope)
+
+
+def _growth(history: deque[tuple[int, float]]) -> float:
+    """How many times over `history` (step, value) grew along a steady climb: exp of a least-squares line's rise
+    through log(value), when the line explains `STEADY` of their variance or more; 1 when it does not."""
+    steps = [s for s, _ in history]
+    if not all(0 < v < math.inf for _, v in history):
+        return 1.0
+    logs = [math.log(v) for _, v in history]
+    n = len(steps)
+    mean_s, mean_l = sum(steps) / n, sum(logs) / n
+    var_s = sum((s - mean_s) ** 2 for s in steps)
+    var_l = sum((v - mean_l) ** 2 for v in logs)
+    if var_s == 0 or var_l == 0:
+        return 1.0
+    slope = sum((s - mean_s) * (v - mean_l) for s, v in zip(steps, logs)) / var_s
+    if slope <= 0 or slope * slope * var_s < STEADY * var_l:
+        return 1.0
+    return math.exp(slope * (steps[-1] - steps[0]))
 
 
 def _linear(history: deque[tuple[int, float]]) -> float:

@@ -314,3 +314,23 @@ def test_the_hooks_are_in_place_only_for_the_interval_steps(memory) -> None:
     due = [step for step, hooks in seen.items() if hooks != (0, 0)]
     assert due == [0, INTERVAL, 2 * INTERVAL, 3 * INTERVAL] and seen[INTERVAL] == (2, 1), seen
     assert after == (0, 0)
+
+
+def test_update_ratio_warns_of_a_steady_climb_its_rolling_median_follows() -> None:
+    """A learning rate that grows a little each step (gamma 1.01 for 0.99): the ratio climbs 7 % an interval, so its
+    rolling median climbs with it and never falls an order of magnitude behind; the climb is the warning. The same
+    ratio held flat at its noise gets none."""
+    from ampwatch._leading import Leading
+
+    def warned(climb: float) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        leading = Leading(lambda step, kind, severity, message, details: {"step": step, "details": details})
+        for i in range(150):
+            ratio = 1e-4 * (1.0 if i < 60 else climb ** (i - 60)) * (1.3 if i % 3 == 0 else 0.8 if i % 3 == 1 else 1)
+            events += leading.observe_columns({"update_ratio/conv1": ([10 * i], [ratio])})
+        return events
+
+    climbing = warned(1.07)
+    assert climbing and climbing[0]["details"]["indicator"] == "update_ratio", climbing
+    assert 60 * 10 < climbing[0]["step"] <= 110 * 10, climbing[0]  # (within 40-odd intervals of the climb's start)
+    assert warned(1.0) == []
