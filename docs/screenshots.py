@@ -12,7 +12,6 @@ demo's run really recorded and diagnosed.
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import socket
 import subprocess
@@ -56,13 +55,6 @@ def _load(page: Any, url: str, ready: str) -> None:
 def _shoot(page: Any, url: str, name: str, ready: str, selector: str | None = None) -> None:
     page.set_viewport_size(VIEWPORT)
     _load(page, url, ready)
-    charts = selector is not None and page.locator(f"{selector} .js-plotly-plot").count() > 0
-    box = page.locator(selector).bounding_box() if charts else None
-    if box and box["y"] + box["height"] > VIEWPORT["height"]:
-        # Playwright captures an element below the viewport's edge by resizing the page, and charts re-lay out
-        # mid-capture (overlapping): the page is loaded again in a viewport that holds the element.
-        page.set_viewport_size({"width": VIEWPORT["width"], "height": math.ceil(box["y"] + box["height"]) + 16})
-        _load(page, url, ready)
     path = IMG / name
     if selector:
         page.locator(selector).screenshot(path=str(path))

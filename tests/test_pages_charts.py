@@ -117,3 +117,82 @@ def test_a_resume_that_arrives_live_adds_its_line(sqlite_server: Any, page: Any)
     page.wait_for_selector("#timeline li.ev[data-step='12']", timeout=10_000)
     assert _resume_marks(page, "chart-loss") == ([10], [10]) and page.locator("#resume-key").is_visible()
     assert ui.chart(page, "chart-loss")["points"] == 20
+
+
+# Each drawn chart's card, its drawn SVG (both [left, top, right, bottom]), the width its card gives a plot, and
+# the size Plotly laid the plot out at.
+GEOMETRY = """() => Array.from(document.querySelectorAll(".js-plotly-plot")).map((el) => {
+  const box = (r) => [r.left, r.top, r.right, r.bottom].map(Math.round), style = getComputedStyle(el);
+  return { id: el.id || el.dataset.series, card: box(el.getBoundingClientRect()),
+           svg: box(el.querySelector(".main-svg").getBoundingClientRect()),
+           inner: el.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight),
+           width: el._fullLayout.width, height: el._fullLayout.height };
+})"""
+# Plotly has laid every chart out again at its new width (it does so 100 ms after its card's width changed).
+RELAID = """(before) => Array.from(document.querySelectorAll(".js-plotly-plot"))
+                .every((el, i) => el._fullLayout.width !== before[i])"""
+FILLED = """() => Array.from(document.querySelectorAll(".js-plotly-plot"))
+                .every((el) => Math.abs(el._fullLayout.width - parseFloat(getComputedStyle(el).width)) <= 1)"""
+WIDTHS = (1200, 1000, 1600)  # narrower, narrower with the timeline below the charts (under 1100 px), wider
+
+
+def _assert_laid_out(charts: list[dict[str, Any]], heights: dict[str, float], at: str) -> None:
+    """Each chart fills its card's width and keeps the height it was drawn at, inside its card; no cards overlap."""
+    for c in charts:
+        assert abs(c["width"] - c["inner"]) <= 1, f"{at}: {c['id']} is {c['width']} px wide in a {c['inner']} px card"
+        assert abs(c["height"] - heights[c["id"]]) <= 2, (
+            f"{at}: {c['id']} is {c['height']} px high, was {heights[c['id']]}"
+        )
+        card, svg = c["card"], c["svg"]
+        assert card[0] <= svg[0] and card[1] <= svg[1] and svg[2] <= card[2] and svg[3] <= card[3], (
+            f"{at}: {c['id']} drawn at {c['svg']}, its card at {c['card']}"
+        )
+    for i, a in enumerate(charts):
+        for b in charts[i + 1 :]:
+            assert not _overlap(a["card"], b["card"]), f"{at}: {a['id']} {a['card']} overlaps {b['id']} {b['card']}"
+
+
+def _overlap(a: list[int], b: list[int]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def test_charts_keep_their_height_and_fill_their_card_when_the_window_is_resized(sqlite_server: Any, page: Any) -> None:
+    url = sqlite_server.url
+    ui.register(url, "resized", "resize", "window")
+    steps = list(range(40))
+    series = ("loss", "scale", "grad_norm", "tokens")  # (no lr: an empty chart, 110 px high)
+    points = {name: {"steps": steps, "values": [1.0 + s for s in steps]} for name in series}
+    points |= {f"grad_norm/blocks.{i}": {"steps": steps, "values": [0.5 + i] * 40} for i in range(3)}
+    ui.post(url, "resized", 1, points)
+    pages = {  # (the heights each page draws some of its charts at)
+        "run": (
+            f"{url}/runs/resized",
+            "#charts[data-loaded='true']",
+            {"chart-loss": 250, "chart-lr": 110, "tokens": 250},
+        ),
+        "compare": (
+            f"{url}/compare?run=resized&series=loss",
+            "#compare-chart[data-traces='1']",
+            {"compare-chart": 420},
+        ),
+    }
+    for kind, (address, ready, heights) in pages.items():
+        page.set_viewport_size({"width": 1400, "height": 900})
+        page.goto(address)
+        page.wait_for_selector(ready, timeout=15_000)
+        loaded = page.evaluate(GEOMETRY)
+        drawn = {c["id"]: c["height"] for c in loaded}
+        assert len(drawn) == (6 if kind == "run" else 1) and heights.items() <= drawn.items(), drawn
+        _assert_laid_out(loaded, drawn, f"{kind} page at load")
+        if kind == "run":  # a series that arrives live gets a card beside the other one's, which narrows
+            ui.post(url, "resized", 2, {"momentum": {"steps": steps, "values": [0.9] * 40}})
+            page.wait_for_selector("#chart-extra [data-series='momentum'].js-plotly-plot", timeout=10_000)
+            page.wait_for_function(FILLED, timeout=10_000)  # (the plot beside it, once Plotly has laid it out again)
+            drawn["momentum"] = 250
+            _assert_laid_out(page.evaluate(GEOMETRY), drawn, "run page with a live series")
+        for width in WIDTHS:
+            before = [c["width"] for c in page.evaluate(GEOMETRY)]
+            page.set_viewport_size({"width": width, "height": 900})
+            page.wait_for_function(RELAID, arg=before, timeout=10_000)
+            _assert_laid_out(page.evaluate(GEOMETRY), drawn, f"{kind} page at {width} px")
+        ui.shot(page, f"{kind}-resized.png")

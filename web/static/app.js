@@ -11,10 +11,25 @@ const AW = (() => {
     "-Infinity": { y: 0.2, symbol: "triangle-down", color: "#7048e8", label: "-Inf" },
   };
   const FONT = 'system-ui, -apple-system, "Segoe UI", Roboto, sans-serif';
-  const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
+  const CONFIG = { displaylogo: false, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
   const SKIP_FILL = "rgba(201, 42, 42, 0.10)";
   const RESUME = "#1971c2";
   const MAX_RESUMES = 100; // resume lines (and labels) per chart
+
+  // A card whose width changes (the window's, or a new card in a grid beside it) has its plot laid out again.
+  // Plotly then takes the element's computed size, height too: `plot` gives each element its layout's height.
+  const resized = new ResizeObserver((entries) => entries.forEach(({ target, contentRect }) => {
+    if (target._fullLayout && contentRect.width > 0 && Math.abs(contentRect.width - target._fullLayout.width) > 1) {
+      Plotly.Plots.resize(target).catch(() => {}); // (it refuses a plot hidden since: the next width change will do)
+    }
+  }));
+
+  /** Draw (or redraw) `el` as `layout.height` px high, as wide as its card, and keep it as wide as the card. */
+  function plot(el, traces, layout) {
+    el.style.height = `${layout.height}px`;
+    if (!el._awSized) { el._awSized = true; resized.observe(el); }
+    return Plotly.react(el, traces, layout, CONFIG);
+  }
 
   /** Plotly renders a subset of HTML in titles, legends and ticks: user-chosen names must stay text. */
   function esc(text) {
@@ -171,7 +186,7 @@ const AW = (() => {
     el.dataset.points = String(x.length);
     el.dataset.nonfinite = String(marks["NaN"].length + marks["Infinity"].length + marks["-Infinity"].length);
     el._aw = { marks, empty: !x.length };
-    return Plotly.react(el, traces, shown, CONFIG);
+    return plot(el, traces, shown);
   }
 
   /** A layer × step grid (`GET /runs/{id}/heatmap`) colored by log10 of each cell's largest value; NaN and ±Inf
@@ -205,7 +220,7 @@ const AW = (() => {
     el.dataset.layers = String(layers.length);
     el.dataset.columns = String(grid.steps.length);
     el._aw = { marks: {}, empty: !layers.length };
-    return Plotly.react(el, traces, shown, CONFIG);
+    return plot(el, traces, shown);
   }
 
   /** Where each kept column's cell begins and the last one ends (Plotly takes n + 1 x values as cell edges). A cell
@@ -235,5 +250,5 @@ const AW = (() => {
     }));
   }
 
-  return { esc, num, split, extent, line, heatmap, layout, shapes, stepTicks, markerTraces, CONFIG, NONFINITE };
+  return { esc, num, split, extent, line, heatmap, layout, shapes, stepTicks, markerTraces, plot, NONFINITE };
 })();

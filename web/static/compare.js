@@ -48,7 +48,7 @@
     if (!el.data) el.replaceChildren();
     drawing += 1;
     try {
-      await Plotly.react(el, traces, Object.assign(layout, { showlegend: true }), AW.CONFIG);
+      await AW.plot(el, traces, Object.assign(layout, { showlegend: true }));
     } finally {
       drawing -= 1;
     }

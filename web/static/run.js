@@ -202,6 +202,7 @@
   function drawAll() {
     const names = Object.keys(state.cache).filter((n) => !HIDDEN.has(n));
     ["loss", "scale", "grad_norm", "lr"].forEach((n) => names.includes(n) || names.push(n));
+    names.forEach(chartFor); // every card in place first: a card added to #chart-extra narrows the others
     names.forEach(drawLine);
     drawHeat();
     root.dataset.view = (view() || []).map(Math.round).join(",");
