@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _schedule
 import httpx
 import pytest
 import uvicorn
@@ -48,6 +49,11 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
         if "torch" in sys.modules:  # (imported already: its pool was sized when it loaded)
             sys.modules["torch"].set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, the slow tests lead each worker's part of the run (tests/_schedule.py says why and which)."""
+    items[:] = _schedule.order(items, getattr(config, "workerinput", {}).get("workercount", 0))
 
 
 def _pg_available() -> str | None:
