@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _ports import free_port
 
 import ampwatch
 
@@ -31,7 +32,7 @@ exec(NO_SHM_OP)
 
 
 @pytest.fixture
-def one_process(monkeypatch: pytest.MonkeyPatch, free_tcp_port: int) -> Iterator[None]:
+def one_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """DeepSpeed starts the process group from torchrun's variables (set here, for one process); the test ends it so
     that no later test runs inside it."""
     for name, value in {
@@ -39,7 +40,7 @@ def one_process(monkeypatch: pytest.MonkeyPatch, free_tcp_port: int) -> Iterator
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_tcp_port),
+        "MASTER_PORT": str(free_port()),
     }.items():
         monkeypatch.setenv(name, value)
     yield

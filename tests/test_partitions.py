@@ -16,8 +16,8 @@ from ampwatch.server.settings import Settings
 
 
 @pytest.fixture
-def server(pg_url: str) -> Iterator[LiveServer]:
-    live = start_server(Settings(database_url=pg_url, delete_chunk_rows=300))
+def server(migrated_pg_url: str) -> Iterator[LiveServer]:
+    live = start_server(Settings(database_url=migrated_pg_url, delete_chunk_rows=300))
     yield live
     live.stop()
 

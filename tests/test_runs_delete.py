@@ -28,14 +28,14 @@ OWNED = {  # every table holding rows of a run, and how to count them
 
 
 @pytest.fixture
-def guarded(db_url: str) -> Iterator[tuple[LiveServer, dict[str, str]]]:
+def guarded(migrated_db_url: str) -> Iterator[tuple[LiveServer, dict[str, str]]]:
     """A server with an admin, a read and an ingest token (made before it starts: it reads them at once)."""
-    engine = db.make_engine(db_url)
-    db.upgrade(engine)
+    engine = db.make_engine(migrated_db_url)
     with db.session_factory(engine)() as session:
         tokens = {role: auth.create_token(session, name=role, role=role) for role in auth.ROLES}
     engine.dispose()
-    server = start_server(Settings(database_url=db_url, delete_chunk_rows=300))  # (a run goes in many transactions)
+    # (a run goes in many transactions)
+    server = start_server(Settings(database_url=migrated_db_url, delete_chunk_rows=300))
     yield server, tokens
     server.stop()
 

@@ -66,8 +66,8 @@ def _cost(server: LiveServer, client: httpx.Client, path: str) -> int:
 
 
 @pytest.fixture
-def quiet_server(db_url: str) -> Iterator[LiveServer]:
-    server = start_server(Settings(database_url=db_url, alert_eval_interval_s=3600))
+def quiet_server(migrated_db_url: str) -> Iterator[LiveServer]:
+    server = start_server(Settings(database_url=migrated_db_url, alert_eval_interval_s=3600))
     yield server
     server.stop()
 

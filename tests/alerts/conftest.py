@@ -108,12 +108,14 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture
-def alert_server(sqlite_url: str, receiver: Receiver, live_server_factory: Callable[..., Any]) -> Callable[..., Any]:
+def alert_server(
+    migrated_sqlite_url: str, receiver: Receiver, live_server_factory: Callable[..., Any]
+) -> Callable[..., Any]:
     """Start a real uvicorn server whose alerts go to `receiver` (SQLite); keyword arguments are settings."""
 
     def start(**overrides: Any) -> Any:
         values = {
-            "database_url": sqlite_url,
+            "database_url": migrated_sqlite_url,
             "alert_webhook_url": f"{receiver.url}/hook",
             "alert_eval_interval_s": 0.1,
             **overrides,
