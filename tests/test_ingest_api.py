@@ -332,7 +332,8 @@ def test_steps_up_to_the_largest_bigint_chart_downsampled(http) -> None:
 def test_a_batch_with_more_series_than_postgres_takes_parameters_is_stored(http) -> None:
     many = 66_000  # Postgres binds at most 65 535 parameters a statement: one per name was a 500
     points = {f"grad_norm/l.{i}": {"steps": [0], "values": [float(i)]} for i in range(many)}
-    reply = http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": points})
+    # (66 000 series in one batch: tens of seconds on a loaded 2-core machine, beyond the client's usual 30 s)
+    reply = http.post("/api/v1/runs/r1/batches", json={"seq": 1, "points": points}, timeout=180)
     assert reply.status_code == 200 and reply.json()["points"] == many, reply.text
     last = http.get("/api/v1/runs/r1/series", params={"name": f"grad_norm/l.{many - 1}"}).json()
     assert last == {f"grad_norm/l.{many - 1}": {"steps": [0], "values": [float(many - 1)]}}

@@ -365,11 +365,14 @@ def test_a_file_system_without_locks_still_spools(monkeypatch) -> None:
     assert len(list(Path(os.environ["AMPWATCH_SPOOL_DIR"]).rglob("[0-9]*.json"))) == 1
 
 
-def test_a_wrong_server_url_is_named_in_what_the_agent_logs(sqlite_server, caplog, monkeypatch) -> None:
+def test_a_wrong_server_url_is_named_in_what_the_agent_logs(sqlite_server, caplog, monkeypatch, wait_for) -> None:
     # Both said only "the server is unreachable or busy" (after "PUT /api/v1/runs/... rejected (404)" for the second).
     monkeypatch.setenv("AMPWATCH_FINISH_TIMEOUT_S", "1")
-    for url in ("localhost:18620", sqlite_server.url + "/api/v1"):  # no scheme; the API's path, not the server's base
+    said = ("unknown url type: localhost", "rejected (404)")
+    # no scheme; the API's path, not the server's base
+    for url, words in zip(("localhost:18620", sqlite_server.url + "/api/v1"), said, strict=True):
         with ampwatch.init("spool", "wrong-url", url=url) as run:
             run.log({"x": 1.0}, step=0)
+            wait_for(lambda words=words: words in caplog.text, 30, words)  # (the agent's first exchange, under load)
     assert "the server is unreachable or busy (<urlopen error unknown url type: localhost" in caplog.text
     assert "rejected (404)" in caplog.text and "is AMPWATCH_URL the server's base URL" in caplog.text
