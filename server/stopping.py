@@ -34,7 +34,7 @@ ENDED = ("finished", "crashed", "stopped")
 NOT_NUMERICS = ("run_crashed", "run_stalled", "run_stopped")  # critical, but no reason to stop a run that lives
 STEP_SERIES = ("loss", "scale", "skipped", "grad_norm", "lr", "param_norm")  # the agent's own series of each step
 RATE_TAU_S = 10.0  # the step rate is a time-weighted average over about the last this many seconds
-SLACK_S = 2.0  # beyond two flush intervals: what a rank's exchange with the server may take
+SLACK_S = 5.0  # beyond two flush intervals: what a rank's exchange with the server may take, on a loaded host too
 FLUSH_INTERVAL_S = 0.5  # the agent's default AMPWATCH_FLUSH_INTERVAL_S, where a run's environment does not say
 
 

@@ -394,7 +394,7 @@ def test_the_server_fixes_the_step_every_rank_stops_after_at_the_first_batch_aft
         at = stop["at_step"]
         assert (
             11 + 2 <= at < 10**9
-        )  # past the highest step of that batch, by the steps of about 2.1 s at the run's rate
+        )  # past the highest step of that batch, by the steps of about 5.1 s at the run's rate
         assert send(http, "two", 0, 2, range(10, 13))["stop"]["at_step"] == at  # (every rank is told the same)
         assert http.get("/api/v1/runs/two").json()["stop"]["at_step"] == at
         later = send(http, "two", 0, 3, range(13, at + 6))["stop"]["at_step"]  # the ranks all ran past it
