@@ -159,7 +159,7 @@ def _from_blocks(
     k = min(buckets, count)
     best: dict[int, list[Any]] = {}  # bucket -> [min step, min value, max step, max value]
 
-    def fold(block: int, step: int, value: float) -> None:
+    def widen(block: int, step: int, value: float) -> None:
         cell = best.setdefault((block - first) * k // count, [step, value, step, value])
         if value < cell[1]:
             cell[0], cell[1] = step, value
@@ -169,14 +169,14 @@ def _from_blocks(
     inner = (-(-lo // BLOCK_STEPS), (hi + 1) // BLOCK_STEPS - 1)  # blocks wholly inside [lo, hi]
     rows = session.execute(_BLOCKS, {"sid": series_id, "rank": rank, "lo": inner[0], "hi": inner[1]})
     for block, min_step, min_value, max_step, max_value in rows:
-        fold(block, min_step, min_value)
-        fold(block, max_step, max_value)
+        widen(block, min_step, min_value)
+        widen(block, max_step, max_value)
     edges = {(lo, min(hi, (first + 1) * BLOCK_STEPS - 1)), (max(lo, (hi // BLOCK_STEPS) * BLOCK_STEPS), hi)}
     for a, b in edges:
         if a // BLOCK_STEPS < inner[0] or b // BLOCK_STEPS > inner[1]:
             for step, value in _finite_extremes(session, series_id, rank, a, b).items():
                 # (_finite_extremes reads finite values only, never None)
-                fold(step // BLOCK_STEPS, step, value)  # type: ignore[arg-type]
+                widen(step // BLOCK_STEPS, step, value)  # type: ignore[arg-type]
     return {s: v for cell in best.values() for s, v in ((cell[0], cell[1]), (cell[2], cell[3]))}
 
 

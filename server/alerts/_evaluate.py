@@ -159,7 +159,7 @@ def _window(
             "message": message,
         }
         summary = f"{_title(rule, value)} in {project}/{run.name}{where} at step {steps(step)}"
-        alert, _ = _state.open_or_fold(
+        alert, _ = _state.open_or_recur(
             session,
             rule=rule,
             run_id=run.id,

@@ -138,7 +138,7 @@ def _open(
             _state.drop_pending(session, active)
         else:
             _state.resolve(session, active, step=event.step, reason=reason, stamp=stamp)
-    _state.open_or_fold(
+    _state.open_or_recur(
         session,
         rule=rule,
         run_id=run.id,

@@ -44,7 +44,7 @@ def compare_ranks(
         for other, step, value in session.execute(query)
         if step in mine and bool(value) != bool(mine[step])
     ]
-    if not apart or _said(session, run.id):
+    if not apart or _raised_before(session, run.id):
         return
     step, other, other_skipped = min(apart)
     skipper, kept = (other, rank) if other_skipped else (rank, other)
@@ -70,7 +70,7 @@ def compare_ranks(
     )
 
 
-def _said(session: Session, run_id: str) -> bool:
-    """Whether this run already has the event (said once)."""
+def _raised_before(session: Session, run_id: str) -> bool:
+    """Whether this run has the event already (it is raised once per run)."""
     rows = session.scalars(select(E.details).where(E.run_id == run_id, E.type == "scaler_misuse"))
     return any((details or {}).get("cause") == CAUSE for details in rows)

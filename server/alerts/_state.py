@@ -1,4 +1,4 @@
-"""The alert lifecycle: open, fold, fire, resolve, remind.
+"""The alert lifecycle: open, recur, fire, resolve, remind.
 
 Every change is a guarded INSERT (one active alert per (rule, run, rank), by a unique partial index) or a
 conditional UPDATE (`WHERE state = <the state we saw>`), so with several server processes on one database
@@ -19,7 +19,7 @@ from ampwatch.server.alerts._db import ACTIVE, SEVERITY_RANK, WAKE, at_least, in
 from ampwatch.server.models import Alert
 
 
-def open_or_fold(
+def open_or_recur(
     session: Session,
     *,
     rule: models.AlertRule,
@@ -34,7 +34,7 @@ def open_or_fold(
     severity: str | None = None,
 ) -> tuple[Alert, bool]:
     """The active alert of (rule, run, rank): opened now (True), or the one already active with this
-    occurrence folded in (False) — repeated NaNs update one alert instead of flooding. A windowed rule's
+    occurrence counted again (False) — repeated NaNs update one alert instead of flooding. A windowed rule's
     re-evaluation is not a new `occurrence`. A new alert has `severity`, else the rule's."""
     key_rank = rank if rule.per_rank else -1
     for _ in range(3):  # the active alert can resolve between our INSERT and SELECT: try again
@@ -47,7 +47,7 @@ def open_or_fold(
         )
         alert = session.scalars(query.with_for_update().execution_options(populate_existing=True)).first()
         if alert is not None:
-            fold(alert, step=step, details=details, stamp=stamp, occurrence=occurrence)
+            recur(alert, step=step, details=details, stamp=stamp, occurrence=occurrence)
             return alert, False
     raise RuntimeError(f"could not open or find the active {rule.name} alert of run {run_id}")
 
@@ -92,7 +92,7 @@ def _try_open(
     return session.get(Alert, new_id) if new_id is not None else None
 
 
-def fold(alert: Alert, *, step: int | None, details: dict[str, Any], stamp: datetime, occurrence: bool = True) -> None:
+def recur(alert: Alert, *, step: int | None, details: dict[str, Any], stamp: datetime, occurrence: bool = True) -> None:
     """The condition of an active alert holds again: count the occurrence, keep what is new (e.g. the origin)."""
     alert.count += 1 if occurrence else 0
     if step is not None and (alert.last_step is None or step > alert.last_step):
