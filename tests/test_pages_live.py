@@ -186,6 +186,18 @@ def test_compare_overlays_a_series_from_several_runs(sqlite_server: Any, page: A
     assert [t["x"] for t in chart["traces"] if t["meta"] == "nonfinite"] == [[2]]
 
 
+def test_compare_over_decades_is_a_log_axis_whose_ticks_read_as_numbers(sqlite_server: Any, page: Any) -> None:
+    url = sqlite_server.url
+    for i in range(2):
+        ui.register(url, f"dec-{i}", "dec", f"seed {i}")
+        ui.post(url, f"dec-{i}", 1, {"loss": {"steps": [0, 1, 2, 3], "values": [100.0 + i, 1.0, 0.01, 0.001]}})
+    page.goto(f"{url}/compare?run=dec-0&run=dec-1&series=loss")
+    page.wait_for_selector("#compare-chart[data-traces='2']", timeout=10_000)
+    axis = ui.yaxis(page, "compare-chart")
+    assert axis["type"] == "log" and axis["tickvals"] == [10.0**k for k in range(-3, 4)], axis
+    assert axis["drawn"] == ["0.001", "0.01", "0.1", "1", "10", "100"], "one label a decade, as numbers, no minor ones"
+
+
 def test_hostile_run_project_series_config_and_event_text_render_inert_on_every_page(
     sqlite_server: Any, page: Any
 ) -> None:

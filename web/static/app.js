@@ -250,5 +250,5 @@ const AW = (() => {
     }));
   }
 
-  return { esc, num, split, extent, line, heatmap, layout, shapes, stepTicks, markerTraces, plot, NONFINITE };
+  return { esc, num, split, extent, logTicks, line, heatmap, layout, shapes, stepTicks, markerTraces, plot, NONFINITE };
 })();

@@ -44,7 +44,7 @@
       const margin = steps.length ? Math.max(0.5, (Math.max(...steps) - Math.min(...steps)) * 0.01) : 0;
       full = steps.length ? [Math.min(...steps) - margin, Math.max(...steps) + margin] : null;
     }
-    const layout = AW.layout(title, wide ? { type: "log" } : {}, marks, !ys.length, range || full, { height: 420 });
+    const layout = AW.layout(title, wide ? AW.logTicks(ys, 10) : {}, marks, !ys.length, range || full, { height: 420 });
     if (!el.data) el.replaceChildren();
     drawing += 1;
     try {
