@@ -78,9 +78,14 @@ class Run(RunEnding):
         mailbox = self._recorder.mailbox
         recorder = self._recorder
         self._stopper = Stopper(
-            mailbox, triggers(stop_on), lambda: recorder.step, late_wait_s=3 * settings.flush_interval_s + 5.0
+            mailbox,
+            triggers(stop_on),
+            lambda: recorder.step,
+            late_wait_s=3 * settings.flush_interval_s + 5.0,
+            several=self.world_size > 1,
         )
         self._worker.outbox.on_reply = self._stopper.replied
+        self._worker.on_cycle = self._stopper.waited
         self._worker.batcher.on_critical = self._stopper.critical
         mailbox.wake, mailbox.free_read_records = self._worker.wake, self._worker.free_read_records
         self._worker.batcher.diagnosis = Diagnosis(mailbox, self.rank)  # (it writes the probe's requests there)

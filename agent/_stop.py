@@ -11,7 +11,10 @@ A stop asked of a run of several ranks comes with the step every rank stops afte
 ranks that stopped at different steps would leave the others waiting in their next collective. A rank that learns it
 only after running past it (two steps or more: the step after it then ran whole, so its collectives saw every rank
 there, and no rank stopped at it) waits for the later step the server fixes once a batch reports a step past it; if
-none comes within `late_wait_s`, it stops at once and says so. A stop on a critical event is due at once on each rank.
+none comes within `late_wait_s`, it stops at once and says so. A stop on a critical event is due at once on a single
+rank; in a run of several ranks it waits for the step the server fixes in the same way when the event reaches it
+(`critical.at_step` of the reply to the batch that carried it, or to any rank's batch after it): a rank's own
+critical event whose step no reply names within `late_wait_s` (a server out of reach) stops it at once.
 """
 
 from __future__ import annotations
@@ -57,15 +60,23 @@ class Stopper:
     but for the training thread's clearing it once raised)."""
 
     def __init__(
-        self, mailbox: Any, stop_on: frozenset[str], steps: Callable[[], int] = lambda: 0, late_wait_s: float = 10.0
+        self,
+        mailbox: Any,
+        stop_on: frozenset[str],
+        steps: Callable[[], int] = lambda: 0,
+        late_wait_s: float = 10.0,
+        several: bool = False,
     ) -> None:
         self.mailbox = mailbox
         self.stop_on = stop_on
         self.steps = steps  # the training thread's steps done (the agent's next step), read from the sender
         self.late_wait_s = late_wait_s
+        self.several = several  # a run of several ranks: a stop waits for the step the server fixes
         self.critical_seen = -1  # server critical events up to this id are an earlier launch's (see `registered`)
         self.armed = False  # the raise was asked for (once)
         self.late_since: float | None = None  # when this rank learned a stop's step after it had run past it
+        self.critical_reason: str | None = None  # the first critical event's, once one stops this rank
+        self.critical_since: float | None = None  # when this rank's own critical event began to wait for its step
 
     def registered(self, reply: dict[str, Any]) -> None:
         """The registration reply: the latest critical event an earlier launch under this run id left is not ours."""
@@ -79,26 +90,51 @@ class Stopper:
         if isinstance(stop, dict):
             by = str(stop.get("by") or "an admin")
             reason = stop.get("reason")
-            at = stop.get("at_step")
-            self._request(by, None if reason is None else str(reason), at if at.__class__ is int else None)
+            self._stop_at("request", by, None if reason is None else str(reason), _step(stop.get("at_step")))
         critical = reply.get("critical")
-        if isinstance(critical, dict) and isinstance(critical.get("id"), int) and critical["id"] > self.critical_seen:
-            self.critical_seen = critical["id"]
-            self.critical(critical, where=f" (rank {critical.get('rank')}, told by the server)")
+        if isinstance(critical, dict) and isinstance(critical.get("id"), int):
+            at = _step(critical.get("at_step"))
+            if critical["id"] > self.critical_seen:
+                self.critical_seen = critical["id"]
+                self.critical(critical, where=f" (rank {critical.get('rank')}, told by the server)", at=at, told=True)
+            elif self.critical_reason is not None:  # (the same event: its step, maybe moved later)
+                self._stop_at("critical", "ampwatch", self.critical_reason, at)
 
-    def critical(self, event: dict[str, Any], where: str = "") -> None:
-        """A critical event of this run's: a stop, where `stop_on` has "critical"."""
-        if "critical" in self.stop_on and event.get("type") not in NOT_NUMERICS:
+    def critical(self, event: dict[str, Any], where: str = "", at: int | None = None, told: bool = False) -> None:
+        """A critical event of this run's (this rank's own, or `told` by the server, with the step every rank stops
+        after, `at`): a stop, where `stop_on` has "critical"."""
+        if "critical" not in self.stop_on or event.get("type") in NOT_NUMERICS:
+            return
+        if self.critical_reason is None:
             message = str(event.get("message", ""))[:500]
-            self._told(
-                "critical", "ampwatch", f"critical {event.get('type')} at step {event.get('step')}{where}: {message}"
-            )
+            self.critical_reason = f"critical {event.get('type')} at step {event.get('step')}{where}: {message}"
+        if self.several and not told:  # (the reply to the batch carrying it names the step: see `waited`)
+            self.critical_since = self.critical_since or time.monotonic()
+            return
+        self._stop_at("critical", "ampwatch", self.critical_reason, at)
 
-    def _request(self, by: str, reason: str | None, at: int | None) -> None:
-        """A stop an admin asked for; `at`: the step every rank of the run stops after (a run of several ranks)."""
+    def waited(self) -> None:
+        """Once per sender cycle: this rank's own critical event, whose step no reply named within `late_wait_s` (a
+        server out of reach, or one that fixes none), stops it at once."""
+        since = self.critical_since
+        if since is None or self.critical_reason is None or time.monotonic() - since < self.late_wait_s:
+            return
+        self.critical_since = None
+        told = self.mailbox.stop
+        if told is None or told["trigger"] != "critical":
+            log.warning(
+                "ampwatch: no reply named the step every rank stops after on a critical event within %.0f s: this "
+                "rank stops now, and other ranks may wait for it in their next collective",
+                self.late_wait_s,
+            )
+            self._told("critical", "ampwatch", self.critical_reason)
+
+    def _stop_at(self, trigger: str, by: str, reason: str | None, at: int | None) -> None:
+        """A stop (asked for, or on a critical event); `at`: the step every rank of the run stops after (a run of
+        several ranks)."""
         mailbox = self.mailbox
         told = mailbox.stop
-        if told is not None and told["trigger"] == "request":  # (told before: only a later step may change it)
+        if told is not None and told["trigger"] == trigger:  # (told before: only a later step may change it)
             if at is not None and mailbox.stop_at is not None and at > mailbox.stop_at >= self.steps():
                 mailbox.stop_at = at  # (not due yet, and the ranks all passed the step before: see the docstring)
             return
@@ -121,14 +157,16 @@ class Stopper:
                 self.late_wait_s,
             )
             at = None
-        self._told("request", by, reason, at)
+        self._told(trigger, by, reason, at)
 
     def _told(self, trigger: str, by: str, reason: str | None, at: int | None = None) -> None:
         """The first stop told sets `should_stop` (due after step `at`, or at once); the first told of a trigger in
         `stop_on` also arms the raise (a request first, where only "critical" raises, then a critical event: that one
-        raises, at once, and says so)."""
+        raises, and says so)."""
         mailbox = self.mailbox
         told = {"trigger": trigger, "by": by, "reason": reason}
+        if trigger == "critical":
+            self.critical_since = None  # (told: nothing left to wait for)
         if mailbox.stop is None:
             mailbox.stop_at = at  # (written before `stop`, which the training thread reads first)
             mailbox.stop = told
@@ -139,6 +177,10 @@ class Stopper:
             mailbox.stop_at = at
             mailbox.stop = told  # (what the raise says; written before the flag the training thread reads)
             mailbox.stop_raise = True
+
+
+def _step(at: Any) -> int | None:
+    return at if at.__class__ is int else None
 
 
 def due(mailbox: Any, done: int) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 
 from ampwatch._batcher import Batcher
 from ampwatch._buffer import RecordBuffer
+from ampwatch._guard import guarded
 from ampwatch._losses import BUFFER_FULL, SPOOL_FULL, UNREADABLE, Losses
 from ampwatch._outbox import Outbox
 from ampwatch._protocol import FLUSH, KIND
@@ -79,6 +80,7 @@ class Worker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._waiters: list[tuple[int, threading.Event, bool]] = []  # (last batch before, released, spool suffices)
+        self.on_cycle: Any = None  # called once per sender cycle, after delivery, if set (see ampwatch._stop)
         self.batcher = Batcher(
             rank, self.outbox, self.losses, online=self._online, max_points=settings.max_batch_points
         )
@@ -214,6 +216,8 @@ class Worker:
                 if self._stop and not self.buffer:  # (what was not delivered is in the outbox: close() spools it)
                     return
                 self._deliver()
+                if self.on_cycle is not None:
+                    guarded(self.on_cycle)
                 if self._online and self.outbox.due:  # a backlog: deliver more at once, taking in new records first
                     self._wake.set()
             except Exception:  # never let the thread die: a dead sender loses everything after

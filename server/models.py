@@ -67,6 +67,9 @@ class Run(Base):
     step_rate: Mapped[float | None] = mapped_column(Double)
     step_rate_weight: Mapped[float | None] = mapped_column(Double)
     stop_at_step: Mapped[int | None] = mapped_column(BigInteger)
+    # For a run of several ranks: the step every rank stops after on its first critical numerics event, for agents
+    # started with `stop_on=("critical",)` (see ampwatch.server.stopping).
+    critical_at_step: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Series(Base):

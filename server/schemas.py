@@ -164,6 +164,11 @@ class CriticalOut(BaseModel):
     rank: int
     type: str
     message: str
+    at_step: int | None = Field(
+        default=None,
+        description="A run of several ranks: the step every rank stops after on the run's first critical event, "
+        "fixed when it arrived (as `StopOut.at_step`). Null for a single rank, which stops at once.",
+    )
 
 
 class BatchOut(BaseModel):

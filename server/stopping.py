@@ -14,6 +14,10 @@ that batch, fresh) plus the steps the run makes, at its `step_rate`, in two of i
 environment's `flush_interval_s`) and `SLACK_S`: by then every rank has had its next exchange. A rank that learns it
 only after passing it shows that every rank passed it (each step's collectives wait for every rank, so none stopped
 there): a batch reporting a step past `stop_at_step` fixes a later one, with twice the overshoot on top.
+
+A critical numerics event stops the ranks whose agents have `stop_on=("critical",)`; in a run of several ranks they
+stop together in the same way: the run's first critical event fixes `critical_at_step` (the run's pace or the event's
+step, the later, plus the same margin), which every batch reply names with the event (`BatchOut.critical`).
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ def pending(run: models.Run) -> StopOut | None:
 def on_relaunch(run: models.Run) -> None:
     """A run id registered again after the run ended: a new launch, which no earlier stop request concerns."""
     if run.status in ENDED:
-        run.stop_requested_at = run.stop_at_step = None
+        run.stop_requested_at = run.stop_at_step = run.critical_at_step = None
         run.pace_step = run.step_rate = run.step_rate_weight = None  # (the new launch's pace is its own)
 
 
@@ -95,7 +99,7 @@ def on_status(run: models.Run, status: str, events: list[Any]) -> None:
 
 def on_batch(run: models.Run, points: dict[str, Any], stamp: datetime) -> None:
     """A batch (`{name: PointsIn}`) arrived, before the run's `last_seen_at` moves to `stamp`: keep the run's pace and,
-    while a stop of a run of several ranks is pending, the step every rank stops after (see the module's docstring)."""
+    in a run of several ranks, the steps every rank stops after (on a pending request, on the first critical event)."""
     highest = max((max(points[n].steps) for n in STEP_SERIES if n in points and points[n].steps), default=None)
     previous = run.pace_step
     if highest is not None:
@@ -110,13 +114,27 @@ def on_batch(run: models.Run, points: dict[str, Any], stamp: datetime) -> None:
         rate = run.step_rate or 0.0
         run.step_rate = rate + weight / total * ((run.pace_step - previous) / elapsed - rate)
         run.step_rate_weight = total
-    world = (run.environment or {}).get("world_size")
-    if pending(run) is None or run.pace_step is None or not isinstance(world, int) or world < 2:
+    if run.pace_step is None or not _several(run):
         return
-    if run.stop_at_step is None:
-        run.stop_at_step = run.pace_step + _margin(run)
-    elif highest is not None and highest > run.stop_at_step:  # (the ranks all passed it: a later one)
-        run.stop_at_step = highest + _margin(run) + 2 * (highest - run.stop_at_step)
+    if pending(run) is not None:
+        run.stop_at_step = _stop_after(run, run.stop_at_step, run.pace_step, highest)
+    if run.critical_at_step is not None:
+        run.critical_at_step = _stop_after(run, run.critical_at_step, run.pace_step, highest)
+
+
+def _several(run: models.Run) -> bool:
+    world = (run.environment or {}).get("world_size")
+    return isinstance(world, int) and world >= 2
+
+
+def _stop_after(run: models.Run, at: int | None, pace: int, highest: int | None) -> int:
+    """The step every rank stops after: fixed past `pace` by the margin; once fixed, moved past a batch's `highest`
+    step only when that ran past it (the ranks all passed it), with twice the overshoot on top."""
+    if at is None:
+        return pace + _margin(run)
+    if highest is not None and highest > at:
+        return highest + _margin(run) + 2 * (highest - at)
+    return at
 
 
 def _margin(run: models.Run) -> int:
@@ -133,6 +151,8 @@ def on_events(session: Session, run: models.Run, events: list[models.Event]) -> 
     if critical:
         session.flush()
         run.critical_event_id = max([e.id for e in critical] + [run.critical_event_id or 0])
+        if run.critical_at_step is None and _several(run):  # (the first of the launch: every rank stops after it)
+            run.critical_at_step = _stop_after(run, None, max([run.pace_step or 0] + [e.step for e in critical]), None)
 
 
 def latest_critical(session: Session, run: models.Run) -> CriticalOut | None:
@@ -142,4 +162,11 @@ def latest_critical(session: Session, run: models.Run) -> CriticalOut | None:
     event = session.get(models.Event, run.critical_event_id)
     if event is None:
         return None
-    return CriticalOut(id=event.id, step=event.step, rank=event.rank, type=event.type, message=event.message[:2000])
+    return CriticalOut(
+        id=event.id,
+        step=event.step,
+        rank=event.rank,
+        type=event.type,
+        message=event.message[:2000],
+        at_step=run.critical_at_step,
+    )

@@ -20,6 +20,7 @@ from ampwatch.server import auth
 
 MAX_STEPS = 5000  # a loop that never learns of the stop fails at this many steps rather than hang
 ASK_AT = 10  # the step at which the test asks the run to stop
+NAN_AT = 150  # the step after which a DDP rank's weights turn NaN (past the run's first seconds: its pace is known)
 
 
 def _tokens(server: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
@@ -178,7 +179,7 @@ def test_stop_on_critical_raises_after_the_agents_own_critical_event_and_default
     raised, step, should_stop, run_id = outcomes[("critical",)]
     assert raised is not None and should_stop and raised.by == "ampwatch"
     assert "critical nonfinite_loss at step 20" in (raised.reason or "")
-    assert 20 < step <= 23
+    assert 20 <= step <= 23  # (the NaN step's own end may already see it: the sender runs while that step ends)
     assert memory.run(run_id)["status"] == "stopped"
     raised, step, should_stop, run_id = outcomes[None]
     assert (raised, step, should_stop) == (None, 399, False)
@@ -325,7 +326,10 @@ rank, server = dist.get_rank(), os.environ["SERVER"]
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-run = ampwatch.init("stop", "ddp", url=server, stop_on="request")
+stop_on = os.environ["STOP_ON"]  # "request": rank 0 asks the server; "critical": rank 0's weights turn NaN
+if stop_on == "critical" and rank == 1:
+    os.environ["AMPWATCH_FLUSH_INTERVAL_S"] = "1.0"  # (its sender learns of the NaN later than rank 0's)
+run = ampwatch.init("stop", "ddp-" + stop_on, url=server, stop_on=stop_on)
 run.watch(model=model, optimizer=optimizer)
 raised = None
 try:
@@ -333,7 +337,10 @@ try:
         model(torch.randn(8, 4)).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step == ASK_AT and rank == 0:
+        if step == NAN_AT and rank == 0 and stop_on == "critical":
+            with torch.no_grad():
+                model.module.weight.fill_(float("nan"))  # (the all-reduced gradients carry it to rank 1)
+        elif step == ASK_AT and rank == 0 and stop_on == "request":
             run.flush()  # (registered, with its world size)
             asked = urllib.request.Request(f"{server}/api/v1/runs/{run.id}/stop", b"{}", method="POST")
             urllib.request.urlopen(asked.add_header("Content-Type", "application/json") or asked, timeout=30)
@@ -348,27 +355,48 @@ dist.destroy_process_group()
 """
 
 
-def test_every_ddp_rank_raises_stop_requested_after_the_same_step_the_server_fixed(sqlite_server, tmp_path) -> None:
-    """Two gloo ranks under torchrun, asked to stop at step ASK_AT: each learns the stop at its own next exchange, but
-    both raise after the step the server fixed (`stop.at_step`), so neither waits for the other in a collective."""
+def _ddp_stop(server: Any, tmp_path: Any, stop_on: str) -> tuple[list[list[str]], dict[str, Any]]:
+    """DDP_STOP run by two gloo ranks under torchrun: what each rank printed, and the run."""
     import subprocess
     import sys
 
     script = tmp_path / "ddp_stop.py"
-    script.write_text(DDP_STOP.replace("MAX_STEPS", str(MAX_STEPS)).replace("ASK_AT", str(ASK_AT)))
+    text = DDP_STOP
+    for name, value in (("MAX_STEPS", MAX_STEPS), ("ASK_AT", ASK_AT), ("NAN_AT", NAN_AT)):
+        text = text.replace(name, str(value))
+    script.write_text(text)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    env = {"SERVER": sqlite_server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = {"SERVER": server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "STOP_ON": stop_on}
     env["AMPWATCH_FLUSH_INTERVAL_S"] = "0.05"
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = sorted(line.split() for line in done.stdout.splitlines() if line.startswith("rank"))
     [run_id] = {line[3] for line in lines}
+    assert len(lines) == 2 and "learned late" not in done.stderr and "waiting for the server" not in done.stderr
+    assert "stops now" not in done.stderr, done.stderr[-3000:]
+    return lines, httpx.get(f"{server.url}/api/v1/runs/{run_id}", timeout=30).json()
+
+
+def test_every_ddp_rank_raises_stop_requested_after_the_same_step_the_server_fixed(sqlite_server, tmp_path) -> None:
+    """Two gloo ranks under torchrun, asked to stop at step ASK_AT: each learns the stop at its own next exchange, but
+    both raise after the step the server fixed (`stop.at_step`), so neither waits for the other in a collective."""
+    lines, shown = _ddp_stop(sqlite_server, tmp_path, "request")
     raised = [int(line[5]) for line in lines]
-    shown = httpx.get(f"{sqlite_server.url}/api/v1/runs/{run_id}", timeout=30).json()
     at = shown["stop"]["at_step"]
-    assert len(lines) == 2 and raised == [at, at] and ASK_AT < at < MAX_STEPS - 1, (lines, shown["stop"])
+    assert raised == [at, at] and ASK_AT < at < MAX_STEPS - 1, (lines, shown["stop"])
     assert shown["status"] == "stopped" and [int(line[7]) for line in lines] == [2 * at, 2 * at]
-    assert "learned late" not in done.stderr and "waiting for the server" not in done.stderr
+
+
+def test_every_ddp_rank_stops_on_a_critical_event_after_the_same_step(sqlite_server, tmp_path) -> None:
+    """The same ranks with `stop_on="critical"`, rank 0's weights turned NaN after step NAN_AT: both ranks see
+    non-finite values, each diagnoses them and learns the step the server fixed for the run's first critical event at
+    its own exchange, and both raise after it."""
+    lines, shown = _ddp_stop(sqlite_server, tmp_path, "critical")
+    raised = [int(line[5]) for line in lines]
+    assert raised[0] == raised[1] and NAN_AT + 2 < raised[0] < MAX_STEPS - 1, lines
+    assert [int(line[7]) for line in lines] == [2 * raised[0]] * 2
+    assert shown["status"] == "stopped" and shown["stop"]["by"] == "ampwatch", shown["stop"]
+    assert shown["stop"]["reason"].startswith("critical non"), shown["stop"]
 
 
 def test_the_server_fixes_the_step_every_rank_stops_after_at_the_first_batch_after_the_request(live_server) -> None:
@@ -408,6 +436,41 @@ def test_the_server_fixes_the_step_every_rank_stops_after_at_the_first_batch_aft
         assert "stop" not in send(http, "two", 0, 5, range(0, 5))  # (a relaunch: the stop was the launch before's)
 
 
+def test_the_first_critical_event_of_a_run_of_several_ranks_fixes_the_step_every_rank_stops_after(live_server) -> None:
+    """As for a request: the batch bringing the run's first critical event fixes `critical.at_step` past the run's pace,
+    every rank is told the same, a later critical keeps it, a batch past it moves it later; a single rank has none,
+    and a relaunch lets go of it."""
+    from ampwatch._protocol import batch_document
+
+    nan = {"type": "nonfinite_param", "severity": "critical", "message": "NaN weights"}
+
+    def send(http: Any, run: str, rank: int, seq: int, steps: range, events: list[dict[str, Any]] = []) -> Any:  # noqa: B006
+        points = {"loss": (list(steps), [1.0] * len(steps))}
+        reply = http.post(f"/api/v1/runs/{run}/batches", json=batch_document(rank, seq, points, events, None))
+        assert reply.status_code == 200, reply.text
+        return reply.json().get("critical")
+
+    with live_server.client() as http:
+        for run, world in (("two", 2), ("one", 1)):
+            environment = {"world_size": world, "flush_interval_s": 0.05}
+            assert http.put(f"/api/v1/runs/{run}", json={"project": "p", "name": run, "environment": environment})
+            assert send(http, run, 0, 1, range(0, 10)) is None
+        critical = send(http, "two", 1, 1, range(0, 12), [{**nan, "step": 11}])
+        at = critical["at_step"]
+        assert critical["type"] == "nonfinite_param" and critical["rank"] == 1 and 11 + 2 <= at < 10**6, critical
+        assert send(http, "two", 0, 2, range(10, 13))["at_step"] == at  # (every rank is told the same)
+        again = send(http, "two", 0, 3, range(13, 14), [{**nan, "step": 13, "message": "more"}])
+        assert (again["message"], again["at_step"]) == ("more", at)  # (the latest event, the first one's step)
+        later = send(http, "two", 1, 2, range(12, at + 6))["at_step"]  # the ranks all ran past it
+        assert later >= at + 5 + 2 + 2 * 5
+        assert "at_step" not in send(http, "one", 0, 2, range(10, 20), [{**nan, "step": 15}])  # (stops at once)
+        send(http, "two", 0, 4, range(at + 6, at + 7))
+        assert http.post("/api/v1/runs/two/batches", json=batch_document(0, 5, {}, [], "crashed")).status_code == 200
+        assert http.put("/api/v1/runs/two", json={"project": "p", "name": "two", "environment": {"world_size": 2}})
+        relaunched = send(http, "two", 0, 6, range(0, 5), [{**nan, "step": 3}])  # (a relaunch's first critical)
+        assert 3 + 2 <= relaunched["at_step"] < later, relaunched
+
+
 def test_a_rank_that_learns_the_step_after_running_past_it_waits_for_a_later_one_or_stops_at_once(caplog) -> None:
     """The sender's side alone: past the step by two or more, a rank waits for the later step the server fixes (its
     collectives ran with every rank there, so none stopped at it); with none in `late_wait_s`, it stops at once."""
@@ -439,3 +502,38 @@ def test_a_rank_that_learns_the_step_after_running_past_it_waits_for_a_later_one
         Stopper(never, triggers("request"), lambda: 50, late_wait_s=0.0).replied({"stop": {"by": "ops", "at_step": 40}})
     assert (never.stop_at, never.stop_raise, due(never, 50)) == (None, True, True)
     assert "this rank stops now" in caplog.text
+
+
+def test_a_rank_of_several_waits_on_its_critical_event_for_the_step_the_server_fixes_or_stops_without_one(
+    caplog,
+) -> None:
+    """The sender's side alone: a rank's own critical event, in a run of several ranks, stops it after the step the
+    reply names (moved later while not due), not at once; with no reply naming one in `late_wait_s`, or a reply that
+    names none (a server that fixes none), at once; a single rank stops at once as before."""
+    from ampwatch._mailbox import Mailbox
+    from ampwatch._stop import Stopper, due, triggers
+
+    nan = {"type": "nonfinite_param", "step": 19, "rank": 0, "message": "NaN weights"}
+    mailbox = Mailbox()
+    stopper = Stopper(mailbox, triggers("critical"), lambda: 20, late_wait_s=600.0, several=True)
+    stopper.critical(nan)
+    stopper.waited()
+    assert (mailbox.stop, mailbox.stop_raise) == (None, False)  # (its step is not known yet)
+    stopper.replied({"critical": {**nan, "id": 5, "at_step": 40}})
+    assert (mailbox.stop_at, mailbox.stop_raise, mailbox.stop["trigger"]) == (40, True, "critical")
+    assert mailbox.stop["reason"] == "critical nonfinite_param at step 19: NaN weights"  # (its own, the first)
+    assert not due(mailbox, 40) and due(mailbox, 41)
+    stopper.replied({"critical": {**nan, "id": 5, "at_step": 60}})  # (the ranks all ran past 40: a later step)
+    assert mailbox.stop_at == 60
+
+    for reply in (None, {"critical": {**nan, "id": 5}}):
+        alone = Mailbox()
+        waiting = Stopper(alone, triggers("critical"), lambda: 20, late_wait_s=0.0, several=True)
+        waiting.critical(nan)
+        with caplog.at_level("WARNING", logger="ampwatch"):
+            waiting.replied(reply) if reply else waiting.waited()
+        assert (alone.stop_at, alone.stop_raise, due(alone, 20)) == (None, True, True), reply
+    assert "no reply named the step every rank stops after" in caplog.text
+    single = Mailbox()
+    Stopper(single, triggers("critical"), lambda: 20).critical(nan)
+    assert (single.stop_at, single.stop_raise) == (None, True)
