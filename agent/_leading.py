@@ -175,10 +175,10 @@ class Leading:
         if prefix == UPDATE:
             message = (
                 f"Update-to-weight ratio of `{layer}` jumped or climbed steadily to {value:.3g} at step {step}, "
-                f"{times:.0f}× its usual {usual:.3g}: this step changed the layer's parameters by {value:.1%} of their norm. An order of "
-                "magnitude more than before, at once or along a steady climb, usually means a learning rate that is now too high (a schedule, a "
-                "restart) or gradients that grew; a divergence or a loss spike tends to follow. Check the learning "
-                f"rate and the gradient norm.{also}"
+                f"{times:.0f}× its usual {usual:.3g}: this step changed the layer's parameters by {value:.1%} of their "
+                "norm. An order of magnitude more than before, at once or along a steady climb, usually means a "
+                "learning rate that is now too high (a schedule, a restart) or gradients that grew; a divergence or a "
+                f"loss spike tends to follow. Check the learning rate and the gradient norm.{also}"
             )
         else:
             if usual > 0 and value < math.inf:

@@ -248,7 +248,8 @@ def print_tables(results: dict[str, Result], base_step_s: float, count_steps: in
         s = summaries[name] = summarize(r)
         step = base_step_s * (1 + (s.sustained if s.sustained == s.sustained else s.on_thread))
         print(
-            f"{name:<13} {s.on_thread:>+9.2%} {s.on_thread_median:>+7.2%} {s.on_thread_iqr[0]:>+7.1%}..{s.on_thread_iqr[1]:>+7.1%} "
+            f"{name:<13} {s.on_thread:>+9.2%} {s.on_thread_median:>+7.2%} "
+            f"{s.on_thread_iqr[0]:>+7.1%}..{s.on_thread_iqr[1]:>+7.1%} "
             f"{s.background:>+10.2%} {s.background * base_step_s * 1e6:>7.1f} {s.ceiling:>+8.2%} "
             f"{s.sustained:>+9.1%} {s.sustained_iqr[0]:>+7.1%}..{s.sustained_iqr[1]:>+7.1%} {step * 1e3:>8.3f} ms "
             f"{statistics.fmean(r.server_s) * 1e6 if r.server_s else float('nan'):>9.1f}"
@@ -260,7 +261,8 @@ def print_tables(results: dict[str, Result], base_step_s: float, count_steps: in
     for name, r in results.items():
         names = ", ".join(f"{k} {v / count_steps:g}" for k, v in sorted(r.by_name.items())) or "-"
         print(
-            f"{name:<13} {r.reads:>12.2f} {r.reads - base.reads:>+6.2f} {r.dense:>19.2f} {r.dense - base.dense:>+6.2f}  {names}"
+            f"{name:<13} {r.reads:>12.2f} {r.reads - base.reads:>+6.2f} {r.dense:>19.2f} "
+            f"{r.dense - base.dense:>+6.2f}  {names}"
         )
     return summaries
 
@@ -432,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(condition, Ampwatch) and not condition.disabled and condition.run_ids:
                 print(f"server check {condition.name}: {ampwatch_check(server.url, condition.run_ids[-1])}")
                 print(
-                    f"one-time cost of the {condition.name} run (not per step): init + watch {condition.setup_s * 1e3:.1f} ms, "
+                    f"one-time cost of the {condition.name} run (not per step): "
+                    f"init + watch {condition.setup_s * 1e3:.1f} ms, "
                     f"finish {condition.finish_s * 1e3:.1f} ms"
                 )
         for condition in conditions:

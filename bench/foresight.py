@@ -299,7 +299,8 @@ RAW = 5e4  # fp16_range: the unit of raw targets (so they reach ~1e5, past fp16'
 
 
 def _data(model: str, noise: float = 0.0) -> Callable[[int], Batch]:
-    """The model's data: features for the MLP (`noise`: see `_features`), images for the conv net, tokens for the block."""
+    """The model's data: features for the MLP (`noise`: see `_features`), images for the conv net, tokens for the
+    block."""
     if model == "MLP":
         return _features(torch.randn(8, 1), noise=noise)
     return _images() if model == "conv" else _tokens()

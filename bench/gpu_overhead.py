@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                     loop.close()
             base = times["none"]
             print(
-                f"\nmodel width {width}, {layers} layers ({sum(p.numel() for p in loops[0].model.parameters()) / 1e6:.1f} M parameters): "
+                f"\nmodel width {width}, {layers} layers "
+                f"({sum(p.numel() for p in loops[0].model.parameters()) / 1e6:.1f} M parameters): "
                 f"step {statistics.median(base) * 1e3:.3f} ms without a logger"
             )
             print(

@@ -99,7 +99,8 @@ def main() -> None:
     skip = min(200, args.pairs // 10)  # warm-up
     pairs = list(zip(plain, agent, lean))[skip:]
     print(
-        f"hidden {hidden}, {len(pairs)} pairs; plain step median {statistics.median(p[5] for p, _, _ in pairs) / 1e3:.1f} us"
+        f"hidden {hidden}, {len(pairs)} pairs; "
+        f"plain step median {statistics.median(p[5] for p, _, _ in pairs) / 1e3:.1f} us"
     )
     print(f"{'phase':9s} {'added (trimmed mean)':>21s} {'median':>8s} {'lean steps':>11s} {'other steps':>12s}")
     for k, name in enumerate(PHASES):

@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     print(
         f"ampwatch ingest benchmark: {cpu_count()} CPUs, {args.clients} client process(es), "
-        f"{len(series_names(args.layers))} series per batch, ~{args.points:,} points or {args.max_seconds:g} s per row, "
+        f"{len(series_names(args.layers))} series per batch, "
+        f"~{args.points:,} points or {args.max_seconds:g} s per row, "
         f"load average {os.getloadavg()[0]:.2f}"
     )
     if args.profile:

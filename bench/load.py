@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     offered = args.agents * args.scalars * 1000 / args.step_ms if args.step_ms else math.inf
     print(
-        f"ampwatch load benchmark: {args.agents} agents x {args.steps} steps x {args.scalars} scalars, step {args.step_ms:g} ms "
+        f"ampwatch load benchmark: {args.agents} agents x {args.steps} steps x {args.scalars} scalars, "
+        f"step {args.step_ms:g} ms "
         f"(offered {offered:,.0f} points/s), {args.procs} client processes, {cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.2f}",
         flush=True,
@@ -212,14 +213,16 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         check = "every point once" if not r["problems"] else "; ".join(r["problems"][:5])
         print(
-            f"{r['backend']:<9} {r['points']:>10,} points in {r['wall_s']:6.1f} s: {r['points_s']:>9,.0f} points/s sustained, "
+            f"{r['backend']:<9} {r['points']:>10,} points in {r['wall_s']:6.1f} s: "
+            f"{r['points_s']:>9,.0f} points/s sustained, "
             f"{r['requests']:,} requests ({r['points_per_request']:.0f} points each), latency p50 {r['p50_ms']:.1f} ms "
             f"p99 {r['p99_ms']:.1f} ms max {r['max_ms']:.0f} ms, {r['failed_requests']} failed {r['statuses']}, "
             f"server CPU {r['server_cpu']:.0%}: {check}",
             flush=True,
         )
     print(
-        "sustained = all points / (first agent's first step .. last agent's finish() returning, i.e. all acknowledged);\n"
+        "sustained = all points / (first agent's first step .. last agent's finish() returning, "
+        "i.e. all acknowledged);\n"
         "latency = one batch request as the agent's transport sees it; server CPU 100% = one core."
     )
     if args.json:

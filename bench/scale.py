@@ -309,7 +309,8 @@ def replicas_benchmark(counts: list[int], senders: int, seconds: float, pg_admin
                 for thread in threads:
                     thread.join()
                 print(
-                    f"| {count} | {points / elapsed:,.0f} | {cpu[0]:.2f} | {cpu[1]:.2f} | {cpu[2]:.2f} | {cpu[3]:.2f} |",
+                    f"| {count} | {points / elapsed:,.0f} | "
+                    f"{cpu[0]:.2f} | {cpu[1]:.2f} | {cpu[2]:.2f} | {cpu[3]:.2f} |",
                     flush=True,
                 )
             finally:

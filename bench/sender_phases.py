@@ -166,7 +166,8 @@ def main() -> None:
     print(f"  awaiting the server {stall[1] / n * 1e6:6.2f} us")
     if wakeups is not None and woken is not None:
         print(
-            f"wake-ups per step     {(woken - wakeups) / n:6.3f}    (training thread; {(woken - wakeups) / max(1, len(measured_bursts)):.1f} per burst)"
+            f"wake-ups per step     {(woken - wakeups) / n:6.3f}    "
+            f"(training thread; {(woken - wakeups) / max(1, len(measured_bursts)):.1f} per burst)"
         )
 
 

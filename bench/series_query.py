@@ -33,7 +33,8 @@ import httpx
 from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_PG_ADMIN_URL, Server, percentile, postgres_problem, scratch_database  # noqa: E402  (after the path insert)
+# (after the path insert)
+from _common import DEFAULT_PG_ADMIN_URL, Server, percentile, postgres_problem, scratch_database  # noqa: E402
 
 SIZES = (10_000, 100_000, 1_000_000)
 TARGET_MS = 200.0
@@ -46,7 +47,8 @@ _FILL = {  # n points 0..n-1 of one series: a decaying noisy curve; NaN every 97
                                 ELSE 2.0 / (1 + s / 1000.0) + (abs(random()) % 1000) / 10000.0 END FROM g""",
     "postgres": """
         INSERT INTO points (series_id, rank, step, value)
-        SELECT :sid, 0, s, CASE WHEN s % 97001 = 5 THEN NULL WHEN s % 250013 = 7 THEN 1e6 WHEN s = :n - 3 THEN 'Infinity'
+        SELECT :sid, 0, s, CASE WHEN s % 97001 = 5 THEN NULL WHEN s % 250013 = 7 THEN 1e6
+                                WHEN s = :n - 3 THEN 'Infinity'
                                 ELSE 2.0 / (1 + s / 1000.0) + random() / 10 END FROM generate_series(0, :n - 1) AS s""",
 }
 
@@ -66,7 +68,8 @@ def load(db_url: str, backend: str) -> tuple[Any, str]:
             given = partitions.new_series_ids(session, "bench", 1)[0] if partitions.partitioned(session) else None
             session.execute(
                 text(
-                    "INSERT INTO series (id, run_id, name) VALUES (coalesce(:id, (SELECT max(id) + 1 FROM series), 1), 'bench', :name)"
+                    "INSERT INTO series (id, run_id, name)"
+                    " VALUES (coalesce(:id, (SELECT max(id) + 1 FROM series), 1), 'bench', :name)"
                 ),
                 {"id": given, "name": f"s{n}"},
             )
@@ -194,7 +197,8 @@ def main() -> int:
     for backend in backends:
         for row in series_table(backend, args.pg_admin_url, args.repeat):
             print(
-                f"{row['backend']:<9} {row['points']:>9,}  {row['query']:<27} {row['server_ms']:>9.1f} {row['server_p90_ms']:>7.1f} {row['http_ms']:>8.1f}"
+                f"{row['backend']:<9} {row['points']:>9,}  {row['query']:<27} "
+                f"{row['server_ms']:>9.1f} {row['server_p90_ms']:>7.1f} {row['http_ms']:>8.1f}"
             )
             if backend == "sqlite" and row["points"] == 1_000_000 and row["query"].startswith("full"):
                 met = row["server_ms"] < TARGET_MS
@@ -202,10 +206,12 @@ def main() -> int:
     for backend in backends:
         lat = sorted(x * 1000 for x in sse_latency(backend, args.pg_admin_url, args.sends))
         print(
-            f"  {backend:<9} received {len(lat)}/{args.sends}  p50 {percentile(lat, 50):6.1f} ms  p95 {percentile(lat, 95):6.1f} ms  max {max(lat or [float('nan')]):6.1f} ms"
+            f"  {backend:<9} received {len(lat)}/{args.sends}  p50 {percentile(lat, 50):6.1f} ms  "
+            f"p95 {percentile(lat, 95):6.1f} ms  max {max(lat or [float('nan')]):6.1f} ms"
         )
     print(
-        f"\n1M-point SQLite series in {'<' if met else '>='} {TARGET_MS:.0f} ms server time: {'met' if met else 'NOT met'}"
+        f"\n1M-point SQLite series in {'<' if met else '>='} {TARGET_MS:.0f} ms server time: "
+        f"{'met' if met else 'NOT met'}"
     )
     return 0 if met else 1
 

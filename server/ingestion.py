@@ -170,7 +170,8 @@ def _append_feed(session: Session, run_id: str, batch: BatchIn) -> None:
 
 _FEED = text(
     "INSERT INTO point_feed (run_id, position, rank, first_step, last_step)"
-    " SELECT CAST(:run AS VARCHAR(64)), coalesce(max(position), 0) + 1, :rank, :first, :last FROM point_feed WHERE run_id = :run"
+    " SELECT CAST(:run AS VARCHAR(64)), coalesce(max(position), 0) + 1, :rank, :first, :last"
+    " FROM point_feed WHERE run_id = :run"
 )
 
 

@@ -33,7 +33,10 @@ _RUN_LABELS = ("run", "project", "name")
 _BATCH_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Per series (named by its id, so that Postgres opens only that series' partition of points, see partitions):
 # its last point by one seek of the (series_id, rank, step) primary key; value NULL is NaN (see models).
-_LAST = "SELECT * FROM (SELECT {0} AS sid, step, value FROM points WHERE series_id = {0} AND rank = 0 ORDER BY step DESC LIMIT 1) AS last_{0}"
+_LAST = (
+    "SELECT * FROM (SELECT {0} AS sid, step, value FROM points WHERE series_id = {0} AND rank = 0"
+    " ORDER BY step DESC LIMIT 1) AS last_{0}"
+)
 _SKIPS = (
     "SELECT {0}, count(step), sum(CASE WHEN value IS NULL OR value <> 0 THEN 1 ELSE 0 END) FROM points"
     " WHERE series_id = {0} AND rank = 0"

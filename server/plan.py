@@ -3,7 +3,8 @@
 A critical event the run cannot train past (`TRIGGERS`: non-finite parameters, a loss-scale collapse, a
 divergence told as a critical spike, ranks holding different parameters) is part of an *episode*: the leading signs
 before it (gradient or loss spikes, warned skipped steps, non-finite values), each within `EPISODE_GAP` steps of the
-next, are where the trouble began. (A NaN loss or gradients that a GradScaler skipped are signs, not triggers: the run went on unharmed.)
+next, are where the trouble began. (A NaN loss or gradients that a GradScaler skipped are signs, not triggers: the run
+went on unharmed.)
 The plan restores the last checkpoint saved strictly before the episode's first sign and skips every step from
 that first sign to the episode's last critical step plus `MARGIN`. Steps are the agent's step numbers: a
 checkpoint's step is the number of steps its state has completed (the next step to run), a skipped step is the

@@ -17,7 +17,8 @@ def run_ranks(session: Session, *, run_id: str) -> list[int]:
     rows = session.execute(
         text(
             "WITH RECURSIVE r(rank) AS (SELECT min(rank) FROM batches WHERE run_id = :run"
-            " UNION ALL SELECT (SELECT min(rank) FROM batches WHERE run_id = :run AND rank > r.rank) FROM r WHERE r.rank IS NOT NULL)"
+            " UNION ALL SELECT (SELECT min(rank) FROM batches WHERE run_id = :run AND rank > r.rank)"
+            " FROM r WHERE r.rank IS NOT NULL)"
             " SELECT rank FROM r WHERE rank IS NOT NULL"
         ),
         {"run": run_id},

@@ -3,8 +3,8 @@
 A run's rows go chunk by chunk, each chunk its own transaction of about `Settings.delete_chunk_rows` rows,
 so ingest of other runs waits at most one chunk for the database (SQLite has one writer; Postgres locks only
 the rows deleted). On Postgres a run's points are partitions of their own (see `partitions`): they are
-truncated at once, and dropped once the run's row is gone. The run's row goes last, with what is left (cascading foreign keys): ingest of the run
-itself waits for that transaction, then finds no run (404).
+truncated at once, and dropped once the run's row is gone. The run's row goes last, with what is left (cascading
+foreign keys): ingest of the run itself waits for that transaction, then finds no run (404).
 """
 
 from __future__ import annotations

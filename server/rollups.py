@@ -136,7 +136,8 @@ def _known_blocks(session: Session, rank: int, keys: list[tuple[int, int]]) -> d
     for sids, lo, hi in spans:
         sql = (
             "SELECT series_id, block, min_step, min_value, max_step, max_value, last_step FROM point_blocks"
-            f" WHERE series_id IN ({', '.join([mark] * len(sids))}) AND rank = {mark} AND block >= {mark} AND block <= {mark}{lock}"
+            f" WHERE series_id IN ({', '.join([mark] * len(sids))}) AND rank = {mark}"
+            f" AND block >= {mark} AND block <= {mark}{lock}"
         )
         for row in connection.exec_driver_sql(sql, (*sids, rank, lo, hi)):
             if (row[0], row[1]) in wanted:

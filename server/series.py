@@ -43,7 +43,8 @@ SELECT (SELECT step FROM (SELECT step, max(value) FROM points WHERE {_RANGE})),
 FROM b""")
 # Postgres has no bare columns: one pass finds each bucket's extremes, a short seek finds their steps.
 _EXTREMES_POSTGRES = text(f"""{_BUCKETS["postgresql"]}, e AS (
-  SELECT b.lo, b.last, m.mx, m.mn FROM b, LATERAL (SELECT max(value) AS mx, min(value) AS mn FROM points WHERE {_RANGE}) AS m
+  SELECT b.lo, b.last, m.mx, m.mn
+  FROM b, LATERAL (SELECT max(value) AS mx, min(value) AS mn FROM points WHERE {_RANGE}) AS m
 )
 SELECT (SELECT step FROM points WHERE {_RANGE.replace("b.", "e.")} AND value = e.mx LIMIT 1),
        (SELECT step FROM points WHERE {_RANGE.replace("b.", "e.")} AND value = e.mn LIMIT 1)
@@ -70,7 +71,8 @@ def read_range(session: Session, *, series_id: int, rank: int, lo: int, hi: int)
     """Every point with lo <= step <= hi, in step order."""
     rows = session.execute(
         text(
-            "SELECT step, value FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi ORDER BY step"
+            "SELECT step, value FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi"
+            " ORDER BY step"
         ),
         {"sid": series_id, "rank": rank, "lo": lo, "hi": hi},
     ).all()
@@ -109,8 +111,8 @@ def _count(session: Session, series_id: int, rank: int, lo: int, hi: int, limit:
     sparse series with a dense burst spans more steps than it has points)."""
     return session.execute(
         text(
-            "SELECT count(*) FROM (SELECT 1 FROM points WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi"
-            " LIMIT :limit) AS p"
+            "SELECT count(*) FROM (SELECT 1 FROM points"
+            " WHERE series_id = :sid AND rank = :rank AND step >= :lo AND step <= :hi LIMIT :limit) AS p"
         ),
         {"sid": series_id, "rank": rank, "lo": lo, "hi": hi, "limit": limit},
     ).scalar_one()
@@ -284,7 +286,8 @@ def bucket_max(
 ) -> dict[int, list[float | None]]:
     """Per series, the largest value of each bucket of `width` steps from `lo` (None where a bucket is empty)."""
     query = text(
-        f"{_BUCKETS[_dialect(session)]} SELECT b.lo, (SELECT max(value) FROM points WHERE {_RANGE}) FROM b ORDER BY b.lo"
+        f"{_BUCKETS[_dialect(session)]}"
+        f" SELECT b.lo, (SELECT max(value) FROM points WHERE {_RANGE}) FROM b ORDER BY b.lo"
     )
     out: dict[int, list[float | None]] = {}
     for sid in series_ids:

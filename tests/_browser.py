@@ -70,13 +70,15 @@ def chart(page: Any, chart_id: str) -> dict[str, Any]:
             plotly: el.classList.contains("js-plotly-plot"),
             points: Number(el.dataset.points), nonfinite: Number(el.dataset.nonfinite),
             layers: Number(el.dataset.layers), columns: Number(el.dataset.columns),
-            traces: (el.data || []).map((t) => ({ name: t.name, type: t.type, meta: t.meta || null, x: Array.from(t.x || []),
-                                                 y: Array.from(t.y || []) })),
-            lines: Array.from(el.querySelectorAll(".scatterlayer .js-line")).filter((p) => (p.getAttribute("d") || "").length > 8).length,
+            traces: (el.data || []).map((t) => ({ name: t.name, type: t.type, meta: t.meta || null,
+                                                 x: Array.from(t.x || []), y: Array.from(t.y || []) })),
+            lines: Array.from(el.querySelectorAll(".scatterlayer .js-line"))
+                     .filter((p) => (p.getAttribute("d") || "").length > 8).length,
             legend: Array.from(el.querySelectorAll(".legendtext")).map((t) => t.textContent),
             strip_points: el.querySelectorAll(".subplot.xy2 .point").length,
             range: el.layout && el.layout.xaxis.range ? Array.from(el.layout.xaxis.range) : null,
-            shapes: (el.layout && el.layout.shapes || []).map((s) => ({ type: s.type, x0: s.x0, x1: s.x1, meta: s.meta || null, fill: s.fillcolor || null })),
+            shapes: (el.layout && el.layout.shapes || []).map((s) => ({
+              type: s.type, x0: s.x0, x1: s.x1, meta: s.meta || null, fill: s.fillcolor || null })),
           };
         }""",
         chart_id,
@@ -122,8 +124,10 @@ def yaxis(page: Any, chart_id: str) -> dict[str, Any]:
         """(id) => {
           const el = document.getElementById(id), axis = el._fullLayout.yaxis;
           const drawn = Array.from(el.querySelectorAll(".yaxislayer-above .ytick text"));
-          return { type: axis.type, tickvals: Array.from(axis.tickvals || []), ticktext: Array.from(axis.ticktext || []),
-                   drawn: drawn.map((t) => t.textContent.replaceAll("\u200b", "")),  // Plotly pads a <sup> with zero-width spaces
+          return { type: axis.type, tickvals: Array.from(axis.tickvals || []),
+                   ticktext: Array.from(axis.ticktext || []),
+                   // Plotly pads a <sup> with zero-width spaces
+                   drawn: drawn.map((t) => t.textContent.replaceAll("\u200b", "")),
                    superscripts: drawn.filter((t) => t.querySelector("tspan")).length };
         }""",
         chart_id,

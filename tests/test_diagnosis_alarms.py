@@ -117,7 +117,8 @@ def test_a_backward_nan_made_between_two_modules_is_placed_between_them(memory) 
 
 def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(memory) -> None:
     # Linear regression, SGD: at step 300 the learning rate goes just past 2 / the largest curvature, and the run
-    # diverges a few % per step, which a rolling high end keeps up with: caught by the steps in a row above 10x the median.
+    # diverges a few % per step, which a rolling high end keeps up with: caught by the steps in a row above 10x the
+    # median.
     torch.manual_seed(0)
     x = torch.randn(4096, 16) * torch.linspace(0.2, 1.0, 16)
     y = x @ torch.randn(16, 1) + 0.3 * torch.randn(4096, 1)
@@ -149,7 +150,8 @@ def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_ne
 ) -> None:
     # Sub-millisecond steps and a 60 s flush interval: the whole loop ends long before the sender's next timed read. A
     # skipped step wakes it (the optimizer's post-step hook says the step did not run: no host read), so the diagnosis
-    # sees the first bad batch at once, arms the probe, and the probe names the input batch as the origin of a later one.
+    # sees the first bad batch at once, arms the probe, and the probe names the input batch as the origin of a later
+    # one.
     # The loop that clips after unscale_ runs on the agent's steady path (ampwatch._steady), the other on the full one.
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "60")
     model, optimizer, scaler = _small_fp16_trainer()

@@ -183,8 +183,8 @@ def test_nan_skips_each_right_after_the_scale_grew_are_overflow_not_a_recurring_
 
 
 def test_isolated_overflows_that_take_the_scale_below_1_are_no_collapse() -> None:
-    # Gradients near fp16's limit (a sum-reduced loss): the scale settles at 1, and two overflows 200 steps apart take it to
-    # 0.5 and back. Skips that keep coming back there would be a collapse.
+    # Gradients near fp16's limit (a sum-reduced loss): the scale settles at 1, and two overflows 200 steps apart take
+    # it to 0.5 and back. Skips that keep coming back there would be a collapse.
     def run(skips: set[int]) -> list[str]:
         analyzer, scale, events = Analyzer(), 1.0, []
         for step in range(600):

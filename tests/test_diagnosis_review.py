@@ -1,6 +1,7 @@
 """Fixes from a review of the diagnosis, each in a real CPU loop: values the user logs next to the agent's own, a
 converged small-batch classifier, NaN that an operation makes (not calibration, not overflow, not fixed by bf16), a bad
-batch without a scaler, a gradient spike in a loop that clips, and a NaN made between two modules. (The loop and its model: tests/test_diagnosis.py.)"""
+batch without a scaler, a gradient spike in a loop that clips, and a NaN made between two modules. (The loop and its
+model: tests/test_diagnosis.py.)"""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def _regression(
     server: Any, steps: int, log: Any, bad: int, delay_after: int = -1, overflow: bool = False
 ) -> list[dict[str, Any]]:
     """An fp16 loop that clips and learns y = x @ W (the loss falls ~20x); `log(run, step, loss, norm)` after update();
-    at step `bad` a NaN input, or with `overflow` one 1000 times too large (a finite loss, gradients that overflow fp16);
-    a pause after step `delay_after` (the skip woke the sender: it reads that step alone)."""
+    at step `bad` a NaN input, or with `overflow` one 1000 times too large (a finite loss, gradients that overflow
+    fp16); a pause after step `delay_after` (the skip woke the sender: it reads that step alone)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -275,8 +275,9 @@ class Module(L.LightningModule):
 url = os.environ["SERVER"]
 callback = AmpwatchCallback(ampwatch.init("lightning-ddp", "early", url=url)) if sys.argv[1] == "early" else \\
     AmpwatchCallback(project="lightning-ddp", name="in-callback", url=url)
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12, plugins=[MixedPrecision("16-mixed", "cpu")],
-                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12,
+                    plugins=[MixedPrecision("16-mixed", "cpu")], logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False,
                     callbacks=[callback])
 trainer.fit(Module())
 """
@@ -287,7 +288,8 @@ def test_lightning_ddp_ranks_report_into_one_run_when_the_callback_starts_it(
     sqlite_server, tmp_path: Path, form: str
 ) -> None:
     """Lightning's DDP launcher starts the other ranks itself, after the script's first lines ran: a run started there
-    knows no ranks yet (each process reported as rank 0 into a run of its own); one the callback starts at setup does."""
+    knows no ranks yet (each process reported as rank 0 into a run of its own); one the callback starts at setup
+    does."""
     from test_integrations import _series, _stack
 
     _stack("lightning", "lightning")

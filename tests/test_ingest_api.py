@@ -74,7 +74,10 @@ def test_a_batch_with_good_points_and_one_bad_event_stores_nothing_partial(http)
     bad_event = {"step": 1, "type": "not_an_event_type", "severity": "critical", "message": "x"}
     reply = http.post("/api/v1/runs/r1/batches", json={**GOOD, "events": [bad_event]})
     assert reply.status_code == 422 and "type" in reply.text
-    nan_details = b'{"seq": 1, "events": [{"step": 1, "type": "nonfinite_loss", "severity": "critical", "message": "m", "details": {"loss": NaN}}]}'
+    nan_details = (
+        b'{"seq": 1, "events": [{"step": 1, "type": "nonfinite_loss", "severity": "critical", "message": "m", '
+        b'"details": {"loss": NaN}}]}'
+    )
     reply = http.post("/api/v1/runs/r1/batches", content=nan_details, headers={"content-type": "application/json"})
     assert reply.status_code == 422 and "non-finite numbers must be sent as the strings" in reply.text
     assert _stored(http) == ({}, [])

@@ -130,7 +130,10 @@ def test_upgrading_from_0006_keeps_the_old_table_as_a_partition_until_its_last_r
         "SELECT s.run_id, s.name, p.rank, p.step, p.value FROM points p JOIN series s ON s.id = p.series_id"
         " ORDER BY 1, 2, 3, 4"
     )
-    rollups = "SELECT s.run_id, s.name, b.rank, b.max_value FROM point_blocks b JOIN series s ON s.id = b.series_id ORDER BY 1, 2, 3"
+    rollups = (
+        "SELECT s.run_id, s.name, b.rank, b.max_value FROM point_blocks b JOIN series s ON s.id = b.series_id"
+        " ORDER BY 1, 2, 3"
+    )
     with engine.connect() as connection:
         before, before_blocks = connection.execute(text(content)).all(), connection.execute(text(rollups)).all()
     assert len(before) == 5 * 200

@@ -55,7 +55,8 @@ def test_one_bad_metric_is_dropped_alone_and_the_run_still_finishes(memory) -> N
 
 
 def test_ranks_of_one_slurm_job_share_a_run_id_and_two_jobs_with_the_same_address_do_not() -> None:
-    """srun starts the ranks itself (no torchrun run id), and job scripts often fix MASTER_PORT: the job id tells launches apart."""
+    """srun starts the ranks itself (no torchrun run id), and job scripts often fix MASTER_PORT: the job id tells
+    launches apart."""
     import subprocess
     import sys
 

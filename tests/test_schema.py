@@ -121,7 +121,8 @@ def test_upgrading_to_0006_fills_the_run_vitals_from_existing_points(db_url: str
         for run in ("r", "empty"):
             connection.execute(
                 text(
-                    "INSERT INTO runs (id, project_id, name, status, health, config, environment, created_at, last_seen_at)"
+                    "INSERT INTO runs (id, project_id, name, status, health, config, environment, created_at,"
+                    " last_seen_at)"
                     " VALUES (:r, 1, 'n', 'running', 'ok', '{}', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
                 ),
                 {"r": run},

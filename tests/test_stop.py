@@ -444,9 +444,9 @@ def test_the_first_critical_event_of_a_run_of_several_ranks_fixes_the_step_every
 
     nan = {"type": "nonfinite_param", "severity": "critical", "message": "NaN weights"}
 
-    def send(http: Any, run: str, rank: int, seq: int, steps: range, events: list[dict[str, Any]] = []) -> Any:  # noqa: B006
+    def send(http: Any, run: str, rank: int, seq: int, steps: range, events: list[dict[str, Any]] | None = None) -> Any:
         points = {"loss": (list(steps), [1.0] * len(steps))}
-        reply = http.post(f"/api/v1/runs/{run}/batches", json=batch_document(rank, seq, points, events, None))
+        reply = http.post(f"/api/v1/runs/{run}/batches", json=batch_document(rank, seq, points, events or [], None))
         assert reply.status_code == 200, reply.text
         return reply.json().get("critical")
 

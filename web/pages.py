@@ -111,7 +111,8 @@ def _sort_links(kept: dict[str, str], sort: str, descending: bool) -> dict[str, 
 def run_page(
     request: Request, run_id: str, session: SessionDep, rank: Annotated[int, Query(ge=0, le=MAX_INT)] = 0
 ) -> Any:
-    """One run: header, runtime, charts of one rank (drawn by run.js), the event timeline, alerts, configuration, environment."""
+    """One run: header, runtime, charts of one rank (drawn by run.js), the event timeline, alerts, configuration,
+    environment."""
     found = queries.get_run(session, run_id=run_id)
     if found is None:
         raise HTTPException(404, f"no run with id {run_id!r}")

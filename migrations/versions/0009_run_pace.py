@@ -1,5 +1,5 @@
-"""a run's pace (the highest agent step of its latest batch, its step rate and the weight of that average) and the step after which every rank of
-a run of several stops, once a stop was asked (see ampwatch.server.stopping)
+"""a run's pace (the highest agent step of its latest batch, its step rate and the weight of that average) and the
+step after which every rank of a run of several stops, once a stop was asked (see ampwatch.server.stopping)
 
 Revision ID: 0009
 Revises: 0008

@@ -113,7 +113,8 @@ def _cured(value: float | None, cure: str) -> bool:
 
 
 def _first_cured(session: Session, series: int, rank: int, after: int, cure: str) -> int | None:
-    """The first cured step of a series (by id) after the last uncured one (after `after`): where the episode really ended."""
+    """The first cured step of a series (by id) after the last uncured one (after `after`): where the episode really
+    ended."""
     P = models.Point
     base = (P.series_id == series, P.rank == rank)
     good = _good(cure)

@@ -1,7 +1,8 @@
 """The alerting config file (`AMPWATCH_ALERT_RULES_FILE`), YAML or JSON, loaded at start-up:
 
     rules:
-      - {name: loss_high, kind: threshold, series: loss, aggregation: mean, window_steps: 50, op: ">", threshold: 8, for: 200 steps}
+      - {name: loss_high, kind: threshold, series: loss, aggregation: mean, window_steps: 50, op: ">", threshold: 8,
+         for: 200 steps}
     channels:
       - {name: oncall, kind: slack, url: "https://hooks.slack.com/services/..."}
 

@@ -32,7 +32,8 @@ TREND_STEPS = 30
 def summary(kind: str, details: dict[str, Any], project: str, run_name: str, step: int | None) -> str:
     """'NaN loss in llm/exp-12 at step 4 812'."""
     # (dict.get with a value that may not be a string: a miss gives the default)
-    grad = {"NaN": "NaN", "Infinity": "Inf", "-Infinity": "Inf"}.get(details.get("grad_norm"), "Non-finite")  # type: ignore[arg-type]
+    named = {"NaN": "NaN", "Infinity": "Inf", "-Infinity": "Inf"}
+    grad = named.get(details.get("grad_norm"), "Non-finite")  # type: ignore[arg-type]
     title = _TITLES.get(kind, kind.replace("_", " ").capitalize()).format(
         loss=details.get("loss") or "Non-finite", grad=grad
     )

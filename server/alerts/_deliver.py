@@ -156,7 +156,8 @@ def record(session: Session, delivery_id: int, outcome: Outcome, *, stamp: datet
     else:
         delivery.status = "failed"
         if outcome.temporary and flip is not None:
-            delivery.error = f"{outcome.error} (gave up after {delivery.attempt} attempts over {RETRY_FOR.total_seconds() / 3600:g} h)"
+            hours = RETRY_FOR.total_seconds() / 3600
+            delivery.error = f"{outcome.error} (gave up after {delivery.attempt} attempts over {hours:g} h)"
 
 
 def _requeue(
@@ -182,7 +183,8 @@ def _requeue(
 
 
 def recover_stale(session: Session, *, stamp: datetime, timeout_s: float) -> int:
-    """Attempts claimed by a process that died before recording an outcome (`timeout_s`: a send's longest) are retried."""
+    """Attempts claimed by a process that died before recording an outcome (`timeout_s`: a send's longest) are
+    retried."""
     cutoff = stamp - timedelta(seconds=max(60.0, STALE_SENDS * timeout_s))
     stale = session.scalars(select(D.id).where(D.status == "sending", D.claimed_at < cutoff).limit(100)).all()
     for delivery_id in stale:

@@ -68,7 +68,8 @@ def _take_lease(session: Session, run_id: str, stamp: datetime) -> bool:
 
 
 def release(session: Session, run_id: str, seen: datetime | None) -> None:
-    """Give the lease back, recording what was evaluated (the run's last_seen_at as of the evaluation); the caller commits."""
+    """Give the lease back, recording what was evaluated (the run's last_seen_at as of the evaluation); the caller
+    commits."""
     session.execute(
         update(L)
         .where(L.run_id == run_id)

@@ -54,7 +54,8 @@ def _crashed(session: Session, run_id: str, stamp: datetime) -> None:
     message = (
         f"No heartbeat for {quiet_s:.0f} s and the run never called finish(): the training process died (killed, out "
         f"of memory, node lost) or lost its network. Last step {steps(run.last_step)}, last seen "
-        f"{utc(run.last_seen_at):%H:%M:%S} UTC. Restart from the last checkpoint; check the host's kernel log for the OOM killer."
+        f"{utc(run.last_seen_at):%H:%M:%S} UTC. Restart from the last checkpoint; check the host's kernel log for the "
+        "OOM killer."
     )
     raise_event(
         session,

@@ -33,7 +33,8 @@ def compare_ranks(
     series_id: int,
     stamp: datetime,
 ) -> None:
-    """A batch of `rank` brought `skipped` points (series `series_id`): compare them with the other ranks' at those steps."""
+    """A batch of `rank` brought `skipped` points (series `series_id`): compare them with the other ranks' at those
+    steps."""
     others = [0] if rank else list(range(1, min(world, RANK0_COMPARES)))
     mine = dict(zip(*skipped))
     query = select(P.rank, P.step, P.value).where(
@@ -51,11 +52,11 @@ def compare_ranks(
     message = (
         f"Ranks disagree on skipped steps: rank {skipper} skipped step {steps(step)} and rank {kept} did not. Each "
         "rank's GradScaler decides on gradients the others did not see, so the ranks no longer train the same model "
-        "the same way (and their loss scales drift apart). The gradients are not all-reduced before unscale_: with FSDP "
-        "(sharded gradients) use ShardedGradScaler (torch.distributed.fsdp.sharded_grad_scaler), which all-reduces "
-        "found_inf; with DDP, check that no_sync() does not cover the micro-batch before the step, and that every rank "
-        "runs the same number of steps. (Ranks that train separate models on purpose: give each its own run, with "
-        "AMPWATCH_RUN_ID.)"
+        "the same way (and their loss scales drift apart). The gradients are not all-reduced before unscale_: with "
+        "FSDP (sharded gradients) use ShardedGradScaler (torch.distributed.fsdp.sharded_grad_scaler), which "
+        "all-reduces found_inf; with DDP, check that no_sync() does not cover the micro-batch before the step, and "
+        "that every rank runs the same number of steps. (Ranks that train separate models on purpose: give each its "
+        "own run, with AMPWATCH_RUN_ID.)"
     )
     details = {"cause": CAUSE, "detected_by": "server", "skipped_by": skipper, "kept_by": kept}
     raise_event(

@@ -99,7 +99,8 @@ class AlertService:
                 _evaluate.evaluate_run(session, run_id, now(), rules)  # (and gives the lease back)
                 session.commit()
             except Exception:
-                session.rollback()  # the lease goes back, and the run counts as evaluated: a failing run is not retried every pass
+                # The lease goes back, and the run counts as evaluated: a failing run is not retried every pass.
+                session.rollback()
                 _evaluate.release(session, run_id, session.scalar(select(Run.last_seen_at).where(Run.id == run_id)))
                 session.commit()
                 raise

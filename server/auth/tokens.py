@@ -115,6 +115,8 @@ class Tokens:
         match = _TOKEN.fullmatch(token)
         row = (self._rows or {}).get(int(match[1])) if match else None
         # (match is not None here: without one, row is None and the test stops before)
-        if row is None or row.revoked_at is not None or not hmac.compare_digest(row.secret_sha256, _digest(match[2])):  # type: ignore[index]
+        if row is None or row.revoked_at is not None:
+            return None
+        if not hmac.compare_digest(row.secret_sha256, _digest(match[2])):  # type: ignore[index]
             return None
         return Principal(row.role, row.project, row.id)

@@ -219,7 +219,8 @@ def test_the_run_page_lists_the_runs_firing_and_resolved_alerts_with_javascript_
             {"step": 9, "type": "nonfinite_loss", "severity": "critical", "message": "NaN", "details": {"loss": "NaN"}},
             {"step": 9, "type": "nonfinite_param", "severity": "critical", "message": "NaN weights"},
         ]
-        # One finite parameter norm after the event clears nonfinite_param; the loss stays unknown, so its alert fires on.
+        # One finite parameter norm after the event clears nonfinite_param; the loss stays unknown, so its alert fires
+        # on.
         batch = {"seq": 1, "events": events, "points": {"param_norm": {"steps": [10], "values": [1.0]}}}
         http.post("/api/v1/runs/bad/batches", json=batch).raise_for_status()
         spike = {"step": 3, "type": "loss_spike", "severity": "warning", "message": "spike"}

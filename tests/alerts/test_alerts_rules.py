@@ -56,7 +56,8 @@ class Feed:
         self.http.post(f"/api/v1/runs/{run_id}/batches", json=body).raise_for_status()
 
     def alerts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        # Pending first: an alert that starts firing between the two requests is then in the second list, not in neither.
+        # Pending first: an alert that starts firing between the two requests is then in the second list, not in
+        # neither.
         listed = [
             *self.http.get("/api/v1/alerts", params={"run_id": run_id, "state": "pending"}).json(),
             *self.http.get("/api/v1/alerts", params={"run_id": run_id}).json(),
@@ -237,7 +238,8 @@ def test_rules_and_channels_from_the_config_file_and_the_env_webhook(alert_serve
     path = tmp_path / "alerts.yaml"
     path.write_text(f"""
 rules:
-  - {{name: spiky, kind: event_rate, event_type: grad_spike, window_steps: 100, op: ">=", threshold: 3, severity: critical}}
+  - {{name: spiky, kind: event_rate, event_type: grad_spike, window_steps: 100, op: ">=", threshold: 3,
+      severity: critical}}
 channels:
   - {{name: team, kind: webhook, url: "{receiver.url}/team", min_severity: critical}}
 """)

@@ -223,7 +223,8 @@ def test_a_refused_env_webhook_or_config_file_stops_the_server_without_repeating
         create_app(Settings(database_url=sqlite_url, alert_webhook_url=f"http://user:{TOKEN}@127.0.0.1/hook"))
     assert (
         str(refused.value)
-        == "AMPWATCH_ALERT_WEBHOOK_URL: url: the URL must not contain a user name or password (user:password@host): put a token in the path or query"
+        == "AMPWATCH_ALERT_WEBHOOK_URL: url: the URL must not contain a user name or password (user:password@host): "
+        "put a token in the path or query"
     )
     path = tmp_path / "alerts.json"
     path.write_text(
