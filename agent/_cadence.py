@@ -4,7 +4,7 @@ Per-layer gradient norms every `layer_interval` steps (with a watched model: the
 parameters every `param_interval` steps, a copy of the device's loss scale every `ANCHOR_EVERY` steps (the sender
 shadows the scale from found_inf between copies), and all of them every step while the NaN-origin probe is armed.
 The steps in between are plain: the Recorder plans ahead to the next due step and takes its short path until then
-(see `ampwatch._steady`). Pure arithmetic, owned by the training thread.
+(see `ampwatch._step_end`). Pure arithmetic, owned by the training thread.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ KEEP_STREAMS = 8  # the latest ones: a loop that makes a new stream now and then
 
 
 def note_stream(torch: Any) -> None:
-    """On the training thread, at a step that does more (see ampwatch._steady): remember its current CUDA stream."""
+    """On the training thread, at a step that does more (see ampwatch._step_end): remember its current CUDA stream."""
     if torch.cuda.is_initialized():  # (never initializes CUDA for a CPU run)
         stream = torch.cuda.current_stream()
         known = _streams.get(stream.device, ())

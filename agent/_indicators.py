@@ -9,7 +9,9 @@ reduced on the device, one scalar per module or parameter, and handed over as on
 - `update_ratio/<module>`: ||Δθ|| / ||θ|| of the module's parameters over the optimizer step: a copy of the
   parameters taken in an optimizer pre-step hook (present only during that step), subtracted in place after it;
 - `adam_lag/<module>`: for Adam-family optimizers, how far the step's squared gradients exceed the second moment
-  `exp_avg_sq` had before the step (bias-corrected), from two `_foreach_norm`s over gradients and `exp_avg_sq`.
+  `exp_avg_sq` had before the step (bias-corrected), over the module (two `_foreach_norm`s over gradients and
+  `exp_avg_sq`) or over one column of a weight (its input), the larger: a column's sums per parameter of two
+  dimensions or more, reduced to their largest ratio.
 
 No value is read here: the sender copies them with the step's other tensors and decodes them (`decode`); the
 diagnosis judges the series (`ampwatch._leading`). Between interval steps nothing of this is in place.
@@ -189,6 +191,7 @@ class Indicators:
         # Adam's second moment: the squared gradient norm and the sum of exp_avg_sq of each parameter after the step,
         # with the group's beta2 and the step count (the sender recovers the moment before the step from them).
         grads, moments, names, betas, counts = [], [], [], [], []
+        sliced: list[int] = []  # (index in grads) of the parameters of 2 dimensions or more: their columns' lags too
         state = optimizer.state
         index = {id(p): i for i, p in enumerate(params)}
         for group in optimizer.param_groups:
@@ -209,18 +212,40 @@ class Indicators:
                 moments.append(held["exp_avg_sq"])
                 names.append(modules[index[id(p)]])
                 betas.append((beta[1], len(counts) - 1))
+                if grad.dim() >= 2:
+                    sliced.append(len(grads) - 1)
         if grads:
             squares = norms(grads)
             if scale is not None:
                 squares = torch._foreach_div(squares, scale)
             tensors = [*squares, *torch._foreach_norm(moments, 1)]
+            tensors += [_column_lag(torch, grads[i], moments[i], betas[i][0], scale) for i in sliced]
             tensor_counts = [c for c in counts if isinstance(c, torch.Tensor)]
-            parts.append((LAG, names, tensors + tensor_counts, 2 * len(grads) + len(tensor_counts), (betas, counts)))
+            count = 2 * len(grads) + len(sliced) + len(tensor_counts)
+            parts.append((LAG, names, tensors + tensor_counts, count, (betas, counts, sliced)))
         return parts
 
     def _modules(self, params: list[Any]) -> list[str]:
         module_of = self._module_of()
         return [module_of.get(id(p), "(unnamed)") for p in params]
+
+
+def _column_lag(torch: Any, grad: Any, moment: Any, beta2: float, scale: Any) -> Any:
+    """The largest lag of a weight's columns (dim 1: its inputs, a convolution's input channels), before the bias
+    correction: per column, S / (V - (1 - beta2) S) with S the sum of its squared gradients and V of its `exp_avg_sq`
+    after the step. An input that wakes up (a feature, a channel near 0 that grows) lags in its own column while the
+    rest of the layer, summed with it, keeps up. A 0-d float32 tensor, from temporaries only (one parameter at a
+    time)."""
+    squares = grad.detach().float().square()
+    if scale is not None:  # (a fused optimizer's gradients stay scaled)
+        squares = squares.div_(scale.float().square())
+    moment = moment.detach().float()
+    if squares.dim() > 2:  # (a convolution's kernel: its spatial dims are summed first)
+        squares, moment = squares.flatten(2).sum(2), moment.flatten(2).sum(2)
+    s = squares.sum(0)
+    before = moment.sum(0).sub_(s, alpha=1.0 - beta2)
+    lag = torch.where(before > 0, s / before, math.inf)
+    return torch.where(s > 0, lag, 0.0).max()
 
 
 # -- the sender's side ------------------------------------------------------------------
@@ -268,22 +293,29 @@ def _updates(names: list[str], values: list[float], extra: Any) -> dict[str, flo
 
 def _lags(names: list[str], values: list[float], extra: Any) -> dict[str, float]:
     """Per layer, the sum of squared gradients over the sum of `exp_avg_sq` before the step, bias-corrected:
-    V_before = (V_after - (1 - beta2) G) / beta2, corrected by 1 - beta2^(step - 1)."""
-    betas, counts = extra
-    n = len(names)
-    read = iter(values[2 * n :])
+    V_before = (V_after - (1 - beta2) G) / beta2, corrected by 1 - beta2^(step - 1); or the same of one column of
+    its weights (see `_column_lag`), where that is larger."""
+    betas, counts, sliced = extra
+    n, k = len(names), len(sliced)
+    read = iter(values[2 * n + k :])
     steps = [c if isinstance(c, float) else float(next(read)) for c in counts]
+    columns = dict(zip(sliced, values[2 * n : 2 * n + k]))
     sums: dict[str, list[float]] = {}
-    for name, norm, moment, (beta2, which) in zip(names, values[:n], values[n : 2 * n], betas):
-        held = sums.setdefault(name, [0.0, 0.0, beta2, steps[which]])
+    for i, (name, norm, moment, (beta2, which)) in enumerate(zip(names, values[:n], values[n : 2 * n], betas)):
+        held = sums.setdefault(name, [0.0, 0.0, beta2, steps[which], 0.0])
         held[0] += float(norm) ** 2
         held[1] += float(moment)
+        if i in columns:  # (its columns' raw ratio; the bias correction is the parameter's, as the step count is)
+            ratio = float(columns[i])
+            correction = beta2 * (1.0 - beta2 ** (steps[which] - 1))
+            held[4] = max(held[4], ratio * correction if ratio == ratio else math.inf)
     lags: dict[str, float] = {}
-    for name, (squares, after, beta2, step) in sums.items():
+    for name, (squares, after, beta2, step, column) in sums.items():
         if step < 2 or not 0.0 < beta2 < 1.0:  # (before the first step there is no moment to lag behind)
             continue
         before = (after - (1.0 - beta2) * squares) / beta2 / (1.0 - beta2 ** (step - 1))
-        lags[name] = 0.0 if squares == 0 else squares / before if before > 0 else math.inf
+        whole = 0.0 if squares == 0 else squares / before if before > 0 else math.inf
+        lags[name] = max(whole, column)
     return lags
 
 

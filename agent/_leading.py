@@ -8,9 +8,13 @@ Three rules, each said once per layer and episode:
   and nothing overflows at 65 504);
 - update ratio: ||Δθ||/||θ|| of a layer at `UPDATE_FACTOR` times its own median (an order of magnitude) or more,
   or grown `UPDATE_FACTOR`× along a steady climb over the last `CLIMB_POINTS` interval steps (see `_growth`);
-- Adam's second-moment lag: a layer's squared gradients at `LAG_FACTOR` times its own usual lag and `LAG_FLOOR` times
-  the second moment Adam divides them by (its updates are then ~sqrt of that larger than Adam's usual step);
-  both at two interval steps in a row (one hard batch moves a single step that much).
+- Adam's second-moment lag: a layer's squared gradients (or one input column's) at `LAG_FACTOR` times its own usual
+  lag and `LAG_FLOOR` times the second moment Adam divides them by (its updates are then ~sqrt of that larger than
+  Adam's usual step), at `LAG_HIGH` of its last `LAG_RECENT` interval steps (an input that keeps growing stays
+  ahead of the moment, but a batch where it happens to be near 0 lets one step fall back; a burst of hard batches
+  lifts one or two steps, then the moment absorbs them).
+The update ratio must be high at two interval steps in a row (one hard batch moves a single step's update that
+much).
 The last two are `leading_indicator` warnings.
 """
 
@@ -40,6 +44,7 @@ HORIZON_INTERVALS = 20  # projected overflow at most this many intervals ahead (
 UPDATE_FACTOR = 10.0
 LAG_FACTOR = 10.0
 LAG_FLOOR = 20.0
+LAG_HIGH, LAG_RECENT = 3, 4  # interval steps at or above the lag's limit, of the latest (bench/foresight.py)
 # Interval steps a steady climb of a layer's update ratio is fitted over: one that grows `UPDATE_FACTOR`× along it
 # counts as a jump (a learning rate growing a little each step is followed by the rolling median). Shorter windows
 # also catch a benign warm-up of a loss's weight (bench/foresight.py).
@@ -59,6 +64,7 @@ class Leading:
         self._medians: dict[tuple[str, str], RollingMedian] = {}
         self._climbs: dict[str, deque[tuple[int, float]]] = {}  # update ratios' last `CLIMB_POINTS` values
         self._high: set[tuple[str, str]] = set()  # (prefix, layer) at or above its limit at its last interval step
+        self._lag_highs: dict[str, deque[bool]] = {}  # per layer: its lag at or above its limit, latest interval steps
         self._seen: dict[tuple[str, str], int] = {}  # (prefix, layer) -> how many values were judged
         self._warned: dict[tuple[str, str], float] = {}  # (prefix, layer) -> the value it was warned at
 
@@ -155,13 +161,13 @@ class Leading:
                 if value < limit / 3 and not high:  # (back near its usual level: a later jump is a new episode)
                     del self._warned[key]
             elif seen > WARMUP_POINTS and high:
-                # Twice in a row: one hard batch among easy ones moves one step's update (and Adam's lag) that much,
-                # then the moments absorb it; a learning rate or gradients that ran away stay up.
-                if key in self._high:
+                if self._persists(prefix, layer, key):
                     jumps.append((value / usual if usual > 0 else math.inf, layer, value, usual))
                 self._high.add(key)
             else:
                 self._high.discard(key)
+                if prefix == LAG:
+                    self._lag_highs.setdefault(layer, deque(maxlen=LAG_RECENT)).append(False)
             if 0 < value < math.inf:  # (a layer not updated at a step says nothing of its usual)
                 median.add(value)
         if not jumps:
@@ -195,7 +201,8 @@ class Leading:
             message = (
                 f"Adam's second moment lags behind `{layer}`'s gradients at step {step}: {how}. This is the "
                 "mechanism behind many loss spikes, which follow within a few steps. Lower the learning rate or "
-                f"beta2 (0.95 keeps up faster), clip the gradients, or look at what woke this layer up.{also}"
+                "beta2 (0.95 keeps up faster), clip the gradients, or look at what woke this layer (or one of its "
+                f"inputs) up.{also}"
             )
         details = {
             "indicator": prefix,
@@ -205,6 +212,15 @@ class Leading:
             "layers": [layer, *others],
         }
         return [self._event(step, "leading_indicator", "warning", message, details)]
+
+    def _persists(self, prefix: str, layer: str, key: tuple[str, str]) -> bool:
+        """A high value that is no single hard batch: the update ratio's at the interval step before too (a learning
+        rate or gradients that ran away stay up), Adam's lag at `LAG_HIGH` of the last `LAG_RECENT` interval steps."""
+        if prefix != LAG:
+            return key in self._high
+        highs = self._lag_highs.setdefault(layer, deque(maxlen=LAG_RECENT))
+        highs.append(True)
+        return sum(highs) >= LAG_HIGH
 
 
 def _projection(history: deque[tuple[int, float]]) -> float | None:

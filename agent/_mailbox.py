@@ -7,7 +7,7 @@ asks whether an LR scheduler steps them); `fp16_layers`, the leaf modules whose 
 interval step (the diagnosis warns of an fp16 overflow ahead only for those).
 Sender -> training thread: after a non-finite value, the diagnosis asks for the NaN-origin probe to be armed
 (`arm_request`, for the event at step `arm_step`), and says which arming's probe named an origin
-(`origin_found`); the training thread acts on them at the end of its next full step (see `ampwatch._steady`).
+(`origin_found`); the training thread acts on them at the end of its next full step (see `ampwatch._step_end`).
 After a stop asked of the run (see `ampwatch._stop`), `stop` says by whom and why (`run.should_stop`), `stop_at` after
 which step it is due (a run of several ranks; None: at once), and `stop_raise` asks the training thread to raise
 `ampwatch.StopRequested` at the end of its next step where it is due.

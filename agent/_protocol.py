@@ -134,7 +134,7 @@ INDICATORS = "i"  # (INDICATORS, step, parts): the leading indicators of an inte
 #   params  per-parameter norms of the parameters (a periodic finiteness check), or None
 STEP = "t"
 STEP_FIELDS = ("kind", "step", "loss", "found", "norm", "total", "anchor", "rule", "lr", "params")
-# A lean step record, which the lean path makes (ampwatch._steady) for the usual step: (kind, step, loss, found,
+# A lean step record, which the lean path makes (ampwatch._step_end) for the usual step: (kind, step, loss, found,
 # norm, lr), the three a tensor each (the loss one value), the norm clip_grad_norm_'s total; a step record would
 # have had the same, with total True and no anchor, rule or params. Of kind LEAN_STEP, found is GradScaler's
 # found_inf; of kind APPLIED_STEP, None: the optimizer's step ran (its post-step hook said so), so GradScaler found

@@ -36,7 +36,7 @@ HOOKED = ("scale", "unscale_", "step", "update", "__reduce_ex__", *SETTERS)  # t
 
 
 def attach(scaler: Any, recorder: Any) -> None:
-    """Route `scaler`'s scale/unscale_/step/update through `recorder` (another recorder's steady-path hooks,
+    """Route `scaler`'s scale/unscale_/step/update through `recorder` (another recorder's lean-path hooks,
     if any are in place, make way for the full wrappers)."""
     state = scaler.__dict__
     if state.get(RECORDER) is not recorder:

@@ -1,7 +1,7 @@
 """What the current training step has recorded so far, between its first `scaler.scale()` and its record.
 
 Owner: the training thread. Written by the hooks that see the step (the Recorder's methods, the lean hooks of
-`ampwatch._steady`, the clip wrappers of `ampwatch._scaler`) and read by the misuse diagnosis (`ampwatch._misuse`);
+`ampwatch._step_end`, the clip wrappers of `ampwatch._scaler`) and read by the misuse diagnosis (`ampwatch._misuse`);
 the sender never sees this object, only the record built from it. The Recorder holds one for its whole life (the
 lean hooks keep a reference to it), so it is emptied in place at the end of each step, never replaced.
 """

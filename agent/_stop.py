@@ -192,7 +192,7 @@ def due(mailbox: Any, done: int) -> bool:
 
 
 def stop_here(rec: Any) -> None:
-    """The training thread, where a step ended (its record made; see `ampwatch._steady.StepEnd._end_step`): raise
+    """The training thread, where a step ended (its record made; see `ampwatch._step_end.StepEnd._end_step`): raise
     StopRequested, once. With an enabled GradScaler the step ends inside its `update()`, before GradScaler's own: that
     update is done here first (its wrapper then does not), so the scale and the scaler's state are the step's end
     as without ampwatch, and the full hooks are back for any step the loop still runs. Not before the step the stop
@@ -203,12 +203,11 @@ def stop_here(rec: Any) -> None:
         return
     mailbox.stop_raise = False
     told = mailbox.stop or {}
-    scaler = rec._scaler
+    scaler = rec.scaler
     if scaler is not None and scaler._enabled:
         type(scaler).update(scaler)  # (the class's own: the agent's wrappers live in the instance)
     rec.current.end_optimizer_work()  # (what the rest of the step's end would have let go)
-    rec._plain_until = 0
-    rec._leave_steady()
+    rec.end_plan()
     by, reason, step = told.get("by"), told.get("reason"), rec.step - 1
     if at is not None and step > at:
         log.warning(

@@ -28,7 +28,7 @@ from ampwatch._misuse import (
 from ampwatch._origin import OriginProbe, module_names
 from ampwatch._protocol import EVENT
 from ampwatch._protocol import event as protocol_event
-from ampwatch._steady import StepEnd
+from ampwatch._step_end import StepEnd
 from ampwatch._step_state import StepState
 from ampwatch._steps import CLIP_TOTAL
 
@@ -43,7 +43,7 @@ class Recorder(StepEnd):
     what the sender is told goes through `mailbox` (`ampwatch._mailbox`). The methods the scaler wrappers call
     (`on_scale`, `on_unscaled`, `on_clipped`, `before_step`, `before_update`) run every step: they keep references
     and build one tuple (on the steps between planned ones, lean wrappers do their work instead: see
-    `ampwatch._steady`). Other modules read the watched objects through `optimizers`, `scaler` and `model`.
+    `ampwatch._step_end`). Other modules read the watched objects through `optimizers`, `scaler` and `model`.
     """
 
     # Slots, the ones every step reads first: next to each other in memory. Timed in place, the hooks' cost is
@@ -55,7 +55,7 @@ class Recorder(StepEnd):
         "_plain_until",
         "mailbox",
         "_record",
-        "_steady",
+        "_lean_optimizer",
         "_full_hooks",
         "rank",
         "cadence",
@@ -97,7 +97,7 @@ class Recorder(StepEnd):
         self.mailbox = Mailbox()  # word to and from the sender thread (see ampwatch._mailbox)
         self.reanchor = True  # the scale must be copied from the device at the next update()
         self._plain_until = 0  # steps before this one are plain (see `_plan`), unless the probe is asked to arm
-        self._steady: Any = None  # the optimizer of the steady loop, while its lean hooks are in place
+        self._lean_optimizer: Any = None  # the optimizer of the lean path, while its lean hooks are in place
         self._full_hooks: Any = None  # and the scaler's wrappers they replaced, and the lean ones
         self._ran_on: set[Any] = set()  # the optimizers whose post-step hook says whether their step ran (once each)
         self.current = StepState()  # what the current step has recorded so far (see ampwatch._step_state)
@@ -150,7 +150,7 @@ class Recorder(StepEnd):
             if name in STANDARD:  # (other names logged at other steps, a sample count, leave these be)
                 if step != self._user_step:
                     self._user_step, self._user_names = step, set()
-                self._leave_steady()
+                self._leave_lean()
                 self._user_names.add(name)
                 if name == "grad_norm" and step > self._norm_logged_at[1]:
                     self._norm_logged_at = (self._norm_logged_at[1], step)
@@ -226,11 +226,11 @@ class Recorder(StepEnd):
         for problem in watch_config_problems(wrapped, scaler):
             self.warn_config(*problem)
         self._plain_until = 0  # what is due is planned again from the next step
-        self._leave_steady()
+        self._leave_lean()
 
     def unwatch(self) -> None:
         """Remove every hook; the scaler is its own class again."""
-        self._leave_steady()
+        self._leave_lean()
         for handle in [*self._hooks, *self._step_hooks, self._first_forward_hook]:
             if handle is not None:
                 handle.remove()
@@ -402,7 +402,7 @@ class Recorder(StepEnd):
         """Something outside update() changed the scale or its rule: copy both at the next update()."""
         self.reanchor = True
         self._plain_until = 0
-        self._leave_steady()
+        self._leave_lean()
 
     # -- optimizer path (no scaler, or a disabled one) -------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

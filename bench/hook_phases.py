@@ -4,7 +4,7 @@ The benchmark step of `agent_overhead.py` (~1 ms on the CPU), split at the calls
 unscale_, clip_grad_norm_, step, update (and the whole step). Steps alternate between a plain scaler and a
 watched one on the same model, in random order within each pair, and each phase's added cost is the mean of
 the pair differences with the top and bottom 1 % left out (the median beside it). Steps the agent begins on
-its steady path ("lean", see ampwatch/_steady.py) and the others are also shown apart.
+its lean path ("lean", see ampwatch/_step_end.py) and the others are also shown apart.
 
 Timed like this, in place, a hook costs several times what it costs in a tight loop: between the training
 step's own work, most of its cost is the memory it touches.
@@ -90,7 +90,7 @@ def main() -> None:
         lean: list[bool] = []
         order = random.Random(args.seed)
         for _ in range(args.pairs):
-            lean.append(run._recorder._steady is not None)  # (private: which path the watched step begins on)
+            lean.append(run._recorder._lean_optimizer is not None)  # (private: which path the watched step begins on)
             halves = [(trainer.scaler, ORIGINAL_CLIP_GRAD_NORM, plain), (watched, None, agent)]
             order.shuffle(halves)
             for scaler, clip, out in halves:

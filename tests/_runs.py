@@ -38,7 +38,7 @@ def clipped_step(
     scaler: torch.amp.GradScaler,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One fp16 step that unscales and clips, the pattern the agent's steady path takes (on `x`, else a random batch);
+    """One fp16 step that unscales and clips, the pattern the agent's lean path takes (on `x`, else a random batch);
     its loss."""
     with torch.autocast("cpu", dtype=torch.float16):
         loss = model(torch.randn(8, 4) if x is None else x).float().pow(2).mean()

@@ -73,7 +73,7 @@ def _small_fp16_trainer() -> tuple[torch.nn.Sequential, torch.optim.SGD, torch.a
 
 
 def _step(model: torch.nn.Module, optimizer: Any, scaler: Any, x: torch.Tensor, clip: bool = False) -> None:
-    """One fp16 AMP step on batch `x`; `clip`: unscale_ and clip_grad_norm_, the loop of the agent's steady path."""
+    """One fp16 AMP step on batch `x`; `clip`: unscale_ and clip_grad_norm_, the loop of the agent's lean path."""
     with torch.autocast("cpu", dtype=torch.float16):
         loss = model(x).float().pow(2).mean()
     scaler.scale(loss).backward()
@@ -144,7 +144,7 @@ def test_a_learning_rate_past_the_stability_limit_diverges_into_a_grad_spike(mem
     assert not [e for e in events if e["step"] < 300 and e["severity"] != "info"]  # the steady part before it is quiet
 
 
-@pytest.mark.parametrize("clip", [True, False], ids=["steady path", "full path"])
+@pytest.mark.parametrize("clip", [True, False], ids=["lean path", "full path"])
 def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_next_bad_batch(
     memory, monkeypatch, clip
 ) -> None:
@@ -152,7 +152,7 @@ def test_in_a_fast_loop_a_skipped_step_is_read_at_once_so_the_probe_names_the_ne
     # skipped step wakes it (the optimizer's post-step hook says the step did not run: no host read), so the diagnosis
     # sees the first bad batch at once, arms the probe, and the probe names the input batch as the origin of a later
     # one.
-    # The loop that clips after unscale_ runs on the agent's steady path (ampwatch._steady), the other on the full one.
+    # The loop that clips after unscale_ runs on the agent's lean path (ampwatch._step_end), the other on the full one.
     monkeypatch.setenv("AMPWATCH_FLUSH_INTERVAL_S", "60")
     model, optimizer, scaler = _small_fp16_trainer()
     with ampwatch.init("diag", transport=memory) as run:

@@ -188,6 +188,47 @@ def test_adam_lag_warns_when_a_layers_gradients_outgrow_its_second_moment_before
     assert all(0 < v < 20 for v in lags[:30])  # (a layer whose moment keeps up: about 1 or below)
 
 
+def test_adam_lag_warns_when_one_input_of_a_layer_wakes_before_the_spikes(memory) -> None:
+    """One input of sixteen, near 0 for 300 steps, then growing 5% a step, into the same first layer as the others:
+    summed over the layer its gradients are diluted by the fifteen whose moment keeps up, but its own column of the
+    weight lags, and says so long before the spikes."""
+    torch.manual_seed(0)
+    teacher = torch.randn(15, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(32, 15)
+        waking = torch.randn(32, 1) * min(100.0, 1e-3 * 1.05 ** max(0, step - 300))
+        return torch.cat([x, waking], 1), x @ teacher + 0.1 * torch.randn(32, 1)
+
+    run_id = _train(memory, model, optimizer, 550, batch, _mse)
+    failure = _first_failure(memory, run_id)
+    warnings = _warnings(memory, run_id, "adam_lag")
+    assert warnings, memory.events(run_id)
+    first = warnings[0]
+    assert first["details"]["layer"] == "0" and 300 < first["step"], first["message"]
+    assert failure - first["step"] >= LEAD, (failure, first["message"])
+
+
+def test_adam_lag_warns_of_a_lag_that_lasts_not_of_a_burst() -> None:
+    """Adam's lag at its limit at 3 of the last 4 interval steps warns, one step below it in between or not; two high
+    steps that the moment then absorbs do not."""
+    from ampwatch._leading import Leading
+
+    def warned(highs: set[int]) -> list[int]:
+        events: list[dict[str, Any]] = []
+        leading = Leading(lambda step, kind, severity, message, details: {"step": step, "details": details})
+        for i in range(40):
+            events += leading.observe_columns({"adam_lag/fc": ([10 * i], [50.0 if i in highs else 1.0])})
+        return [e["step"] for e in events]
+
+    assert warned({20, 21}) == []  # (a burst of hard batches)
+    assert warned({20, 21, 23}) == [230]  # (an input that keeps growing, near 0 in one batch)
+    assert warned({20, 22, 24}) == []
+    assert warned(set(range(20, 40))) == [220]
+
+
 # -- healthy runs ---------------------------------------------------------------------------------------------------
 
 
@@ -239,7 +280,8 @@ def test_no_indicator_warns_over_thousands_of_healthy_bf16_steps(memory) -> None
 
 def test_the_indicators_are_the_values_they_name(memory) -> None:
     """At an interval step, computed here by hand from the same loop: each leaf's largest output over 65 504, each
-    layer's ||Δθ||/||θ||, and its squared gradients over Adam's bias-corrected exp_avg_sq before the step."""
+    layer's ||Δθ||/||θ||, and its squared gradients over Adam's bias-corrected exp_avg_sq before the step (the
+    layer's whole, or a weight's column where that is larger)."""
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
@@ -270,6 +312,18 @@ def test_the_indicators_are_the_values_they_name(memory) -> None:
                     n: sum(p.grad.pow(2).sum().item() for p in m.parameters()) for n, m in model.named_children()
                 }
                 bias = 1 - 0.99 ** optimizer.state[model[0].weight]["step"].item()
+                # A weight's columns (its inputs), each its own lag: the largest counts.
+                columns = {
+                    n: max(
+                        (
+                            (p.grad.pow(2).sum(0) / (optimizer.state[p]["exp_avg_sq"].sum(0) / bias)).max().item()
+                            for p in m.parameters()
+                            if p.dim() >= 2
+                        ),
+                        default=0.0,
+                    )
+                    for n, m in model.named_children()
+                }
             optimizer.step()
             optimizer.zero_grad()
         for name, module in model.named_children():
@@ -279,7 +333,7 @@ def test_the_indicators_are_the_values_they_name(memory) -> None:
             delta = sum((a - p.detach()).pow(2).sum().item() for a, p in zip(before[name], module.parameters()))
             weight = sum(p.detach().pow(2).sum().item() for p in module.parameters())
             expected[f"update_ratio/{name}"] = math.sqrt(delta) / math.sqrt(weight)
-            expected[f"adam_lag/{name}"] = squares[name] / (moments[name] / bias)
+            expected[f"adam_lag/{name}"] = max(squares[name] / (moments[name] / bias), columns[name])
     series = memory.series(run.id)
     for name, value in expected.items():
         steps, values = series[name]["steps"], series[name]["values"]

@@ -242,7 +242,7 @@ def test_a_norm_taken_by_clipping_before_unscale_is_said_to_be_scaled(memory) ->
 
 def test_clipping_after_unscale_has_no_misuse(memory) -> None:
     run, model, optimizer, scaler = _setup(memory)
-    for _ in range(60):  # (past the first plan: the lean hooks of the steady path too)
+    for _ in range(60):  # (past the first plan: the lean hooks of the lean path too)
         _clipped_step(model, optimizer, scaler, 1.0, unscale_first=True)
     assert _misuse_events(memory, run) == []
 

@@ -193,12 +193,12 @@ def test_watching_a_model_again_leaves_no_hooks_of_the_first_watch(memory) -> No
 
 def test_a_loop_without_a_watched_model_stays_lean_after_a_non_finite_loss(memory, monkeypatch) -> None:
     """The diagnosis asks for the NaN-origin probe after an inf loss; without a model there is none to arm, and the
-    request must not take every later step off the steady path (and back on: once per plan, every 50 steps)."""
-    from ampwatch._steady import StepEnd
+    request must not take every later step off the lean path (and back on: once per plan, every 50 steps)."""
+    from ampwatch._step_end import StepEnd
 
     entered = []
-    enter = StepEnd._enter_steady
-    monkeypatch.setattr(StepEnd, "_enter_steady", lambda rec: entered.append(rec.step) or enter(rec))
+    enter = StepEnd._enter_lean
+    monkeypatch.setattr(StepEnd, "_enter_lean", lambda rec: entered.append(rec.step) or enter(rec))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -207,7 +207,7 @@ def test_a_loop_without_a_watched_model_stays_lean_after_a_non_finite_loss(memor
     with ampwatch.init("review", "no-model", transport=memory) as run:
         run.watch(optimizer=optimizer, scaler=scaler)
         for step in range(400):
-            lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
+            lean.append(run._recorder._lean_optimizer is not None)  # (private: which path this step begins on)
             _runs.clipped_step(model, optimizer, scaler, torch.full((8, 4), float("inf")) if step == 100 else None)
             if step == 100:
                 assert run._worker.flush(10)  # (private: the diagnosis has seen it)
@@ -217,7 +217,7 @@ def test_a_loop_without_a_watched_model_stays_lean_after_a_non_finite_loss(memor
 
 def test_a_standard_name_logged_for_the_next_step_wins_there(memory) -> None:
     """`run.log({"loss": v}, step=k + 1)` during step k: at step k + 1 the user's loss is recorded, not the agent's
-    (the steady path, which does not look at what the user logged, must not take that step). Logging ahead at
+    (the lean path, which does not look at what the user logged, must not take that step). Logging ahead at
     every step is not covered: the agent remembers one step's names."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -232,7 +232,7 @@ def test_a_standard_name_logged_for_the_next_step_wins_there(memory) -> None:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)
-            if step == 100:  # (a step that does more: the steady path was planned from the next one on)
+            if step == 100:  # (a step that does more: the lean path was planned from the next one on)
                 run.log({"loss": 123.0}, step=101)
             scaler.update()
             optimizer.zero_grad()

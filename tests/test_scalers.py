@@ -216,7 +216,7 @@ def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(
     with ampwatch.init("scalers", "add-param-group", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(160):
-            if step == 120:  # between the agent's planned steps (multiples of 50): on its steady path
+            if step == 120:  # between the agent's planned steps (multiples of 50): on its lean path
                 head.requires_grad_(True)
                 optimizer.add_param_group({"params": head.parameters()})
             with torch.autocast("cpu", dtype=torch.float16):
@@ -284,7 +284,7 @@ def test_a_learning_rate_that_is_an_int_or_a_numpy_scalar_is_recorded(memory, en
     lrs = []
     with ampwatch.init("scalers", f"lr-types-{enabled}", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
-        for step in range(120):  # (past step 100: the steady path's lean steps too)
+        for step in range(120):  # (past step 100: the lean path's lean steps too)
             if step >= 60:
                 optimizer.param_groups[0]["lr"] = numpy.float32(1e-5 * step)  # a schedule read from a NumPy array
             lrs.append(float(optimizer.param_groups[0]["lr"]))

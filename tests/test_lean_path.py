@@ -1,4 +1,4 @@
-"""The steady path (ampwatch._steady): lean hooks for the steps between the planned ones. Whatever a loop does
+"""The lean path (ampwatch._step_end): lean hooks for the steps between the planned ones. Whatever a loop does
 on those steps, a run records exactly what it records without them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ampwatch
-from ampwatch import _steady
+from ampwatch import _step_end
 
 SERIES = ["loss", "scale", "skipped", "grad_norm", "lr", "param_norm", "grad_norm/0", "grad_norm/2"]
 
@@ -34,9 +34,9 @@ DROPPED = 29  # unscale_, then the loop drops the step (no clip, no step()) and 
 STEPS = 70
 
 
-def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
+def _train(server: Any, lean_seen: list[int]) -> dict[str, Any]:
     """A clipping fp16 loop whose steps break its own pattern now and then; the series and events the server
-    has for it. `steady_seen` gets the steps that began with the lean hooks in place."""
+    has for it. `lean_seen` gets the steps that began with the lean hooks in place."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))  # not trained
@@ -44,11 +44,11 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
     batches = [torch.randn(4, 8) for _ in range(STEPS)]
-    with ampwatch.init("steady", transport=server) as run:
+    with ampwatch.init("lean", transport=server) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step, x in enumerate(batches):
-            if run._recorder._steady is not None:  # (private: which path this step begins on)
-                steady_seen.append(step)
+            if run._recorder._lean_optimizer is not None:  # (private: which path this step begins on)
+                lean_seen.append(step)
             if step == ARMED:
                 # (private: what the sender's diagnosis asks after a non-finite value)
                 run._recorder.mailbox.arm_step, run._recorder.mailbox.arm_request = step - 1, True
@@ -90,15 +90,15 @@ def _train(server: Any, steady_seen: list[int]) -> dict[str, Any]:
     return {"series": series, "events": [(e["type"], e["step"], e["details"].get("cause")) for e in events]}
 
 
-def test_a_run_records_the_same_with_and_without_the_steady_path(memory, monkeypatch) -> None:
+def test_a_run_records_the_same_with_and_without_the_lean_path(memory, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_LAYER_NORM_INTERVAL", "10")
     monkeypatch.setenv("AMPWATCH_PARAM_CHECK_INTERVAL", "14")
-    steady: list[int] = []
-    lean = _train(memory, steady)
-    monkeypatch.setattr(_steady.StepEnd, "_enter_steady", lambda self: None)
+    began_lean: list[int] = []
+    lean = _train(memory, began_lean)
+    monkeypatch.setattr(_step_end.StepEnd, "_enter_lean", lambda self: None)
     full = _train(memory, [])
     assert lean == full
-    # It was a test of something: each of those steps began on the steady path.
+    # It was a test of something: each of those steps began on the lean path.
     assert {
         NO_CLIP,
         SUBSET_CLIP,
@@ -112,7 +112,7 @@ def test_a_run_records_the_same_with_and_without_the_steady_path(memory, monkeyp
         OTHER_CLIP,
         ARMED,
         DROPPED,
-    } <= set(steady)
+    } <= set(began_lean)
     series = lean["series"]
     # Every step has its norm, the one without a clip too; but where a clip the agent did not expect (over a
     # subset of the parameters, or an L1 one) changed the gradients before their norm was taken, that step has none,
@@ -136,7 +136,7 @@ def test_a_run_records_the_same_with_and_without_the_steady_path(memory, monkeyp
 
 
 def test_plain_records_decode_to_exactly_what_step_records_do() -> None:
-    """The sender decodes the steady path's plain records a column at a time: the same points as the step records
+    """The sender decodes the lean path's plain records a column at a time: the same points as the step records
     the full path would have made, through a stretch without skips, skips (backoff), growth, non-finite values and
     a missing lr; and so do runs of plain records where those of the steps whose optimizer step ran hold no
     found_inf (kind APPLIED_STEP), as the sender groups them."""
@@ -256,20 +256,20 @@ def test_lean_steps_record_exactly_the_steps_gradscaler_skipped(memory, monkeypa
 
 
 def test_the_post_step_hook_is_registered_once_per_optimizer_and_removed_at_finish(memory) -> None:
-    """A loop that steps one optimizer for a while, then the other, and back: the steady path takes each in turn,
+    """A loop that steps one optimizer for a while, then the other, and back: the lean path takes each in turn,
     and each keeps one hook of the agent's, however often it comes back; finish() removes them."""
     model = torch.nn.Linear(4, 1)
     first, second = (torch.optim.SGD(model.parameters(), lr=1e-3) for _ in range(2))
     scaler = torch.amp.GradScaler("cpu")
-    steady = set()
+    lean_optimizers = set()
     with ampwatch.init("alternating", transport=memory) as run:
         run.watch(model=model, optimizer=[first, second], scaler=scaler)
         for step in range(400):
             optimizer = first if (step // 60) % 2 == 0 else second
             _runs.clipped_step(model, optimizer, scaler)
-            if run._recorder._steady is not None:  # (private: which optimizer the lean hooks are for)
-                steady.add(run._recorder._steady)
-        assert steady == {first, second}  # (it was a test of coming back: 400 steps are 3 switches)
+            if run._recorder._lean_optimizer is not None:  # (private: which optimizer the lean hooks are for)
+                lean_optimizers.add(run._recorder._lean_optimizer)
+        assert lean_optimizers == {first, second}  # (it was a test of coming back: 400 steps are 3 switches)
         assert len(first._optimizer_step_post_hooks) == len(second._optimizer_step_post_hooks) == 1
     assert not first._optimizer_step_post_hooks and not second._optimizer_step_post_hooks
 
@@ -284,7 +284,7 @@ def test_a_clip_of_one_tensor_records_its_norm_and_never_goes_lean(memory) -> No
     with ampwatch.init("lone-tensor", transport=memory) as run:
         run.watch(optimizer=optimizer, scaler=scaler)
         for _ in range(120):
-            lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
+            lean.append(run._recorder._lean_optimizer is not None)  # (private: which path this step begins on)
             x = torch.randn(8)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = (x * weight - 1.0).float().pow(2).mean()
@@ -310,12 +310,12 @@ def test_the_lean_hooks_are_built_once_per_pattern_and_again_when_the_clip_chang
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
-    built: list[Any] = []  # the lean scale() of each step that began on the steady path, per half of the run
+    built: list[Any] = []  # the lean scale() of each step that began on the lean path, per half of the run
     clipped = []
     with ampwatch.init("lean-cache", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for step in range(100):
-            if run._recorder._steady is not None:  # (private: the lean hooks in place)
+            if run._recorder._lean_optimizer is not None:  # (private: the lean hooks in place)
                 built.append((step >= 60, scaler.__dict__["scale"]))
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(8, 4)).float().pow(2).mean()
@@ -344,7 +344,7 @@ def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(memor
     with ampwatch.init("keywords", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for _ in range(120):
-            lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
+            lean.append(run._recorder._lean_optimizer is not None)  # (private: which path this step begins on)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(8, 4)).float().pow(2).mean()
             scaler.scale(outputs=loss).backward()
@@ -361,16 +361,16 @@ def test_a_loop_that_names_gradscalers_arguments_runs_and_records_the_same(memor
 
 def test_a_loop_that_numbers_its_steps_from_one_stays_lean(memory) -> None:
     """run.log(..., step=i + 1) of names that are not standard is ahead of the agent's step every time: only a standard
-    name logged ahead keeps the next step off the steady path."""
+    name logged ahead keeps the next step off the lean path."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     lean = []
-    with ampwatch.init("steady", "numbered-from-one", transport=memory) as run:
+    with ampwatch.init("lean", "numbered-from-one", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer, scaler=scaler)
         for i in range(120):
-            lean.append(run._recorder._steady is not None)  # (private: which path this step begins on)
+            lean.append(run._recorder._lean_optimizer is not None)  # (private: which path this step begins on)
             run.log({"tokens_per_s": 1000.0}, step=i + 1)  # (before the step's update: ahead of the agent's step)
             _runs.clipped_step(model, optimizer, scaler)
     assert sum(lean) > 100

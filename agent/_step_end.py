@@ -9,7 +9,7 @@ optimizer's parameters, step, update. For those steps the scaler's wrappers (and
 listener) are replaced by the lean ones built here: each is the wrapper and the Recorder's method in one
 function, checking with an identity or two that its step still has the pattern. If not, it puts the full
 wrappers back and calls them, and the Recorder then sees exactly the state it would have left itself. What
-is recorded is the same either way (tests/test_steady.py); the training thread only does less per step, and
+is recorded is the same either way (tests/test_lean_path.py); the training thread only does less per step, and
 the sender too: a lean step whose optimizer step ran (the optimizer's post-step hook says so) keeps no found_inf
 tensor, as GradScaler runs the step only where it found no inf.
 Timed in place, what hooks cost is mostly the memory they touch between the training step's own work: hence
@@ -32,7 +32,7 @@ from ampwatch._protocol import APPLIED_STEP, LEAN_STEP, STEP
 from ampwatch._step_state import StepState
 from ampwatch._stop import stop_here
 
-LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the steady path replaces
+LEAN = ("scale", "unscale_", "step", "update")  # the scaler's wrappers the lean path replaces
 WAKE_EVERY_S = 0.1  # seconds between two wake-ups of the sender on skipped steps, at least (a collapse skips each)
 
 
@@ -86,7 +86,7 @@ class StepEnd:
             indicators.arm_for(step + 1)
         self._plain_until = self._plan(step)
         if self._plain_until > step + 1:
-            self._enter_steady()
+            self._enter_lean()
 
     def _end_step(self: Any, entry: tuple, step: int, wake: bool) -> None:
         """Where every step ends, on the full path and the lean one: its record goes to the sender's buffer (through
@@ -119,9 +119,15 @@ class StepEnd:
         self._layers_due = self.cadence.layers_due(step + 1, False, self._probe is not None)
         if self._indicators is not None:
             self._indicators.arm_for(step + 1)
-        self._leave_steady()
+        self._leave_lean()
 
-    def _enter_steady(self: Any) -> None:
+    def end_plan(self: Any) -> None:
+        """Back to the full hooks now, with no plain steps planned ahead: any step the loop still runs is a full one
+        (after a stop raised at this step's end)."""
+        self._plain_until = 0
+        self._leave_lean()
+
+    def _enter_lean(self: Any) -> None:
         """At the end of a full step that planned plain steps ahead: go lean if that step had the pattern."""
         optimizer, scaler = self.current.last_optimizer, self._scaler
         stage = self.current.stage_before
@@ -144,7 +150,7 @@ class StepEnd:
         ):
             return
         self._listen_ran(optimizer)
-        self._steady = optimizer
+        self._lean_optimizer = optimizer
         state = scaler.__dict__
         # The lean hooks of the last plan, where they were built for the same objects (the usual case: building them
         # anew, every `param_interval` steps, cost that step ~20 us in place, cold code).
@@ -174,10 +180,10 @@ class StepEnd:
             self._woke_at = monotonic()
             wake()
 
-    def _leave_steady(self: Any) -> None:
+    def _leave_lean(self: Any) -> None:
         """Back to the full hooks (until the next plan)."""
-        if self._steady is not None:
-            self._steady = self.current.ran = None
+        if self._lean_optimizer is not None:
+            self._lean_optimizer = self.current.ran = None
             state, full = self._full_hooks[:2]
             if state.get(_scaler.RECORDER) is self:  # (else another recorder took the scaler, with its own wrappers)
                 state.update(full)
@@ -185,12 +191,12 @@ class StepEnd:
 
 
 def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[..., Any]], Callable[..., None]]:
-    """The steady path's wrappers of `scaler` and its clip listener, for steps of the optimizer `steady` that keep
+    """The lean path's wrappers of `scaler` and its clip listener, for steps of the optimizer `steady` that keep
     the pattern (the state they keep is `rec`'s own, as its full methods would leave it). Their parameters are
     named as GradScaler's: a loop may pass them by keyword."""
     cls = type(scaler)
     base_scale, base_unscale_, base_step, base_update = cls.scale, cls.unscale_, cls.step, cls.update
-    tensor, leave, diagnose, mailbox = rec._tensor, rec._leave_steady, _scaler.diagnose_error, rec.mailbox
+    tensor, leave, diagnose, mailbox = rec._tensor, rec._leave_lean, _scaler.diagnose_error, rec.mailbox
     cur = rec.current  # (the Recorder's one StepState: emptied in place, never replaced)
     first = rec._optimizers[0] if rec._optimizers else None
     groups, group_count, clipped_params = rec.clip.groups, rec.clip.seen[2], rec.clip.params
@@ -198,7 +204,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
         len(clipped_params),
         clipped_params[0],
         clipped_params[-1],
-    )  # (a list: see _enter_steady)
+    )  # (a list: see _enter_lean)
 
     def scale(outputs: Any) -> Any:
         if cur.loss is None and outputs.__class__ is tensor and (outputs.ndim == 0 or outputs.numel() == 1):
@@ -285,7 +291,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
                 and cur.unscaled is None
             ):
                 # What _finish_step records on a plain step, as a lean record (the user logged no standard name:
-                # that left the steady path); the step ends as every step does.
+                # that left the lean path); the step ends as every step does.
                 at = rec.step
                 lr = first.param_groups[0].get("lr") if first is not None else None
                 lr = lr if lr.__class__ is float else _real(lr)
@@ -316,7 +322,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
 
 def _ran_hook(rec: Any) -> Callable[..., None]:
     """The optimizer's post-step hook: a step() that sees its optimizer step run knows, without reading found_inf,
-    that GradScaler found no inf there (it only runs the step then). On the steady path the record then holds one
+    that GradScaler found no inf there (it only runs the step then). On the lean path the record then holds one
     tensor fewer for the sender to read and free; on either path, a step that did not run wakes the sender."""
 
     cur = rec.current
