@@ -187,7 +187,7 @@ with ampwatch.init(project="deepspeed-ranks", name="zero2", url=os.environ["SERV
             x[0, 0] = float("inf")  # only rank 1's batch is bad
         engine.backward(engine(x).float().pow(2).mean())
         engine.step()
-print("rank", dist.get_rank(), "run", run.id, flush=True)
+print(f"rank {dist.get_rank()} run {run.id}\\n", end="", flush=True)  # (one write: the ranks share a pipe)
 """
 )
 

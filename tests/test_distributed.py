@@ -38,7 +38,7 @@ with ampwatch.init("ddp", "two-ranks", url=os.environ["SERVER"]) as run:
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
-print("rank", dist.get_rank(), "run", run.id, flush=True)
+print(f"rank {dist.get_rank()} run {run.id}\\n", end="", flush=True)  # (one write: the ranks share a pipe)
 dist.destroy_process_group()
 """
 
@@ -89,7 +89,7 @@ with ampwatch.init("fsdp", "two-shards", url=os.environ["SERVER"]) as run:
         optimizer.zero_grad()
 with open(os.path.join(OUT, f"seen{dist.get_rank()}.json"), "w") as f:
     json.dump(seen, f)
-print("rank", dist.get_rank(), "run", run.id, flush=True)
+print(f"rank {dist.get_rank()} run {run.id}\\n", end="", flush=True)  # (one write: the ranks share a pipe)
 dist.destroy_process_group()
 """
 
@@ -150,7 +150,8 @@ for armed in (False, True):
     counts.append(comm.get_total_counts())
 names, forward, _, backward = probe.take()
 plain = all(flag.__class__ is torch.Tensor for flag in forward + backward)
-print("rank", dist.get_rank(), "collectives", *counts, "flags", len(forward), len(backward), "plain", plain, flush=True)
+fields = ("rank", dist.get_rank(), "collectives", *counts, "flags", len(forward), len(backward), "plain", plain)
+print(" ".join(map(str, fields)) + "\\n", end="", flush=True)  # (one write: the ranks share a pipe)
 dist.destroy_process_group()
 """
 

@@ -350,7 +350,7 @@ except ampwatch.StopRequested as stop:
 steps = torch.tensor([float(-1 if raised is None else raised)])
 dist.all_reduce(steps)  # (every rank left its loop: none waits in a step's collective)
 run.finish()
-print("rank", rank, "run", run.id, "raised", raised, "sum", int(steps.item()), flush=True)
+print(f"rank {rank} run {run.id} raised {raised} sum {int(steps.item())}\\n", end="", flush=True)  # (one write)
 dist.destroy_process_group()
 """
 
@@ -369,7 +369,8 @@ def _ddp_stop(server: Any, tmp_path: Any, stop_on: str) -> tuple[list[list[str]]
     env = {"SERVER": server.url, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "STOP_ON": stop_on}
     env["AMPWATCH_FLUSH_INTERVAL_S"] = "0.05"
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "ampwatch:" in line or "Error" in line]  # (each rank's own)
+    assert done.returncode == 0, "\n".join(said[-30:]) + "\n" + done.stderr[-1500:]
     lines = sorted(line.split() for line in done.stdout.splitlines() if line.startswith("rank"))
     [run_id] = {line[3] for line in lines}
     assert len(lines) == 2 and "learned late" not in done.stderr and "waiting for the server" not in done.stderr

@@ -493,7 +493,7 @@ callback = AmpwatchCallback(project="transformers-ddp", name="two-ranks", url=os
 trainer = transformers.Trainer(model=_model(transformers), args=args, train_dataset=_Batches(STEPS * 4),
                                callbacks=[callback])
 trainer.train()
-print("rank", args.process_index, "run", callback.run.id, flush=True)
+print(f"rank {args.process_index} run {callback.run.id}\\n", end="", flush=True)  # (one write: a shared pipe)
 """
 
 
