@@ -164,26 +164,37 @@ class _TwoInputs(torch.nn.Module):
         return self.main(x[:, :8]) + self.extra(x[:, 8:])
 
 
-def test_adam_lag_warns_when_a_layers_gradients_outgrow_its_second_moment_before_the_spikes(memory) -> None:
-    """The second input stream is near 0 for 300 steps, then grows 5% a step: its layer's gradients grow faster than
-    Adam's exp_avg_sq can follow, long before the loss and gradient spikes that brings."""
+def _waking_inputs(
+    memory: Any, model: Callable[[], torch.nn.Module], inputs: int, waking: int
+) -> tuple[str, dict[str, Any]]:
+    """Adam on `inputs` standardized features followed by `waking` ones near 0 for 300 steps that then grow 5% a step
+    (the target ignores them); returns the run's id and its first `adam_lag` warning, which must come `LEAD` steps or
+    more before the failure."""
     torch.manual_seed(0)
-    teacher = torch.randn(8, 1)
-    model = _TwoInputs()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    teacher = torch.randn(inputs, 1)
+    watched = model()
+    optimizer = torch.optim.Adam(watched.parameters(), lr=1e-2)
 
     def batch(step: int) -> tuple[torch.Tensor, ...]:
-        x = torch.randn(32, 8)
-        extra = torch.randn(32, 4) * min(100.0, 1e-3 * 1.05 ** max(0, step - 300))
+        x = torch.randn(32, inputs)
+        extra = torch.randn(32, waking) * min(100.0, 1e-3 * 1.05 ** max(0, step - 300))
         return torch.cat([x, extra], 1), x @ teacher + 0.1 * torch.randn(32, 1)
 
-    run_id = _train(memory, model, optimizer, 550, batch, _mse)
+    run_id = _train(memory, watched, optimizer, 550, batch, _mse)
     failure = _first_failure(memory, run_id)
     warnings = _warnings(memory, run_id, "adam_lag")
     assert warnings, memory.events(run_id)
     first = warnings[0]
-    assert first["type"] == "leading_indicator" and first["details"]["layer"] == "extra", first["message"]
-    assert 300 < first["step"] and failure - first["step"] >= LEAD, (failure, first["message"])
+    assert first["type"] == "leading_indicator" and 300 < first["step"], first["message"]
+    assert failure - first["step"] >= LEAD, (failure, first["message"])
+    return run_id, first
+
+
+def test_adam_lag_warns_when_a_layers_gradients_outgrow_its_second_moment_before_the_spikes(memory) -> None:
+    """The second input stream is near 0 for 300 steps, then grows 5% a step: its layer's gradients grow faster than
+    Adam's exp_avg_sq can follow, long before the loss and gradient spikes that brings."""
+    run_id, first = _waking_inputs(memory, _TwoInputs, 8, 4)
+    assert first["details"]["layer"] == "extra", first["message"]
     lags = memory.series(run_id, "adam_lag/main.0")["adam_lag/main.0"]["values"]
     assert all(0 < v < 20 for v in lags[:30])  # (a layer whose moment keeps up: about 1 or below)
 
@@ -192,23 +203,12 @@ def test_adam_lag_warns_when_one_input_of_a_layer_wakes_before_the_spikes(memory
     """One input of sixteen, near 0 for 300 steps, then growing 5% a step, into the same first layer as the others:
     summed over the layer its gradients are diluted by the fifteen whose moment keeps up, but its own column of the
     weight lags, and says so long before the spikes."""
-    torch.manual_seed(0)
-    teacher = torch.randn(15, 1)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 
-    def batch(step: int) -> tuple[torch.Tensor, ...]:
-        x = torch.randn(32, 15)
-        waking = torch.randn(32, 1) * min(100.0, 1e-3 * 1.05 ** max(0, step - 300))
-        return torch.cat([x, waking], 1), x @ teacher + 0.1 * torch.randn(32, 1)
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
-    run_id = _train(memory, model, optimizer, 550, batch, _mse)
-    failure = _first_failure(memory, run_id)
-    warnings = _warnings(memory, run_id, "adam_lag")
-    assert warnings, memory.events(run_id)
-    first = warnings[0]
-    assert first["details"]["layer"] == "0" and 300 < first["step"], first["message"]
-    assert failure - first["step"] >= LEAD, (failure, first["message"])
+    _, first = _waking_inputs(memory, model, 15, 1)
+    assert first["details"]["layer"] == "0", first["message"]
 
 
 def test_adam_lag_warns_of_a_lag_that_lasts_not_of_a_burst() -> None:
