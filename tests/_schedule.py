@@ -37,6 +37,8 @@ SLOW: dict[str, float] = {
     "tests/test_diagnosis_realcode.py::test_healthy_runs_get_no_warning_and_no_alert": 8,
     "tests/test_leading_indicators.py::test_no_indicator_warns_over_thousands_of_healthy_fp16_steps": 5,
     "tests/test_demo.py::test_demo_trains_an_unstable_run_and_prints_the_dashboard": 6,
+    "tests/test_stop.py::test_every_ddp_rank_raises_stop_requested_after_the_same_step_the_server_fixed": 8,
+    "tests/test_stop.py::test_every_ddp_rank_stops_on_a_critical_event_after_the_same_step": 12,
 }
 
 

@@ -328,7 +328,7 @@ model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 stop_on = os.environ["STOP_ON"]  # "request": rank 0 asks the server; "critical": rank 0's weights turn NaN
 if stop_on == "critical" and rank == 1:
-    os.environ["AMPWATCH_FLUSH_INTERVAL_S"] = "1.0"  # (its sender learns of the NaN later than rank 0's)
+    os.environ["AMPWATCH_FLUSH_INTERVAL_S"] = "0.5"  # (its sender learns of the NaN later than rank 0's)
 run = ampwatch.init("stop", "ddp-" + stop_on, url=server, stop_on=stop_on)
 run.watch(model=model, optimizer=optimizer)
 raised = None
