@@ -377,9 +377,10 @@ def test_run_page_goes_live_again_after_an_answer_that_is_not_a_stream(
 
     ui.open_run(page, url, "bumpy")
     page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
-    page.route("**/api/v1/runs/bumpy/stream*", bad_gateway)
+    refusal = page.expect_response(lambda r: "/runs/bumpy/stream" in r.url and r.status == 502, timeout=10_000)
+    with refusal:  # (the stream's next connection, once its 1 s is over, is refused)
+        page.route("**/api/v1/runs/bumpy/stream*", bad_gateway)
     page.wait_for_selector("#charts[data-live='reconnecting']", timeout=10_000)
-    page.wait_for_timeout(500)
     page.unroute("**/api/v1/runs/bumpy/stream*")
     page.wait_for_selector("#charts[data-live='open']", timeout=10_000)
     ui.post(url, "bumpy", 2, {"loss": {"steps": [2], "values": [0.5]}}, status="running")
