@@ -14,7 +14,8 @@ Three rules, each said once per layer and episode:
   ahead of the moment, but a batch where it happens to be near 0 lets one step fall back; a burst of hard batches
   lifts one or two steps, then the moment absorbs them).
 The update ratio must be high at two interval steps in a row (one hard batch moves a single step's update that
-much).
+much), and at `UPDATE_SHARE` of the layers or more at once (what runs away is the learning rate, which every layer
+follows).
 The last two are `leading_indicator` warnings.
 """
 
@@ -51,6 +52,10 @@ LAG_HIGH, LAG_RECENT = 3, 4  # interval steps at or above the lag's limit, of th
 CLIMB_POINTS = 40
 WARMUP_POINTS = 5  # interval steps of a layer's history before its jumps are judged
 WINDOW = 50  # interval steps in a layer's rolling median
+# Of the layers whose update ratio is judged, the share that must be high at once: a learning rate moves every
+# layer's update with it; one layer alone starts learning (an auxiliary head switched on, gradients that leave Adam's
+# eps), whose ratio rises from almost nothing (bench/foresight.py: the look-alikes moved 1-2 layers of 10).
+UPDATE_SHARE = 0.5
 
 
 class Leading:
@@ -139,6 +144,7 @@ class Leading:
     # -- jumps against a layer's own history ---------------------------------------------------
     def _jump(self, step: int, prefix: str, layers: dict[str, float]) -> list[Event]:
         jumps: list[tuple[float, str, float, float]] = []
+        judged = highs = 0
         for layer, value in layers.items():
             if value != value:  # (NaN: the step's own series tell what went wrong)
                 continue
@@ -157,6 +163,9 @@ class Leading:
                 climb = self._climbs.setdefault(layer, deque(maxlen=CLIMB_POINTS))
                 climb.append((step, value))
                 high = high or (len(climb) == CLIMB_POINTS and _growth(climb) >= UPDATE_FACTOR)
+            if seen > WARMUP_POINTS and usual > 0:
+                judged += 1
+                highs += high
             if key in self._warned:
                 if value < limit / 3 and not high:  # (back near its usual level: a later jump is a new episode)
                     del self._warned[key]
@@ -170,8 +179,8 @@ class Leading:
                     self._lag_highs.setdefault(layer, deque(maxlen=LAG_RECENT)).append(False)
             if 0 < value < math.inf:  # (a layer not updated at a step says nothing of its usual)
                 median.add(value)
-        if not jumps:
-            return []
+        if not jumps or (prefix == UPDATE and highs < UPDATE_SHARE * judged):
+            return []  # (the update ratio: too few layers moved for a learning rate's doing)
         jumps.sort(reverse=True)
         times, layer, value, usual = jumps[0]
         for _, other, other_value, _ in jumps:
@@ -182,9 +191,10 @@ class Leading:
             message = (
                 f"Update-to-weight ratio of `{layer}` jumped or climbed steadily to {value:.3g} at step {step}, "
                 f"{times:.0f}× its usual {usual:.3g}: this step changed the layer's parameters by {value:.1%} of their "
-                "norm. An order of magnitude more than before, at once or along a steady climb, usually means a "
-                "learning rate that is now too high (a schedule, a restart) or gradients that grew; a divergence or a "
-                f"loss spike tends to follow. Check the learning rate and the gradient norm.{also}"
+                f"norm ({highs} of {judged} layers rose as much). An order of magnitude more than before in most "
+                "layers at once, or along a steady climb, usually means a learning rate that is now too high (a "
+                "schedule, a restart) or gradients that grew; a divergence or a loss spike tends to follow. "
+                f"Check the learning rate and the gradient norm.{also}"
             )
         else:
             if usual > 0 and value < math.inf:
@@ -202,7 +212,8 @@ class Leading:
                 f"Adam's second moment lags behind `{layer}`'s gradients at step {step}: {how}. This is the "
                 "mechanism behind many loss spikes, which follow within a few steps. Lower the learning rate or "
                 "beta2 (0.95 keeps up faster), clip the gradients, or look at what woke this layer (or one of its "
-                f"inputs) up.{also}"
+                "inputs) up. A loss term just switched on or reweighted changes the gradients' scale the same way "
+                f"once; Adam's moment then catches up over ~1/(1 - beta2) steps, and no spike need follow.{also}"
             )
         details = {
             "indicator": prefix,

@@ -149,6 +149,66 @@ def _mse(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return ((out - inputs[1]) ** 2).mean()
 
 
+def test_update_ratio_is_quiet_when_one_layer_of_several_starts_learning(memory) -> None:
+    """An auxiliary head whose loss weight warms up from ~1e-13 (a sigmoid): its gradients leave Adam's eps and its
+    update ratio jumps more than an order of magnitude against its own history, alone. A learning rate moves every
+    layer's update; one layer alone is no warning."""
+    torch.manual_seed(0)
+    teacher = torch.randn(8, 1)
+
+    class Heads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+            self.head, self.aux = torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.body(x)
+            return torch.cat([self.head(hidden), self.aux(hidden)], 1)
+
+    model = Heads()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    steps = iter(range(10**9))
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(32, 8)
+        return x, x @ teacher + 0.3 * torch.randn(32, 1), (x[:, :1] > 0).float()
+
+    def loss_of(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        weight = 1 / (1 + math.exp(-(next(steps) - 300) / 10))
+        aux = torch.nn.functional.binary_cross_entropy_with_logits(out[:, 1:], inputs[2])
+        return ((out[:, :1] - inputs[1]) ** 2).mean() + weight * aux
+
+    run_id = _train(memory, model, optimizer, 600, batch, loss_of)
+    ratios = memory.series(run_id, "update_ratio/aux")["update_ratio/aux"]["values"]
+    assert max(ratios[15:]) > 10 * sorted(ratios[5:12])[3], ratios  # (the look-alike is there: one layer jumped)
+    assert not _warnings(memory, run_id, "update_ratio"), [e["message"] for e in memory.events(run_id)]
+
+
+def test_update_ratio_warns_when_most_layers_jump_together() -> None:
+    """The same jump in one layer of four is no warning; in three of four it is, naming the largest."""
+    from ampwatch._leading import Leading
+
+    def warned(jumping: int) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        leading = Leading(
+            lambda step, kind, severity, message, details: {"step": step, "message": message, "details": details}
+        )
+        for i in range(40):
+            noise = 1.3 if i % 3 == 0 else 0.8 if i % 3 == 1 else 1.0
+            columns = {
+                f"update_ratio/l{n}": ([10 * i], [1e-4 * noise * ((20 + n) if n < jumping and i >= 20 else 1)])
+                for n in range(4)
+            }
+            events += leading.observe_columns(columns)
+        return events
+
+    assert warned(1) == []
+    events = warned(3)
+    assert [e["step"] for e in events] == [210], events  # (two interval steps in a row)
+    assert events[0]["details"]["layers"] == ["l2", "l1", "l0"] and "3 of 4 layers" in events[0]["message"]
+
+
 # -- Adam's second-moment lag --------------------------------------------------------------------------------------
 
 
