@@ -8,10 +8,12 @@ reduced on the device, one scalar per module or parameter, and handed over as on
   only during that step;
 - `update_ratio/<module>`: ||Δθ|| / ||θ|| of the module's parameters over the optimizer step: a copy of the
   parameters taken in an optimizer pre-step hook (present only during that step), subtracted in place after it;
-- `adam_lag/<module>`: for Adam-family optimizers, how far the step's squared gradients exceed the second moment
-  `exp_avg_sq` had before the step (bias-corrected), over the module (two `_foreach_norm`s over gradients and
-  `exp_avg_sq`) or over one column of a weight (its input), the larger: a column's sums per parameter of two
-  dimensions or more, reduced to their largest ratio.
+- `adam_lag/<module>`: for Adam-family optimizers, how far the squared gradients ran ahead of the second moment
+  `exp_avg_sq` (bias-corrected) they are divided by, on average over the steps since the last interval step: read
+  from how much the moment grew over them (each step multiplies it by beta2 plus (1 - beta2) times that step's lag),
+  so every step's gradients count, not one batch's. Over the module (one `_foreach_norm` of `exp_avg_sq`, its sum)
+  or over one column of a weight (its input) that was (nearly) silent at the last interval step, the larger: a
+  weight's column sums are kept on the device from one interval step to the next (one float per input).
 
 No value is read here: the sender copies them with the step's other tensors and decodes them (`decode`); the
 diagnosis judges the series (`ampwatch._leading`). Between interval steps nothing of this is in place.
@@ -30,6 +32,9 @@ from ampwatch._origin import _first_float_tensor, compiled_wrapper, wrapped
 from ampwatch._protocol import INDICATORS, MAX_NAME
 from ampwatch._steps import Points, _series
 
+# A column whose second moment is below this share of its weight's mean column's was (nearly) silent: its lag is an
+# input that wakes. Active columns lag together when the gradients' scale changes (the layer's own lag says so).
+DORMANT = 0.01
 MAX_VALUES = 10_000  # forwards without an optimizer step (evaluation) must not grow the list forever
 
 
@@ -52,6 +57,7 @@ class Indicators:
         "_names",
         "_fp16",
         "_before",
+        "_then",
         "_torch",
         "_norms",
         "_graph_task",
@@ -94,7 +100,9 @@ class Indicators:
         self._values: list[Any] = []  # the forward hooks' maxima (0-d float32 tensors), in call order
         self._names: list[str] = []  # and their modules
         self._fp16: set[str] = set()  # modules that output fp16 in this step
-        self._before: dict[int, tuple[Any, list[Any], list[Any], Any]] = {}  # optimizer -> (it, params, copies, scale)
+        self._before: dict[int, tuple[Any, list[Any], list[Any]]] = {}  # optimizer -> (it, params, copies)
+        # Per Adam parameter at the last interval step: its exp_avg_sq summed, per column (2+ dimensions), its step
+        self._then: dict[int, tuple[Any, Any, Any]] = {}
         self._graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
     def arm_for(self, step: int) -> None:
@@ -137,8 +145,8 @@ class Indicators:
                     fp16 = frozenset(self._fp16)
                     if fp16 != self._mailbox.fp16_layers:
                         self._mailbox.fp16_layers = fp16  # (replaced whole: the sender reads one or the other)
-                for optimizer, params, copies, scale in self._before.values():
-                    parts.extend(self._after_step(optimizer, params, copies, scale))
+                for optimizer, params, copies in self._before.values():
+                    parts.extend(self._after_step(optimizer, params, copies))
         except Exception:  # (never into the loop, nor in the way of the step's end: this step's indicators are lost)
             report(self.end_of_step)
             parts = []
@@ -180,18 +188,16 @@ class Indicators:
             return
         with self._torch.no_grad():
             copies = list(self._torch._foreach_mul(params, 1.0))
-        # A fused optimizer under GradScaler takes the scale and unscales inside its kernel: the gradients stay scaled.
-        self._before[id(optimizer)] = (optimizer, params, copies, kwargs.get("grad_scale") if kwargs else None)
+        self._before[id(optimizer)] = (optimizer, params, copies)
 
-    def _after_step(self, optimizer: Any, params: list[Any], copies: list[Any], scale: Any) -> list[tuple]:
+    def _after_step(self, optimizer: Any, params: list[Any], copies: list[Any]) -> list[tuple]:
         torch, norms = self._torch, self._norms
         modules = self._modules(params)
         torch._foreach_sub_(copies, params)  # (the copy becomes before - after, in place: no second copy)
         parts: list[tuple] = [(UPDATE, modules, [*norms(copies), *norms(params)], 2 * len(params), None)]
-        # Adam's second moment: the squared gradient norm and the sum of exp_avg_sq of each parameter after the step,
-        # with the group's beta2 and the step count (the sender recovers the moment before the step from them).
-        grads, moments, names, betas, counts = [], [], [], [], []
-        sliced: list[int] = []  # (index in grads) of the parameters of 2 dimensions or more: their columns' lags too
+        # Adam's second moment: each parameter's exp_avg_sq summed now and at the last interval step, with the group's
+        # beta2 and both step counts (the sender recovers the interval's lag from them, see `_lags`).
+        held_by, moments = [], []
         state = optimizer.state
         index = {id(p): i for i, p in enumerate(params)}
         for group in optimizer.param_groups:
@@ -201,28 +207,40 @@ class Indicators:
             count = None
             for p in group["params"]:
                 held = state.get(p) if id(p) in index else None
-                grad = p.grad
-                if not held or "exp_avg_sq" not in held or grad is None or grad.is_sparse or p.is_complex():
+                if not held or "exp_avg_sq" not in held or p.grad is None or p.grad.is_sparse or p.is_complex():
                     continue
                 if count is None:
                     step = held.get("step")
                     count = step.detach().clone() if isinstance(step, torch.Tensor) else float(step or 0)
-                    counts.append(count)
-                grads.append(grad)
+                held_by.append((p, beta[1], count))
                 moments.append(held["exp_avg_sq"])
-                names.append(modules[index[id(p)]])
-                betas.append((beta[1], len(counts) - 1))
-                if grad.dim() >= 2:
-                    sliced.append(len(grads) - 1)
-        if grads:
-            squares = norms(grads)
-            if scale is not None:
-                squares = torch._foreach_div(squares, scale)
-            tensors = [*squares, *torch._foreach_norm(moments, 1)]
-            tensors += [_column_lag(torch, grads[i], moments[i], betas[i][0], scale) for i in sliced]
-            tensor_counts = [c for c in counts if isinstance(c, torch.Tensor)]
-            count = 2 * len(grads) + len(sliced) + len(tensor_counts)
-            parts.append((LAG, names, tensors + tensor_counts, count, (betas, counts, sliced)))
+        if not moments:
+            return parts
+        then, kept = self._then, {}
+        names, betas, nows, thens, columns, counts = [], [], [], [], [], []
+        at: dict[int, int] = {}  # id(count) -> index in counts
+        for (p, beta2, count), moment, total in zip(held_by, moments, torch._foreach_norm(moments, 1)):
+            sums = _column_sums(moment) if moment.dim() >= 2 else None
+            kept[id(p)] = (total, sums, count)
+            if id(p) not in then:
+                continue
+            total_then, sums_then, count_then = then[id(p)]
+            for c in (count, count_then):
+                at.setdefault(id(c), len(counts))
+                if len(counts) == at[id(c)]:
+                    counts.append(c)
+            names.append(modules[index[id(p)]])
+            betas.append((beta2, at[id(count)], at[id(count_then)]))
+            nows.append(total)
+            thens.append(total_then)
+            if sums is not None and sums_then is not None and sums.shape == sums_then.shape:
+                columns.append((len(names) - 1, _column_growth(torch, sums, sums_then)))
+        self._then = kept
+        if names:
+            read = [c for c in counts if isinstance(c, torch.Tensor)]
+            tensors = [*nows, *thens, *(t for _, t in columns), *read]
+            extra = (betas, [c if isinstance(c, float) else None for c in counts], [i for i, _ in columns])
+            parts.append((LAG, names, tensors, len(tensors), extra))
         return parts
 
     def _modules(self, params: list[Any]) -> list[str]:
@@ -230,22 +248,23 @@ class Indicators:
         return [module_of.get(id(p), "(unnamed)") for p in params]
 
 
-def _column_lag(torch: Any, grad: Any, moment: Any, beta2: float, scale: Any) -> Any:
-    """The largest lag of a weight's columns (dim 1: its inputs, a convolution's input channels), before the bias
-    correction: per column, S / (V - (1 - beta2) S) with S the sum of its squared gradients and V of its `exp_avg_sq`
-    after the step. An input that wakes up (a feature, a channel near 0 that grows) lags in its own column while the
-    rest of the layer, summed with it, keeps up. A 0-d float32 tensor, from temporaries only (one parameter at a
-    time)."""
-    squares = grad.detach().float().square()
-    if scale is not None:  # (a fused optimizer's gradients stay scaled)
-        squares = squares.div_(scale.float().square())
+def _column_sums(moment: Any) -> Any:
+    """A weight's exp_avg_sq summed per column (dim 1: its inputs; a convolution's input channels, its kernel summed),
+    in float32: a temporary of one float per input."""
     moment = moment.detach().float()
-    if squares.dim() > 2:  # (a convolution's kernel: its spatial dims are summed first)
-        squares, moment = squares.flatten(2).sum(2), moment.flatten(2).sum(2)
-    s = squares.sum(0)
-    before = moment.sum(0).sub_(s, alpha=1.0 - beta2)
-    lag = torch.where(before > 0, s / before, math.inf)
-    return torch.where(s > 0, lag, 0.0).max()
+    if moment.dim() > 2:
+        moment = moment.flatten(2).sum(2)
+    return moment.sum(0)
+
+
+def _column_growth(torch: Any, now: Any, then: Any) -> Any:
+    """The largest growth of a column's second moment (`now` / `then`, the column sums) over the interval, among the
+    columns that were (nearly) silent at its start (below `DORMANT` of the mean column): an input that wakes lags in
+    its own column while the rest of the layer, summed with it, keeps up. 0 when none was silent; a 0-d float32
+    tensor."""
+    growth = torch.where(then > 0, now / then, math.inf)
+    silent = (then < DORMANT * then.mean()) & (now > 0)
+    return torch.where(silent, growth, 0.0).max()
 
 
 # -- the sender's side ------------------------------------------------------------------
@@ -292,31 +311,40 @@ def _updates(names: list[str], values: list[float], extra: Any) -> dict[str, flo
 
 
 def _lags(names: list[str], values: list[float], extra: Any) -> dict[str, float]:
-    """Per layer, the sum of squared gradients over the sum of `exp_avg_sq` before the step, bias-corrected:
-    V_before = (V_after - (1 - beta2) G) / beta2, corrected by 1 - beta2^(step - 1); or the same of one column of
-    its weights (see `_column_lag`), where that is larger."""
+    """Per layer, the interval's lag (`_interval_lag`) of the sum of its exp_avg_sq, or of one of its weights' columns
+    that was silent (see `_column_growth`), the larger."""
     betas, counts, sliced = extra
     n, k = len(names), len(sliced)
     read = iter(values[2 * n + k :])
-    steps = [c if isinstance(c, float) else float(next(read)) for c in counts]
+    steps = [float(next(read)) if c is None else c for c in counts]
     columns = dict(zip(sliced, values[2 * n : 2 * n + k]))
     sums: dict[str, list[float]] = {}
-    for i, (name, norm, moment, (beta2, which)) in enumerate(zip(names, values[:n], values[n : 2 * n], betas)):
-        held = sums.setdefault(name, [0.0, 0.0, beta2, steps[which], 0.0])
-        held[0] += float(norm) ** 2
-        held[1] += float(moment)
-        if i in columns:  # (its columns' raw ratio; the bias correction is the parameter's, as the step count is)
-            ratio = float(columns[i])
-            correction = beta2 * (1.0 - beta2 ** (steps[which] - 1))
-            held[4] = max(held[4], ratio * correction if ratio == ratio else math.inf)
+    for i, (name, now, then, (beta2, at_now, at_then)) in enumerate(zip(names, values[:n], values[n : 2 * n], betas)):
+        held = sums.setdefault(name, [0.0, 0.0, beta2, steps[at_then], steps[at_now], 0.0])
+        held[0] += float(now)
+        held[1] += float(then)
+        if i in columns:
+            held[5] = max(held[5], _interval_lag(float(columns[i]), beta2, steps[at_then], steps[at_now]))
     lags: dict[str, float] = {}
-    for name, (squares, after, beta2, step, column) in sums.items():
-        if step < 2 or not 0.0 < beta2 < 1.0:  # (before the first step there is no moment to lag behind)
+    for name, (now, then, beta2, step_then, step_now, column) in sums.items():
+        if step_now <= step_then or not 0.0 < beta2 < 1.0:  # (no step in between: nothing to tell)
             continue
-        before = (after - (1.0 - beta2) * squares) / beta2 / (1.0 - beta2 ** (step - 1))
-        whole = 0.0 if squares == 0 else squares / before if before > 0 else math.inf
-        lags[name] = max(whole, column)
+        growth = now / then if then > 0 else math.inf if now > 0 else 0.0
+        lags[name] = max(_interval_lag(growth, beta2, step_then, step_now), column)
     return lags
+
+
+def _interval_lag(growth: float, beta2: float, then: float, now: float) -> float:
+    """How far Adam's squared gradients ran ahead of the bias-corrected second moment they are divided by, on average
+    over steps `then` + 1 … `now`, from how much the moment grew over them (`growth`: its sum after step `now` over
+    that after step `then`). A step j with lag L multiplies the bias-corrected moment by
+    (beta2 - beta2^j + (1 - beta2) L) / (1 - beta2^j); solved for L at the interval's geometric mean growth, with j
+    its middle step. 1 for gradients of a steady size, ~1 + r / (1 - beta2) for squares that grow by r a step."""
+    if growth != growth or growth == math.inf:
+        return growth
+    per_step = (growth * (1.0 - beta2**then) / (1.0 - beta2**now)) ** (1.0 / (now - then))
+    middle = beta2 ** ((then + now + 1.0) / 2.0)
+    return max(0.0, (per_step * (1.0 - middle) - beta2 + middle) / (1.0 - beta2))
 
 
 _DECODERS: dict[str, Callable[[list[str], list[float], Any], dict[str, float]]] = {

@@ -338,15 +338,59 @@ def test_no_indicator_warns_over_thousands_of_healthy_bf16_steps(memory) -> None
 # -- the values ------------------------------------------------------------------------------------------------------
 
 
+def _interval_lag(growth: float, beta2: float, then: float, now: float) -> float:
+    """Adam's lag over steps then+1 … now from its bias-corrected moment's growth: the L with which
+    (beta2 - beta2^j + (1 - beta2) L) / (1 - beta2^j), at the middle step j, multiplied over the steps gives it."""
+    corrected = growth * (1 - beta2**then) / (1 - beta2**now)
+    j = beta2 ** ((then + now + 1) / 2)
+    return max(0.0, (corrected ** (1 / (now - then)) * (1 - j) - beta2 + j) / (1 - beta2))
+
+
+def test_adams_lag_over_an_interval_is_how_far_the_squared_gradients_ran_ahead() -> None:
+    """Adam's moment driven by known squared gradients: of a steady size, the interval's lag is 1 (exactly, from the
+    first steps on); growing by r a step, it is what the moment cannot follow, ~(e^r - beta2) / (1 - beta2); after a
+    jump of 100x, it says so at once and falls as the moment catches up."""
+    from ampwatch._indicators import _interval_lag as lag
+
+    def moments(squares: list[float], beta2: float) -> list[float]:
+        v, out = 0.0, [0.0]
+        for g2 in squares:
+            v = beta2 * v + (1 - beta2) * g2
+            out.append(v)  # (out[n]: after step n)
+        return out
+
+    steady = moments([4.0] * 60, 0.999)
+    assert lag(steady[11] / steady[1], 0.999, 1, 11) == pytest.approx(1.0, rel=1e-9)
+    assert lag(steady[60] / steady[50], 0.999, 50, 60) == pytest.approx(1.0, rel=1e-9)
+    growing = moments([1.05 ** (2 * j) for j in range(1, 3001)], 0.99)  # (long enough for the bias correction to go)
+    assert lag(growing[3000] / growing[2990], 0.99, 2990, 3000) == pytest.approx((1.05**2 - 0.99) / 0.01, rel=1e-6)
+    jump = moments([1.0] * 2000 + [100.0] * 500, 0.999)
+    lags = [lag(jump[n + 10] / jump[n], 0.999, n, n + 10) for n in (1990, 2000, 2100, 2490)]
+    assert lags[0] == pytest.approx(1.0, rel=1e-6) and lags[1] > 50 and lags[1] > lags[2] > lags[3] > 1
+
+
+def test_a_columns_lag_counts_only_for_an_input_that_was_silent() -> None:
+    """A weight's column whose second moment was far below its weight's other columns' (an input that wakes) lags on
+    its own; an active column's growth, however large, is the layer's to say."""
+    from ampwatch._indicators import _column_growth
+
+    now = torch.tensor([30.0, 1.0, 5e-3])
+    assert _column_growth(torch, now, torch.tensor([1.0, 1.0, 1e-4])).item() == pytest.approx(50.0)
+    assert _column_growth(torch, now, torch.tensor([1.0, 1.0, 1.0])).item() == 0.0
+    assert _column_growth(torch, torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0])).item() == 0.0  # (a dead input)
+    assert _column_growth(torch, torch.tensor([1.0, 1e-3]), torch.tensor([1.0, 0.0])).item() == math.inf
+
+
 def test_the_indicators_are_the_values_they_name(memory) -> None:
     """At an interval step, computed here by hand from the same loop: each leaf's largest output over 65 504, each
-    layer's ||Δθ||/||θ||, and its squared gradients over Adam's bias-corrected exp_avg_sq before the step (the
-    layer's whole, or a weight's column where that is larger)."""
+    layer's ||Δθ||/||θ||, and Adam's lag over the interval from its exp_avg_sq's growth since the interval step before
+    (the layer's whole, or a weight's column that was silent then, where that is larger)."""
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
     largest: dict[str, float] = {}
     expected: dict[str, float] = {}
+    moments: dict[int, dict[str, tuple[float, list[torch.Tensor], float]]] = {}  # step -> layer -> (sum, columns, n)
 
     def track(name: str) -> Callable[..., None]:
         def hook(module: Any, args: Any, output: torch.Tensor) -> None:
@@ -356,44 +400,45 @@ def test_the_indicators_are_the_values_they_name(memory) -> None:
 
     for name, module in model.named_children():
         module.register_forward_hook(track(name))
+    layers = {"0": model[0], "2": model[2]}
     with ampwatch.init("leading", transport=memory) as run:
         run.watch(model=model, optimizer=optimizer)
         for step in range(21):
             largest.clear()
             for micro in range(2):  # (two micro-batches: the largest of both forwards)
-                model(torch.randn(4, 8) * (1 + micro)).pow(2).mean().backward()
+                inputs = torch.randn(4, 8) * (1 + micro)
+                inputs[:, 0] *= 1 if step >= 15 else 0.05  # (an input near silent until step 15: its column wakes)
+                model(inputs).pow(2).mean().backward()
             if step == 20:
-                before = {n: [p.detach().clone() for p in m.parameters()] for n, m in model.named_children()}
-                moments = {
-                    n: sum(optimizer.state[p]["exp_avg_sq"].sum().item() for p in m.parameters())
-                    for n, m in model.named_children()
-                }
-                squares = {
-                    n: sum(p.grad.pow(2).sum().item() for p in m.parameters()) for n, m in model.named_children()
-                }
-                bias = 1 - 0.99 ** optimizer.state[model[0].weight]["step"].item()
-                # A weight's columns (its inputs), each its own lag: the largest counts.
-                columns = {
-                    n: max(
-                        (
-                            (p.grad.pow(2).sum(0) / (optimizer.state[p]["exp_avg_sq"].sum(0) / bias)).max().item()
-                            for p in m.parameters()
-                            if p.dim() >= 2
-                        ),
-                        default=0.0,
-                    )
-                    for n, m in model.named_children()
-                }
+                before = {n: [p.detach().clone() for p in m.parameters()] for n, m in layers.items()}
             optimizer.step()
             optimizer.zero_grad()
-        for name, module in model.named_children():
+            if step in (10, 20):
+                moments[step] = {
+                    n: (
+                        sum(optimizer.state[p]["exp_avg_sq"].sum().item() for p in m.parameters()),
+                        [optimizer.state[p]["exp_avg_sq"].sum(0) for p in m.parameters() if p.dim() >= 2],
+                        optimizer.state[m.weight]["step"].item(),
+                    )
+                    for n, m in layers.items()
+                }
+        for name in largest:
             expected[f"fp16_range/{name}"] = largest[name] / 65504
-            if name == "1":
-                continue
+        for name, module in layers.items():
             delta = sum((a - p.detach()).pow(2).sum().item() for a, p in zip(before[name], module.parameters()))
             weight = sum(p.detach().pow(2).sum().item() for p in module.parameters())
             expected[f"update_ratio/{name}"] = math.sqrt(delta) / math.sqrt(weight)
-            expected[f"adam_lag/{name}"] = max(squares[name] / (moments[name] / bias), columns[name])
+            (then, columns_then, n_then), (now, columns_now, n_now) = moments[10][name], moments[20][name]
+            whole = _interval_lag(now / then, 0.99, n_then, n_now)
+            silent = [
+                _interval_lag(float(b / a), 0.99, n_then, n_now)
+                for a_all, b_all in zip(columns_then, columns_now)
+                for a, b in zip(a_all, b_all)
+                if a < 0.01 * a_all.mean()
+            ]
+            expected[f"adam_lag/{name}"] = max([whole, *silent])
+            if name == "0":
+                assert silent and max(silent) > 10 * whole  # (the waking column, not the layer, counts)
     series = memory.series(run.id)
     for name, value in expected.items():
         steps, values = series[name]["steps"], series[name]["values"]

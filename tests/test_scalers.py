@@ -199,8 +199,8 @@ def test_grad_norm_is_the_true_norm_whether_or_not_the_clip_can_be_reused(
     assert min(expected) > 1e-2  # so a norm of the clipped gradients would fail the comparison
     # Per step, one norm is this test's and one the clip's; the agent adds its own only where it cannot reuse the
     # clip's, and on its per-layer and parameter-check steps (0, 50 and 0, 50 here) whatever happens, where the
-    # leading indicators take four more (the update's and the weights' norms, Adam's squared gradients and moments).
-    assert len(calls) == 2 * 60 + (4 if how == "module attribute" else 60 + 2) + 2 * 4
+    # leading indicators take three more (the update's and the weights' norms, the sums of Adam's moments).
+    assert len(calls) == 2 * 60 + (4 if how == "module attribute" else 60 + 2) + 2 * 3
 
 
 def test_a_param_group_added_mid_run_that_the_clip_does_not_cover_loses_no_norm(memory) -> None:
