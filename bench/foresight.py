@@ -25,7 +25,7 @@ minus the warning's. A false warning is any indicator's warning on a healthy run
 one. Target (issue "foresight"): every lead >= 50 steps, no false warning; the script exits 1 when it is not met.
 Runs are seeded: the table repeats on one machine.
 
-    python bench/foresight.py            # the documented table: 3 seeds per scenario
+    python bench/foresight.py            # the documented table: 6 seeds per scenario (~10 min)
     python bench/foresight.py --quick    # the first scenario of each indicator, one seed (a smoke test)
 """
 
@@ -490,7 +490,7 @@ def summary(outcomes: list[Outcome], indicators: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per scenario (default 3)")
+    parser.add_argument("--seeds", type=int, default=6, help="seeds per scenario (default 6)")
     parser.add_argument("--quick", action="store_true", help="one seed of the first scenario of each indicator")
     parser.add_argument("--only", choices=(RANGE, UPDATE, LAG), help="one indicator's scenarios")
     args = parser.parse_args(argv)
