@@ -217,7 +217,8 @@ class Indicators:
         if not moments:
             return parts
         then, kept = self._then, {}
-        names, betas, nows, thens, columns, counts = [], [], [], [], [], []
+        names, betas, nows, thens, columns = [], [], [], [], []
+        counts: list[Any] = []  # the step counts (floats, or tensors the sender reads), each once
         at: dict[int, int] = {}  # id(count) -> index in counts
         for (p, beta2, count), moment, total in zip(held_by, moments, torch._foreach_norm(moments, 1)):
             sums = _column_sums(moment) if moment.dim() >= 2 else None
@@ -235,7 +236,7 @@ class Indicators:
             thens.append(total_then)
             if sums is not None and sums_then is not None and sums.shape == sums_then.shape:
                 columns.append((len(names) - 1, _column_growth(torch, sums, sums_then)))
-        self._then = kept
+        self._then.update(kept)  # (each optimizer its own parameters)
         if names:
             read = [c for c in counts if isinstance(c, torch.Tensor)]
             tensors = [*nows, *thens, *(t for _, t in columns), *read]

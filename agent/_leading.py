@@ -8,11 +8,11 @@ Three rules, each said once per layer and episode:
   and nothing overflows at 65 504);
 - update ratio: ||Δθ||/||θ|| of a layer at `UPDATE_FACTOR` times its own median (an order of magnitude) or more,
   or grown `UPDATE_FACTOR`× along a steady climb over the last `CLIMB_POINTS` interval steps (see `_growth`);
-- Adam's second-moment lag: a layer's squared gradients (or one input column's) at `LAG_FACTOR` times its own usual
-  lag and `LAG_FLOOR` times the second moment Adam divides them by (its updates are then ~sqrt of that larger than
-  Adam's usual step), at `LAG_HIGH` of its last `LAG_RECENT` interval steps (an input that keeps growing stays
-  ahead of the moment, but a batch where it happens to be near 0 lets one step fall back; a burst of hard batches
-  lifts one or two steps, then the moment absorbs them).
+- Adam's second-moment lag: a layer's squared gradients (or one silent input column's), over the interval, at
+  `LAG_FACTOR` times its own usual lag and `LAG_FLOOR` times the second moment Adam divides them by (its updates
+  are then ~sqrt of that larger than Adam's usual step), at `LAG_HIGH` of its last `LAG_RECENT` interval steps (an
+  input that keeps growing stays ahead of the moment interval after interval; a burst of hard batches lifts one or
+  two, then the moment absorbs them).
 The update ratio must be high at two interval steps in a row (one hard batch moves a single step's update that
 much), and at `UPDATE_SHARE` of the layers or more at once (what runs away is the learning rate, which every layer
 follows).
@@ -199,14 +199,15 @@ class Leading:
         else:
             if usual > 0 and value < math.inf:
                 how = (
-                    f"their squares are {value:.3g}× the exp_avg_sq Adam divides them by ({times:.0f}× this layer's "
-                    f"usual {usual:.3g}), so they are ~{math.sqrt(value):.0f}× the scale Adam normalizes them to"
+                    f"over the last interval their squares averaged {value:.3g}× the exp_avg_sq Adam divides them by "
+                    f"({times:.0f}× this layer's usual {usual:.3g}), so they are ~{math.sqrt(value):.0f}× the scale "
+                    "Adam normalizes them to"
                 )
             else:
                 how = (
                     f"their squares are {value:.3g}× the exp_avg_sq Adam divides them by, which had (almost) nothing "
-                    "in it: the layer had no gradient before, so Adam's first updates to it are several times the "
-                    "learning rate in every coordinate at once"
+                    "in it: the layer (or one of its inputs) had no gradient before, so Adam's first updates to it are "
+                    "several times the learning rate in every coordinate at once"
                 )
             message = (
                 f"Adam's second moment lags behind `{layer}`'s gradients at step {step}: {how}. This is the "

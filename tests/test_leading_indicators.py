@@ -338,6 +338,25 @@ def test_no_indicator_warns_over_thousands_of_healthy_bf16_steps(memory) -> None
 # -- the values ------------------------------------------------------------------------------------------------------
 
 
+def test_adams_lag_is_taken_for_each_of_several_optimizers(memory) -> None:
+    """Two Adam optimizers, one per layer (as a GAN's or a body-and-head split has): each layer's lag every interval
+    step after its first, each against its own moment."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizers = [torch.optim.Adam(model[0].parameters()), torch.optim.Adam(model[2].parameters())]
+    with ampwatch.init("leading", transport=memory) as run:
+        run.watch(model=model, optimizer=optimizers)
+        for _ in range(41):
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    series = memory.series(run.id)
+    for layer in ("0", "2"):  # (from the interval step after the first that took the layer's update)
+        assert series[f"adam_lag/{layer}"]["steps"] == series[f"update_ratio/{layer}"]["steps"][1:] != [], layer
+        assert all(0 < v < 20 for v in series[f"adam_lag/{layer}"]["values"]), series[f"adam_lag/{layer}"]
+
+
 def _interval_lag(growth: float, beta2: float, then: float, now: float) -> float:
     """Adam's lag over steps then+1 … now from its bias-corrected moment's growth: the L with which
     (beta2 - beta2^j + (1 - beta2) L) / (1 - beta2^j), at the middle step j, multiplied over the steps gives it."""
