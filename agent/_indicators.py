@@ -179,9 +179,9 @@ class Indicators:
         self._names.append(name)
 
     def _guarded_before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        guarded(self._before_step, optimizer, args, kwargs)
+        guarded(self._before_step, optimizer)
 
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _before_step(self, optimizer: Any) -> None:
         """The optimizer is about to step (so GradScaler found its gradients finite): copy what it updates."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not params:
@@ -216,19 +216,19 @@ class Indicators:
                 moments.append(held["exp_avg_sq"])
         if not moments:
             return parts
-        then, kept = self._then, {}
         names, betas, nows, thens, columns = [], [], [], [], []
         counts: list[Any] = []  # the step counts (floats, or tensors the sender reads), each once
         at: dict[int, int] = {}  # id(count) -> index in counts
         for (p, beta2, count), moment, total in zip(held_by, moments, torch._foreach_norm(moments, 1)):
             sums = _column_sums(moment) if moment.dim() >= 2 else None
-            kept[id(p)] = (total, sums, count)
-            if id(p) not in then:
+            previous = self._then.get(id(p))
+            self._then[id(p)] = (total, sums, count)
+            if previous is None:
                 continue
-            total_then, sums_then, count_then = then[id(p)]
+            total_then, sums_then, count_then = previous
             for c in (count, count_then):
-                at.setdefault(id(c), len(counts))
-                if len(counts) == at[id(c)]:
+                if id(c) not in at:
+                    at[id(c)] = len(counts)
                     counts.append(c)
             names.append(modules[index[id(p)]])
             betas.append((beta2, at[id(count)], at[id(count_then)]))
@@ -236,7 +236,6 @@ class Indicators:
             thens.append(total_then)
             if sums is not None and sums_then is not None and sums.shape == sums_then.shape:
                 columns.append((len(names) - 1, _column_growth(torch, sums, sums_then)))
-        self._then.update(kept)  # (each optimizer its own parameters)
         if names:
             read = [c for c in counts if isinstance(c, torch.Tensor)]
             tensors = [*nows, *thens, *(t for _, t in columns), *read]

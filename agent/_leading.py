@@ -163,7 +163,7 @@ class Leading:
                 climb = self._climbs.setdefault(layer, deque(maxlen=CLIMB_POINTS))
                 climb.append((step, value))
                 high = high or (len(climb) == CLIMB_POINTS and _growth(climb) >= UPDATE_FACTOR)
-            if seen > WARMUP_POINTS and usual > 0:
+            if prefix == UPDATE and seen > WARMUP_POINTS and usual > 0:
                 judged += 1
                 highs += high
             if key in self._warned:
