@@ -190,8 +190,10 @@ class StepEnd:
             _scaler.route_clipping(self, self.on_clipped)
 
 
-def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[..., Any]], Callable[..., None]]:
-    """The lean path's wrappers of `scaler` and its clip listener, for steps of the optimizer `steady` that keep
+def _lean_hooks(
+    rec: Any, scaler: Any, lean_optimizer: Any
+) -> tuple[dict[str, Callable[..., Any]], Callable[..., None]]:
+    """The lean path's wrappers of `scaler` and its clip listener, for steps of `lean_optimizer` that keep
     the pattern (the state they keep is `rec`'s own, as its full methods would leave it). Their parameters are
     named as GradScaler's: a loop may pass them by keyword."""
     cls = type(scaler)
@@ -216,7 +218,7 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
 
     def unscale_(optimizer: Any) -> None:
         if (
-            optimizer is not steady or optimizer.param_groups is not groups or len(groups) != group_count
+            optimizer is not lean_optimizer or optimizer.param_groups is not groups or len(groups) != group_count
         ):  # (see ClipTracking.still_covers)
             leave()
             return scaler.unscale_(optimizer)
@@ -255,7 +257,12 @@ def _lean_hooks(rec: Any, scaler: Any, steady: Any) -> tuple[dict[str, Callable[
 
     def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # The stage before step() is UNSCALED (this step's unscale_ came through here), as the full step left it.
-        if optimizer is not steady or cur.unscaled is not optimizer or cur.deferred is not None or not cur.scale_calls:
+        if (
+            optimizer is not lean_optimizer
+            or cur.unscaled is not optimizer
+            or cur.deferred is not None
+            or not cur.scale_calls
+        ):
             leave()
             return scaler.step(optimizer, *args, **kwargs)
         cur.unscaled = None
