@@ -211,6 +211,26 @@ def test_update_ratio_warns_when_most_layers_jump_together() -> None:
     assert events[0]["details"]["layers"] == ["l2", "l1", "l0"] and "3 of 4 layers" in events[0]["message"]
 
 
+def test_update_ratio_warns_of_a_steady_climb_its_rolling_median_follows() -> None:
+    """A learning rate that grows a little each step (gamma 1.01 for 0.99): the ratio climbs 7 % an interval, so its
+    rolling median climbs with it and never falls an order of magnitude behind; the climb is the warning. The same
+    ratio held flat at its noise gets none."""
+    from ampwatch._leading import Leading
+
+    def warned(climb: float) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        leading = Leading(lambda step, kind, severity, message, details: {"step": step, "details": details})
+        for i in range(150):
+            ratio = 1e-4 * (1.0 if i < 60 else climb ** (i - 60)) * (1.3 if i % 3 == 0 else 0.8 if i % 3 == 1 else 1)
+            events += leading.observe_columns({"update_ratio/conv1": ([10 * i], [ratio])})
+        return events
+
+    climbing = warned(1.07)
+    assert climbing and climbing[0]["details"]["indicator"] == "update_ratio", climbing
+    assert 60 * 10 < climbing[0]["step"] <= 110 * 10, climbing[0]  # (within 40-odd intervals of the climb's start)
+    assert warned(1.0) == []
+
+
 # -- Adam's second-moment lag --------------------------------------------------------------------------------------
 
 
@@ -335,177 +355,3 @@ def test_no_indicator_warns_over_thousands_of_healthy_bf16_steps(memory) -> None
     assert {"fp16_range/0", "update_ratio/0", "update_ratio/2"} <= set(series)
     assert not any(name.startswith("adam_lag/") for name in series)  # (SGD has no second moment)
     assert not _indicator_warnings(memory, run_id), [e["message"] for e in _indicator_warnings(memory, run_id)]
-
-
-# -- the values ------------------------------------------------------------------------------------------------------
-
-
-def test_adams_lag_is_taken_for_each_of_several_optimizers(memory) -> None:
-    """Two Adam optimizers, one per layer (as a GAN's or a body-and-head split has): each layer's lag every interval
-    step after its first, each against its own moment."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    optimizers = [torch.optim.Adam(model[0].parameters()), torch.optim.Adam(model[2].parameters())]
-    with ampwatch.init("leading", transport=memory) as run:
-        run.watch(model=model, optimizer=optimizers)
-        for _ in range(41):
-            model(torch.randn(32, 8)).pow(2).mean().backward()
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad()
-    series = memory.series(run.id)
-    for layer in ("0", "2"):  # (from the interval step after the first that took the layer's update)
-        assert series[f"adam_lag/{layer}"]["steps"] == series[f"update_ratio/{layer}"]["steps"][1:] != [], layer
-        assert all(0 < v < 20 for v in series[f"adam_lag/{layer}"]["values"]), series[f"adam_lag/{layer}"]
-
-
-def test_adams_lag_over_an_interval_is_how_far_the_squared_gradients_ran_ahead() -> None:
-    """Adam's moment driven by known squared gradients: of a steady size, the interval's lag is 1 (exactly, from the
-    first steps on); growing by r a step, it is what the moment cannot follow, ~(e^r - beta2) / (1 - beta2); after a
-    jump of 100x, it says so at once and falls as the moment catches up."""
-    from ampwatch._indicators import _interval_lag as lag
-
-    def moments(squares: list[float], beta2: float) -> list[float]:
-        v, out = 0.0, [0.0]
-        for g2 in squares:
-            v = beta2 * v + (1 - beta2) * g2
-            out.append(v)  # (out[n]: after step n)
-        return out
-
-    steady = moments([4.0] * 60, 0.999)
-    assert lag(steady[11] / steady[1], 0.999, 1, 11) == pytest.approx(1.0, rel=1e-9)
-    assert lag(steady[60] / steady[50], 0.999, 50, 60) == pytest.approx(1.0, rel=1e-9)
-    growing = moments([1.05 ** (2 * j) for j in range(1, 3001)], 0.99)  # (long enough for the bias correction to go)
-    assert lag(growing[3000] / growing[2990], 0.99, 2990, 3000) == pytest.approx((1.05**2 - 0.99) / 0.01, rel=1e-6)
-    jump = moments([1.0] * 2000 + [100.0] * 500, 0.999)
-    lags = [lag(jump[n + 10] / jump[n], 0.999, n, n + 10) for n in (1990, 2000, 2100, 2490)]
-    assert lags[0] == pytest.approx(1.0, rel=1e-6) and lags[1] > 50 and lags[1] > lags[2] > lags[3] > 1
-
-
-def test_a_columns_lag_counts_only_for_an_input_that_was_silent() -> None:
-    """A weight's column whose second moment was far below its weight's other columns' (an input that wakes) lags on
-    its own; an active column's growth, however large, is the layer's to say."""
-    from ampwatch._indicators import _column_growth
-
-    now = torch.tensor([30.0, 1.0, 5e-3])
-    assert _column_growth(torch, now, torch.tensor([1.0, 1.0, 1e-4])).item() == pytest.approx(50.0)
-    assert _column_growth(torch, now, torch.tensor([1.0, 1.0, 1.0])).item() == 0.0
-    assert _column_growth(torch, torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0])).item() == 0.0  # (a dead input)
-    assert _column_growth(torch, torch.tensor([1.0, 1e-3]), torch.tensor([1.0, 0.0])).item() == math.inf
-
-
-def test_the_indicators_are_the_values_they_name(memory) -> None:
-    """At an interval step, computed here by hand from the same loop: each leaf's largest output over 65 504, each
-    layer's ||Δθ||/||θ||, and Adam's lag over the interval from its exp_avg_sq's growth since the interval step before
-    (the layer's whole, or a weight's column that was silent then, where that is larger; the growth turned into the
-    lag by the agent's own formula, which the test above checks against Adam's moment)."""
-    from ampwatch._indicators import _interval_lag as lag
-
-    torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
-    largest: dict[str, float] = {}
-    expected: dict[str, float] = {}
-    moments: dict[int, dict[str, tuple[float, list[torch.Tensor], float]]] = {}  # step -> layer -> (sum, columns, n)
-
-    def track(name: str) -> Callable[..., None]:
-        def hook(module: Any, args: Any, output: torch.Tensor) -> None:
-            largest[name] = max(largest.get(name, 0.0), output.detach().abs().max().item())
-
-        return hook
-
-    for name, module in model.named_children():
-        module.register_forward_hook(track(name))
-    layers = {"0": model[0], "2": model[2]}
-    with ampwatch.init("leading", transport=memory) as run:
-        run.watch(model=model, optimizer=optimizer)
-        for step in range(21):
-            largest.clear()
-            for micro in range(2):  # (two micro-batches: the largest of both forwards)
-                inputs = torch.randn(4, 8) * (1 + micro)
-                inputs[:, 0] *= 1 if step >= 15 else 0.05  # (an input near silent until step 15: its column wakes)
-                model(inputs).pow(2).mean().backward()
-            if step == 20:
-                before = {n: [p.detach().clone() for p in m.parameters()] for n, m in layers.items()}
-            optimizer.step()
-            optimizer.zero_grad()
-            if step in (10, 20):
-                moments[step] = {
-                    n: (
-                        sum(optimizer.state[p]["exp_avg_sq"].sum().item() for p in m.parameters()),
-                        [optimizer.state[p]["exp_avg_sq"].sum(0) for p in m.parameters() if p.dim() >= 2],
-                        optimizer.state[m.weight]["step"].item(),
-                    )
-                    for n, m in layers.items()
-                }
-        for name in largest:
-            expected[f"fp16_range/{name}"] = largest[name] / 65504
-        for name, module in layers.items():
-            delta = sum((a - p.detach()).pow(2).sum().item() for a, p in zip(before[name], module.parameters()))
-            weight = sum(p.detach().pow(2).sum().item() for p in module.parameters())
-            expected[f"update_ratio/{name}"] = math.sqrt(delta) / math.sqrt(weight)
-            (then, columns_then, n_then), (now, columns_now, n_now) = moments[10][name], moments[20][name]
-            whole = lag(now / then, 0.99, n_then, n_now)
-            silent = [
-                lag(float(b / a), 0.99, n_then, n_now)
-                for a_all, b_all in zip(columns_then, columns_now)
-                for a, b in zip(a_all, b_all)
-                if a < 0.01 * a_all.mean()
-            ]
-            expected[f"adam_lag/{name}"] = max([whole, *silent])
-            if name == "0":
-                assert silent and max(silent) > 10 * whole  # (the waking column, not the layer, counts)
-    series = memory.series(run.id)
-    for name, value in expected.items():
-        steps, values = series[name]["steps"], series[name]["values"]
-        assert steps[-1] == 20 and values[-1] == pytest.approx(value, rel=1e-4), name
-    assert "update_ratio/1" not in series and "adam_lag/1" not in series  # (Tanh has no parameters)
-
-
-def test_the_hooks_are_in_place_only_for_the_interval_steps(memory) -> None:
-    """Between interval steps nothing of the indicators runs: no forward hook on the model, no step hook on the
-    optimizer beyond the agent's own."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    seen: dict[int, tuple[int, int]] = {}
-    with ampwatch.init("leading", transport=memory) as run:
-        run.watch(model=model, optimizer=optimizer, scaler=scaler)
-        for step in range(3 * INTERVAL + 1):
-            seen[step] = (
-                len(model[0]._forward_hooks) + len(model[1]._forward_hooks),
-                len(optimizer._optimizer_step_pre_hooks),
-            )
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(4, 8)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-        after = (len(model[0]._forward_hooks), len(optimizer._optimizer_step_pre_hooks))
-    due = [step for step, hooks in seen.items() if hooks != (0, 0)]
-    assert due == [0, INTERVAL, 2 * INTERVAL, 3 * INTERVAL] and seen[INTERVAL] == (2, 1), seen
-    assert after == (0, 0)
-
-
-def test_update_ratio_warns_of_a_steady_climb_its_rolling_median_follows() -> None:
-    """A learning rate that grows a little each step (gamma 1.01 for 0.99): the ratio climbs 7 % an interval, so its
-    rolling median climbs with it and never falls an order of magnitude behind; the climb is the warning. The same
-    ratio held flat at its noise gets none."""
-    from ampwatch._leading import Leading
-
-    def warned(climb: float) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        leading = Leading(lambda step, kind, severity, message, details: {"step": step, "details": details})
-        for i in range(150):
-            ratio = 1e-4 * (1.0 if i < 60 else climb ** (i - 60)) * (1.3 if i % 3 == 0 else 0.8 if i % 3 == 1 else 1)
-            events += leading.observe_columns({"update_ratio/conv1": ([10 * i], [ratio])})
-        return events
-
-    climbing = warned(1.07)
-    assert climbing and climbing[0]["details"]["indicator"] == "update_ratio", climbing
-    assert 60 * 10 < climbing[0]["step"] <= 110 * 10, climbing[0]  # (within 40-odd intervals of the climb's start)
-    assert warned(1.0) == []
