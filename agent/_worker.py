@@ -235,6 +235,8 @@ class Worker:
             if entry[0] == FLUSH:
                 self.batcher.batch(chunk)
                 chunk = []
+                if self._online and self.batcher.seq < self.batcher.first_seq:  # nothing sent yet: the run registers
+                    self.batcher.enqueue({}, [], None, heartbeat=True)  # with its first batch, which flush waits for
                 self._waiters.append((self.batcher.seq, entry[1], entry[2]))
             else:
                 chunk.append(entry)

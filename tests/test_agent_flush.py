@@ -31,6 +31,21 @@ def test_flush_returns_once_everything_recorded_so_far_is_delivered() -> None:
     assert run.flush() is True  # nothing left after finish()
 
 
+def test_flush_of_a_run_that_recorded_nothing_yet_returns_once_the_server_knows_the_run() -> None:
+    """A script may flush right after init() to act on the run (stop it, link to it): the registration counts."""
+
+    class SlowToRegister(_memory.MemoryTransport):
+        def send(self, method: str, path: str, body: bytes) -> ampwatch.Response:
+            if method == "PUT":
+                time.sleep(0.3)  # (a loaded server: without the wait, flush() would return before this)
+            return super().send(method, path, body)
+
+    memory = SlowToRegister()
+    with ampwatch.init("flush", "empty", transport=memory) as run:
+        assert run.flush(10.0) is True
+        assert memory.run(run.id)["status"] == "running"
+
+
 class _Unavailable:
     """A server that answers 503 to everything (overloaded): the agent keeps its batches and retries."""
 
