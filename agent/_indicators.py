@@ -12,8 +12,9 @@ reduced on the device, one scalar per module or parameter, and handed over as on
   `exp_avg_sq` (bias-corrected) they are divided by, on average over the steps since the last interval step: read
   from how much the moment grew over them (each step multiplies it by beta2 plus (1 - beta2) times that step's lag),
   so every step's gradients count, not one batch's. Over the module (one `_foreach_norm` of `exp_avg_sq`, its sum)
-  or over one column of a weight (its input) that was (nearly) silent at the last interval step, the larger: a
-  weight's column sums are kept on the device from one interval step to the next (one float per input).
+  or, for a module that reads the model's own inputs, over one column of its weight (one input feature) that was
+  (nearly) silent at the last interval step, the larger: such a weight's column sums are kept on the device from one
+  interval step to the next (one float per input).
 
 No value is read here: the sender copies them with the step's other tensors and decodes them (`decode`); the
 diagnosis judges the series (`ampwatch._leading`). Between interval steps nothing of this is in place.
@@ -34,6 +35,8 @@ from ampwatch._steps import Points, _series
 
 # A column whose second moment is below this share of its weight's mean column's was (nearly) silent: its lag is an
 # input that wakes. Active columns lag together when the gradients' scale changes (the layer's own lag says so).
+# Only the model's inputs count (the data: a feature that was ~0 and grows has no bound); a hidden unit that revives
+# is the optimizer's own doing, and its Adam steps settle as its moment catches up.
 DORMANT = 0.01
 MAX_VALUES = 10_000  # forwards without an optimizer step (evaluation) must not grow the list forever
 
@@ -58,6 +61,9 @@ class Indicators:
         "_fp16",
         "_before",
         "_then",
+        "_inputs",
+        "_readers",
+        "_inner",
         "_torch",
         "_norms",
         "_graph_task",
@@ -86,7 +92,7 @@ class Indicators:
         compiled = any(map(compiled_wrapper, chain)) or any(
             getattr(m, "_compiled_call_impl", None) is not None for m in chain
         )
-        inner = chain[-1]
+        inner = self._inner = chain[-1]
         hookable = not compiled and not isinstance(model, torch.jit.ScriptModule)
         modules = list(inner.named_modules()) if hookable else []
         # Blocks compiled in place one by one (`block.compile()`, as torchtitan does): their leaves are left alone.
@@ -103,6 +109,8 @@ class Indicators:
         self._before: dict[int, tuple[Any, list[Any], list[Any]]] = {}  # optimizer -> (it, params, copies)
         # Per Adam parameter at the last interval step: its exp_avg_sq summed, per column (2+ dimensions), its step
         self._then: dict[int, tuple[Any, Any, Any]] = {}
+        self._inputs: set[int] = set()  # the storages of the float tensors the model received in this step
+        self._readers: set[str] = set()  # the leaves seen reading one (or a view of one): the model's inputs' layers
         self._graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
     def arm_for(self, step: int) -> None:
@@ -114,6 +122,9 @@ class Indicators:
         # its graph (recompiling at each arming after); hooks added to it later never run, as for the probe.
         for name, module in self._leaves if step else ():
             self._handles.append(module.register_forward_hook(self._hook_for(name)))
+        if self._handles:
+            pre_hook = Hook(self._guarded_inputs)
+            self._handles.append(self._inner.register_forward_pre_hook(pre_hook, with_kwargs=True))
         for optimizer in self._optimizers():
             if hasattr(optimizer, "register_step_pre_hook"):
                 self._handles.append(optimizer.register_step_pre_hook(Hook(self._guarded_before_step)))
@@ -125,6 +136,7 @@ class Indicators:
         self._handles.clear()
         self._values, self._names, self._before = [], [], {}
         self._fp16.clear()
+        self._inputs.clear()
         self.active = False
 
     def end_of_step(self, step: int) -> None:
@@ -158,15 +170,28 @@ class Indicators:
     # -- hooks ---------------------------------------------------------------------------
     def _hook_for(self, name: str) -> Hook:
         def on_output(module: Any, args: Any, output: Any) -> None:
-            guarded(self._on_output, name, output)
+            guarded(self._on_output, name, args, output)
 
         return Hook(on_output)
 
-    def _on_output(self, name: str, output: Any) -> None:
+    def _guarded_inputs(self, module: Any, args: Any, kwargs: Any) -> None:
+        guarded(self._on_inputs, args, kwargs)
+
+    def _on_inputs(self, args: Any, kwargs: Any) -> None:
+        """The watched model is called: note its float tensors' storages (its leaves that read them are its inputs')."""
+        for value in (*args, *kwargs.values()):
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(tensor, self._torch.Tensor) and tensor.is_floating_point():
+                    self._inputs.add(_storage(tensor))
+
+    def _on_output(self, name: str, args: Any, output: Any) -> None:
         torch = self._torch
         # Training forwards only, each once (activation checkpointing runs forwards again inside the backward).
         if len(self._values) >= MAX_VALUES or not torch.is_grad_enabled() or self._graph_task() != -1:
             return
+        if name not in self._readers and self._inputs and args and isinstance(args[0], torch.Tensor):
+            if _storage(args[0]) in self._inputs:
+                self._readers.add(name)
         tensor = _first_float_tensor(output)
         if tensor is None or tensor.numel() == 0:
             return
@@ -220,7 +245,8 @@ class Indicators:
         counts: list[Any] = []  # the step counts (floats, or tensors the sender reads), each once
         at: dict[int, int] = {}  # id(count) -> index in counts
         for (p, beta2, count), moment, total in zip(held_by, moments, torch._foreach_norm(moments, 1)):
-            sums = _column_sums(moment) if moment.dim() >= 2 else None
+            reads_inputs = modules[index[id(p)]] in self._readers
+            sums = _column_sums(moment) if moment.dim() >= 2 and reads_inputs else None
             previous = self._then.get(id(p))
             self._then[id(p)] = (total, sums, count)
             if previous is None:
@@ -246,6 +272,12 @@ class Indicators:
     def _modules(self, params: list[Any]) -> list[str]:
         module_of = self._module_of()
         return [module_of.get(id(p), "(unnamed)") for p in params]
+
+
+def _storage(tensor: Any) -> int:
+    """Where a tensor's memory starts: the same for its views (a slice of the inputs is the inputs)."""
+    local = getattr(tensor, "to_local", None)  # (a DTensor: its local shard's)
+    return int((tensor if local is None else local()).untyped_storage().data_ptr())
 
 
 def _column_sums(moment: Any) -> Any:

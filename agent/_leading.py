@@ -8,11 +8,11 @@ Three rules, each said once per layer and episode:
   and nothing overflows at 65 504);
 - update ratio: ||Δθ||/||θ|| of a layer at `UPDATE_FACTOR` times its own median (an order of magnitude) or more,
   or grown `UPDATE_FACTOR`× along a steady climb over the last `CLIMB_POINTS` interval steps (see `_growth`);
-- Adam's second-moment lag: a layer's squared gradients (or one silent input column's), over the interval, at
-  `LAG_FACTOR` times its own usual lag and `LAG_FLOOR` times the second moment Adam divides them by (its updates
-  are then ~sqrt of that larger than Adam's usual step), at `LAG_HIGH` of its last `LAG_RECENT` interval steps (an
-  input that keeps growing stays ahead of the moment interval after interval; a burst of hard batches lifts one or
-  two, then the moment absorbs them).
+- Adam's second-moment lag: a layer's squared gradients (or, where it reads the model's inputs, one silent input
+  column's), over the interval, at `LAG_FACTOR` times its own usual lag and `LAG_FLOOR` times the second moment Adam
+  divides them by (its updates are then ~sqrt of that larger than Adam's usual step), at `LAG_HIGH` of its last
+  `LAG_RECENT` interval steps (an input that keeps growing stays ahead of the moment interval after interval; a
+  burst of hard batches lifts one or two, then the moment absorbs them).
 The update ratio must be high at two interval steps in a row (one hard batch moves a single step's update that
 much), and at `UPDATE_SHARE` of the layers or more at once (what runs away is the learning rate, which every layer
 follows).

@@ -76,10 +76,44 @@ def test_a_columns_lag_counts_only_for_an_input_that_was_silent() -> None:
     assert _column_growth(torch, torch.tensor([1.0, 1e-3]), torch.tensor([1.0, 0.0])).item() == math.inf
 
 
+def test_only_the_columns_of_the_models_inputs_count(memory) -> None:
+    """An input feature that was silent and wakes lags in its own column of the layer that reads it; a hidden unit that
+    was dead and revives is silent and wakes in the next layer's column just as much, but that is the model's own
+    learning, whose Adam steps settle: its layer's lag is the layer's whole."""
+    from ampwatch._indicators import _interval_lag as lag
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].weight[0], model[0].bias[0] = 0.0, -1.0  # (hidden unit 0: dead, no gradient reaches it)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    moments: dict[int, tuple[float, torch.Tensor, float]] = {}  # step -> the head's (sum, columns, n)
+    with ampwatch.init("leading", transport=memory) as run:
+        run.watch(model=model, optimizer=optimizer)
+        for step in range(21):
+            if step == 15:
+                with torch.no_grad():
+                    model[0].bias[0] = 1.0  # (it revives)
+            inputs = torch.randn(32, 8)
+            inputs[:, 0] *= 1 if step >= 15 else 1e-3  # (and input 0 wakes)
+            model(inputs).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step in (10, 20):
+                state = [optimizer.state[p] for p in model[2].parameters()]
+                total = sum(s["exp_avg_sq"].sum().item() for s in state)
+                moments[step] = (total, state[0]["exp_avg_sq"].sum(0), state[0]["step"].item())
+    (then, columns_then, n_then), (now, columns_now, n_now) = moments[10], moments[20]
+    assert columns_then[0] == 0 < columns_now[0]  # (the revived unit's column: silent, then not)
+    lags = dict(zip(*memory.series(run.id)["adam_lag/2"].values()))
+    assert lags[20] == pytest.approx(lag(now / then, 0.99, n_then, n_now), rel=1e-4)
+    assert memory.series(run.id)["adam_lag/0"]["values"][-1] > 10 * lags[20]  # (the input's column counts)
+
+
 def test_the_indicators_are_the_values_they_name(memory) -> None:
     """At an interval step, computed here by hand from the same loop: each leaf's largest output over 65 504, each
     layer's ||Δθ||/||θ||, and Adam's lag over the interval from its exp_avg_sq's growth since the interval step before
-    (the layer's whole, or a weight's column that was silent then, where that is larger; the growth turned into the
+    (the layer's whole, or an input's column that was silent then, where that is larger; the growth turned into the
     lag by the agent's own formula, which the test above checks against Adam's moment)."""
     from ampwatch._indicators import _interval_lag as lag
 
@@ -132,7 +166,7 @@ def test_the_indicators_are_the_values_they_name(memory) -> None:
                 lag(float(b / a), 0.99, n_then, n_now)
                 for a_all, b_all in zip(columns_then, columns_now)
                 for a, b in zip(a_all, b_all)
-                if a < 0.01 * a_all.mean()
+                if a < 0.01 * a_all.mean() and name == "0"  # (the layer that reads the model's inputs)
             ]
             expected[f"adam_lag/{name}"] = max([whole, *silent])
             if name == "0":
