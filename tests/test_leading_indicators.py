@@ -339,6 +339,31 @@ def test_no_indicator_warns_over_thousands_of_healthy_fp16_steps(memory) -> None
     assert not _indicator_warnings(memory, run_id), [e["message"] for e in _indicator_warnings(memory, run_id)]
 
 
+def test_adam_lag_is_quiet_when_a_dead_hidden_unit_revives(memory) -> None:
+    """A hidden unit dead for 200 steps (no gradient reaches it or its column of the head) comes back to life: its
+    column of the head wakes from a moment of 0 as an input would, but it is the model's own learning, and the head's
+    lag over all its columns stays low."""
+    torch.manual_seed(0)
+    teacher = torch.randn(8, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    def revive(step: int) -> None:
+        with torch.no_grad():
+            if step == 0:
+                model[0].weight[0], model[0].bias[0] = 0.0, -1.0
+            elif step == 200:
+                model[0].bias[0] = 1.0
+
+    def batch(step: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(32, 8)
+        return x, x @ teacher + 0.3 * torch.randn(32, 1)
+
+    run_id = _train(memory, model, optimizer, 400, batch, _mse, before=revive)
+    assert len(memory.series(run_id, "adam_lag/2")["adam_lag/2"]["steps"]) >= 35
+    assert not _indicator_warnings(memory, run_id), [e["message"] for e in _indicator_warnings(memory, run_id)]
+
+
 def test_no_indicator_warns_over_thousands_of_healthy_bf16_steps(memory) -> None:
     """A regression trained with SGD and momentum under bf16 autocast (no GradScaler)."""
     torch.manual_seed(2)
