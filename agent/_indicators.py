@@ -109,7 +109,7 @@ class Indicators:
         self._before: dict[int, tuple[Any, list[Any], list[Any]]] = {}  # optimizer -> (it, params, copies)
         # Per Adam parameter at the last interval step: its exp_avg_sq summed, per column (2+ dimensions), its step
         self._then: dict[int, tuple[Any, Any, Any]] = {}
-        self._inputs: set[int] = set()  # the storages of the float tensors the model received in this step
+        self._inputs: set[int] = set()  # the storages of the float tensors the model received in this call
         self._readers: set[str] = set()  # the leaves seen reading one (or a view of one): the model's inputs' layers
         self._graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
@@ -178,7 +178,9 @@ class Indicators:
         guarded(self._on_inputs, args, kwargs)
 
     def _on_inputs(self, args: Any, kwargs: Any) -> None:
-        """The watched model is called: note its float tensors' storages (its leaves that read them are its inputs')."""
+        """The watched model is called: note its float tensors' storages (its leaves that read them are its inputs').
+        Only this call's: an earlier micro-batch's input may be freed and its memory hold this call's activations."""
+        self._inputs.clear()
         for value in (*args, *kwargs.values()):
             for tensor in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(tensor, self._torch.Tensor) and tensor.is_floating_point():

@@ -110,6 +110,26 @@ def test_only_the_columns_of_the_models_inputs_count(memory) -> None:
     assert memory.series(run.id)["adam_lag/0"]["values"][-1] > 10 * lags[20]  # (the input's column counts)
 
 
+def test_the_models_inputs_are_each_calls_own(memory) -> None:
+    """Micro-batches whose next input is made before this one's forward: an earlier call's input, freed, lends its
+    memory to this call's activations, which must not make their layers the inputs' layers."""
+    torch.manual_seed(0)
+    width = 256  # (a batch of inputs as large as an activation: 256 KiB, which the allocator maps and unmaps whole)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.Linear(width, 1)
+    )
+    optimizer = torch.optim.Adam(model.parameters())
+    with ampwatch.init("leading", transport=memory) as run:
+        run.watch(model=model, optimizer=optimizer)
+        for _ in range(21):
+            micro = [torch.randn(width, width) for _ in range(2)]  # (both made before the first forward)
+            while micro:
+                model(micro.pop(0)).pow(2).mean().backward()  # (the first, freed after it, lends its memory)
+            optimizer.step()
+            optimizer.zero_grad()
+        assert run._recorder._indicators._readers == {"0"}
+
+
 def test_the_indicators_are_the_values_they_name(memory) -> None:
     """At an interval step, computed here by hand from the same loop: each leaf's largest output over 65 504, each
     layer's ||Δθ||/||θ||, and Adam's lag over the interval from its exp_avg_sq's growth since the interval step before
