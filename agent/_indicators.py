@@ -63,7 +63,8 @@ class Indicators:
         "_then",
         "_inputs",
         "_readers",
-        "_inner",
+        "_depth",
+        "_calls",
         "_torch",
         "_norms",
         "_graph_task",
@@ -92,16 +93,16 @@ class Indicators:
         compiled = any(map(compiled_wrapper, chain)) or any(
             getattr(m, "_compiled_call_impl", None) is not None for m in chain
         )
-        inner = self._inner = chain[-1]
+        inner = chain[-1]
         hookable = not compiled and not isinstance(model, torch.jit.ScriptModule)
         modules = list(inner.named_modules()) if hookable else []
         # Blocks compiled in place one by one (`block.compile()`, as torchtitan does): their leaves are left alone.
         inside = tuple(f"{n}." for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None)
-        self._leaves = [
-            (n, m)
-            for n, m in modules
-            if n and not any(True for _ in m.children()) and not (inside and f"{n}.".startswith(inside))
-        ]
+        outside = [(n, m) for n, m in modules if not (inside and f"{n}.".startswith(inside))]
+        self._leaves = [(n, m) for n, m in outside if n and not any(True for _ in m.children())]
+        # The modules whose outermost call in a forward pass receives the model's inputs: the model and the modules
+        # that hold others (a loop may call one itself); a leaf is called inside one of them.
+        self._calls = [m for n, m in outside if not n or any(True for _ in m.children())]
         self._handles: list[Any] = []
         self._values: list[Any] = []  # the forward hooks' maxima (0-d float32 tensors), in call order
         self._names: list[str] = []  # and their modules
@@ -111,6 +112,7 @@ class Indicators:
         self._then: dict[int, tuple[Any, Any, Any]] = {}
         self._inputs: set[int] = set()  # the storages of the float tensors the model received in this call
         self._readers: set[str] = set()  # the leaves seen reading one (or a view of one): the model's inputs' layers
+        self._depth = 0  # module calls in progress
         self._graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
     def arm_for(self, step: int) -> None:
@@ -122,9 +124,12 @@ class Indicators:
         # its graph (recompiling at each arming after); hooks added to it later never run, as for the probe.
         for name, module in self._leaves if step else ():
             self._handles.append(module.register_forward_hook(self._hook_for(name)))
-        if self._handles:
-            pre_hook = Hook(self._guarded_inputs)
-            self._handles.append(self._inner.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        # The model's inputs: what the outermost call of a forward pass receives (the watched model's, or a
+        # submodule's where the loop calls that, as a LightningModule's training_step calls `self.net(x)`).
+        enter, leave = Hook(self._guarded_enter), Hook(self._leave)
+        for module in self._calls if self._handles else ():
+            self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(leave, always_call=True))
         for optimizer in self._optimizers():
             if hasattr(optimizer, "register_step_pre_hook"):
                 self._handles.append(optimizer.register_step_pre_hook(Hook(self._guarded_before_step)))
@@ -137,6 +142,7 @@ class Indicators:
         self._values, self._names, self._before = [], [], {}
         self._fp16.clear()
         self._inputs.clear()
+        self._depth = 0
         self.active = False
 
     def end_of_step(self, step: int) -> None:
@@ -174,36 +180,52 @@ class Indicators:
 
         return Hook(on_output)
 
-    def _guarded_inputs(self, module: Any, args: Any, kwargs: Any) -> None:
-        guarded(self._on_inputs, args, kwargs)
+    def _guarded_enter(self, module: Any, args: Any, kwargs: Any) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            guarded(self._on_inputs, args, kwargs)
+
+    def _leave(self, module: Any, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
 
     def _on_inputs(self, args: Any, kwargs: Any) -> None:
-        """The watched model is called: note its float tensors' storages (its leaves that read them are its inputs').
-        Only this call's: an earlier micro-batch's input may be freed and its memory hold this call's activations."""
+        """A forward pass begins: note the float tensors' storages it was given (the leaves that read them are the
+        model's inputs' layers). Only this call's: an earlier micro-batch's input may be freed and its memory hold this
+        call's activations. Activation checkpointing's forwards inside the backward are not one."""
+        if self._graph_task() != -1:
+            return
         self._inputs.clear()
         for value in (*args, *kwargs.values()):
-            for tensor in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(tensor, self._torch.Tensor) and tensor.is_floating_point():
-                    self._inputs.add(_storage(tensor))
+            inner = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+            for tensor in (value, *inner):
+                storage = self._storage(tensor)
+                if storage is not None and tensor.is_floating_point():
+                    self._inputs.add(storage)
+
+    def _storage(self, tensor: Any) -> int | None:
+        """Where a dense tensor's memory starts: the same for its views (a slice of the inputs is the inputs)."""
+        if not isinstance(tensor, self._torch.Tensor):
+            return None
+        local = getattr(tensor, "to_local", None)  # (a DTensor: its local shard's)
+        tensor = tensor if local is None else local()
+        return int(tensor.untyped_storage().data_ptr()) if tensor.layout is self._torch.strided else None
 
     def _on_output(self, name: str, args: Any, output: Any) -> None:
         torch = self._torch
         # Training forwards only, each once (activation checkpointing runs forwards again inside the backward).
         if len(self._values) >= MAX_VALUES or not torch.is_grad_enabled() or self._graph_task() != -1:
             return
-        if name not in self._readers and self._inputs and args and isinstance(args[0], torch.Tensor):
-            if _storage(args[0]) in self._inputs:
-                self._readers.add(name)
         tensor = _first_float_tensor(output)
-        if tensor is None or tensor.numel() == 0:
-            return
-        tensor = tensor.detach()
-        local = getattr(tensor, "to_local", None)  # (a DTensor: this rank's part, no collective)
-        tensor = tensor if local is None else local()
-        if tensor.dtype is torch.float16:
-            self._fp16.add(name)
-        self._values.append(torch.linalg.vector_norm(tensor, math.inf, dtype=torch.float32))
-        self._names.append(name)
+        if tensor is not None and tensor.numel():
+            tensor = tensor.detach()
+            local = getattr(tensor, "to_local", None)  # (a DTensor: this rank's part, no collective)
+            tensor = tensor if local is None else local()
+            if tensor.dtype is torch.float16:
+                self._fp16.add(name)
+            self._values.append(torch.linalg.vector_norm(tensor, math.inf, dtype=torch.float32))
+            self._names.append(name)
+        if name not in self._readers and self._inputs and args and self._storage(args[0]) in self._inputs:
+            self._readers.add(name)
 
     def _guarded_before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         guarded(self._before_step, optimizer)
@@ -274,12 +296,6 @@ class Indicators:
     def _modules(self, params: list[Any]) -> list[str]:
         module_of = self._module_of()
         return [module_of.get(id(p), "(unnamed)") for p in params]
-
-
-def _storage(tensor: Any) -> int:
-    """Where a tensor's memory starts: the same for its views (a slice of the inputs is the inputs)."""
-    local = getattr(tensor, "to_local", None)  # (a DTensor: its local shard's)
-    return int((tensor if local is None else local()).untyped_storage().data_ptr())
 
 
 def _column_sums(moment: Any) -> Any:

@@ -120,7 +120,8 @@ class Run(RunEnding):
         """Block until everything recorded so far is delivered to the server or kept in the spool on disk (from where
         it is retried); True once it is, False if that takes longer than `timeout_s`. Never raises. Not needed before
         `finish()`, which flushes; a disabled or finished run has nothing left to flush (True). A run that has recorded
-        nothing yet waits for its registration: once flushed, the server knows the run (to stop it, say)."""
+        nothing yet waits for its first batch, which registers it: once flushed, the server knows the run (to stop it,
+        say), unless it could not be reached and the batch waits in the spool."""
         return guarded(self._flush, timeout_s) is True
 
     def checkpoint(self, step: int | None = None, path: Any = None) -> None:

@@ -112,7 +112,8 @@ def test_only_the_columns_of_the_models_inputs_count(memory) -> None:
 
 def test_the_models_inputs_are_each_calls_own(memory) -> None:
     """Micro-batches whose next input is made before this one's forward: an earlier call's input, freed, lends its
-    memory to this call's activations, which must not make their layers the inputs' layers."""
+    memory to this call's activations (where the allocator reuses it, as glibc does the blocks this large it maps
+    whole), which must not make their layers the inputs' layers."""
     torch.manual_seed(0)
     width = 256  # (a batch of inputs as large as an activation: 256 KiB, which the allocator maps and unmaps whole)
     model = torch.nn.Sequential(
@@ -128,6 +129,67 @@ def test_the_models_inputs_are_each_calls_own(memory) -> None:
             optimizer.step()
             optimizer.zero_grad()
         assert run._recorder._indicators._readers == {"0"}
+
+
+class _Wrapper(torch.nn.Module):
+    """A LightningModule's shape: the loop calls `net` itself, never this module's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+class _Dict(torch.nn.Module):
+    """Takes its batch as a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(self.body(batch["x"]).relu())
+
+
+class _Propagate(torch.nn.Module):
+    def forward(self, adjacency: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(adjacency, features)
+
+
+class _Graph(torch.nn.Module):
+    """A graph convolution: a sparse adjacency beside the features, and a leaf called with it first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.propagate, self.head = torch.nn.Linear(8, 8), _Propagate(), torch.nn.Linear(8, 1)
+
+    def forward(self, features: torch.Tensor, adjacency: torch.Tensor) -> torch.Tensor:
+        return self.head(self.propagate(adjacency, self.lin(features)))
+
+
+@pytest.mark.parametrize(
+    "model, call, readers",
+    [
+        (_Wrapper, lambda m, x: m.net(x), {"net.0"}),
+        (_Dict, lambda m, x: m({"x": x}), {"body"}),
+        (_Graph, lambda m, x: m(x, torch.eye(len(x)).to_sparse()), {"lin"}),
+    ],
+    ids=["submodule-called", "dict-batch", "sparse-beside"],
+)
+def test_the_models_inputs_are_what_the_forward_pass_begins_with(memory, model, call, readers) -> None:
+    """Wherever the loop enters the model, with whatever it passes: the leaves that read the batch are found, and a
+    sparse tensor among the arguments costs no leaf its fp16_range."""
+    torch.manual_seed(0)
+    net = model()
+    optimizer = torch.optim.Adam(net.parameters())
+    with ampwatch.init("leading", transport=memory) as run:
+        run.watch(model=net, optimizer=optimizer)
+        for _ in range(11):
+            call(net, torch.randn(16, 8)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert run._recorder._indicators._readers == readers
+    leaves = {n for n, m in net.named_modules() if n and not list(m.children())}
+    assert {f"fp16_range/{n}" for n in leaves} <= set(memory.run(run.id)["series"])
 
 
 def test_the_indicators_are_the_values_they_name(memory) -> None:
