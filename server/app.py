@@ -42,7 +42,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         service.start()  # background evaluation and delivery: never on the request path
         if listener is not None:
-            listener.start()  # other replicas' commits wake this one's live streams
+            # Other replicas' commits wake this one's live streams: listening before the server takes requests.
+            await anyio.to_thread.run_sync(listener.start)
         try:
             yield
         finally:
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessions = sessions
     app.state.alerts = service
     app.state.streams = streams
+    app.state.listener = listener  # (None on SQLite)
     app.state.tokens = auth.Tokens(sessions, settings.token_refresh_s)
     # -- routers: the one place they are included. Each route declares the role it needs with
     # `dependencies=[auth.requires(...)]`; tests/test_roles.py lists them and fails on one that declares none.

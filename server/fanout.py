@@ -194,10 +194,17 @@ class PgListener:
         self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         self._hub = hub
         self._stop = threading.Event()
+        self.listening = threading.Event()  # set once the first LISTEN is in place
         self._thread = threading.Thread(target=self._loop, name="ampwatch-listen", daemon=True)
 
-    def start(self) -> None:
+    def start(self, wait_s: float = 10.0) -> bool:
+        """Start listening; return once the LISTEN is in place (a commit notified before it would wake nobody until
+        the next poll), or after `wait_s` (False: Postgres is slow to answer; the thread goes on trying)."""
         self._thread.start()
+        if self.listening.wait(wait_s):
+            return True
+        log.warning("not yet listening for other replicas' commits after %.0f s; live streams poll meanwhile", wait_s)
+        return False
 
     def stop(self) -> None:
         self._stop.set()
@@ -208,6 +215,7 @@ class PgListener:
             try:
                 with psycopg.connect(self._url, autocommit=True, connect_timeout=5) as connection:
                     connection.execute(f"LISTEN {CHANNEL}")
+                    self.listening.set()
                     while not self._stop.is_set():
                         for notice in connection.notifies(timeout=0.5, stop_after=1):  # (wake at the first)
                             self._hub.wake_threadsafe({notice.payload})

@@ -88,6 +88,7 @@ def test_a_point_ingested_through_one_server_wakes_a_stream_of_another_on_postgr
     # The second server polls only every 60 s: its stream learns of the point from Postgres's NOTIFY.
     writer = live_server_factory(Settings(database_url=pg_url))
     reader = live_server_factory(Settings(database_url=pg_url, stream_poll_s=60.0, stream_runs_poll_s=60.0))
+    assert reader.app.state.listener.listening.is_set()  # (ready means listening: no commit slips past it)
     with writer.client() as ingest, reader.client() as watch:
         _register(ingest, "r1")
         with sse(watch, "/api/v1/runs/r1/stream") as stream:
