@@ -16,8 +16,8 @@ from typing import Any, Protocol
 from ampwatch import _resume
 from ampwatch._guard import guarded, report, warn_once
 from ampwatch._host import to_host
-from ampwatch._indicators import decode as decode_indicators
-from ampwatch._indicators import indicator_tensors
+from ampwatch._indicator_values import decode as decode_indicators
+from ampwatch._indicator_values import indicator_tensors
 from ampwatch._losses import UNREADABLE, Losses
 from ampwatch._outbox import Outbox
 from ampwatch._protocol import EVENT, INDICATORS, KIND, ORIGIN, STATUS, STEP, STEP_KINDS, VALUES, batch_document

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import _runs
 import pytest
 import torch
 
@@ -45,7 +46,7 @@ def test_adams_lag_over_an_interval_is_how_far_the_squared_gradients_ran_ahead()
     """Adam's moment driven by known squared gradients: of a steady size, the interval's lag is 1 (exactly, from the
     first steps on); growing by r a step, it is what the moment cannot follow, ~(e^r - beta2) / (1 - beta2); after a
     jump of 100x, it says so at once and falls as the moment catches up."""
-    from ampwatch._indicators import _interval_lag as lag
+    from ampwatch._indicator_values import _interval_lag as lag
 
     def moments(squares: list[float], beta2: float) -> list[float]:
         v, out = 0.0, [0.0]
@@ -80,7 +81,7 @@ def test_only_the_columns_of_the_models_inputs_count(memory) -> None:
     """An input feature that was silent and wakes lags in its own column of the layer that reads it; a hidden unit that
     was dead and revives is silent and wakes in the next layer's column just as much, but that is the model's own
     learning, whose Adam steps settle: its layer's lag is the layer's whole."""
-    from ampwatch._indicators import _interval_lag as lag
+    from ampwatch._indicator_values import _interval_lag as lag
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -197,7 +198,7 @@ def test_the_indicators_are_the_values_they_name(memory) -> None:
     layer's ||Δθ||/||θ||, and Adam's lag over the interval from its exp_avg_sq's growth since the interval step before
     (the layer's whole, or an input's column that was silent then, where that is larger; the growth turned into the
     lag by the agent's own formula, which the test above checks against Adam's moment)."""
-    from ampwatch._indicators import _interval_lag as lag
+    from ampwatch._indicator_values import _interval_lag as lag
 
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
@@ -275,14 +276,7 @@ def test_the_hooks_are_in_place_only_for_the_interval_steps(memory) -> None:
                 len(model[0]._forward_hooks) + len(model[1]._forward_hooks),
                 len(optimizer._optimizer_step_pre_hooks),
             )
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(4, 8)).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
+            _runs.clipped_step(model, optimizer, scaler, torch.randn(4, 8))
         after = (len(model[0]._forward_hooks), len(optimizer._optimizer_step_pre_hooks))
     due = [step for step, hooks in seen.items() if hooks != (0, 0)]
     assert due == [0, INTERVAL, 2 * INTERVAL, 3 * INTERVAL] and seen[INTERVAL] == (2, 1), seen
