@@ -43,6 +43,7 @@ def test_metrics_show_ingest_health_and_gauges_of_running_runs_only(live_server,
     Loop(run).steps(range(30), nan_at=29)  # the last loss is NaN
     wait_for(lambda: http.get(f"/api/v1/runs/{run.id}").json().get("last_step") == 29, what="every step stored")
     wait_for(lambda: http.get("/api/v1/alerts", params={"state": "firing"}).json(), what="the NaN alert")
+    assert run.flush()  # (all of the agent's points are in: the counts below move only by this test's own batches)
     series = http.get(f"/api/v1/runs/{run.id}/series", params={"name": ["scale", "skipped"]}).json()
 
     samples = _scrape(http)
